@@ -1,0 +1,19 @@
+# The two entry points of the README. Each one sets the machine up first (idempotent).
+VENV ?= .venv
+
+.PHONY: setup demo test bench lint
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/ssl-vit demo $(ARGS)
+
+test: setup
+	$(VENV)/bin/python -m pytest $(ARGS)
+
+bench: setup
+	$(VENV)/bin/ssl-vit benchmark $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check ssl_vit tests

@@ -1,0 +1,31 @@
+"""Backbones that every pretext task, evaluator and export shares.
+
+The contract (ViT, hybrid and ResNet alike):
+    ``embed_dim``; ``forward(x) -> [B, D]``; ``forward_features(x)`` (tokens ``[B, 1+N, D]`` after
+    the final LayerNorm for ViT/hybrid, the feature map for ResNet); ``get_intermediate_layers(x, n)``;
+    ``get_attention_maps(x)``; ``no_weight_decay()``. ViTs also take a ``patch_hook`` in
+    ``forward_features`` to replace patch embeddings before the position embedding is added.
+"""
+
+from ssl_vit.backbones import zoo as _zoo  # noqa: F401  (registers the backbones)
+from ssl_vit.backbones.hybrid import HybridEmbed
+from ssl_vit.backbones.registry import create_backbone, get_spec, list_backbones, register_backbone
+from ssl_vit.backbones.resnet import ResNetBackbone
+from ssl_vit.backbones.vit import PatchHook, VisionTransformer
+
+__all__ = [
+    "HybridEmbed",
+    "PatchHook",
+    "ResNetBackbone",
+    "VisionTransformer",
+    "create_backbone",
+    "get_spec",
+    "is_vit",
+    "list_backbones",
+    "register_backbone",
+]
+
+
+def is_vit(model: object) -> bool:
+    """True for backbones with a token sequence (plain ViT and hybrid)."""
+    return isinstance(model, VisionTransformer)

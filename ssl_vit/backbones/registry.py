@@ -1,0 +1,68 @@
+"""Backbone registry: ``create_backbone(name, **kwargs)`` and ``list_backbones()``.
+
+A name fixes the architecture (width, depth, heads, ResNet depth); the keyword arguments set what
+may vary between runs of the same architecture (resolution, patch size, channels, regularisation).
+The name and kwargs are recorded on the model (``backbone_name``, ``backbone_kwargs``) so that an
+exported backbone can be rebuilt without a recipe.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    name: str
+    build: Callable[..., nn.Module]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def allowed_kwargs(self) -> list[str]:
+        params = inspect.signature(self.build).parameters
+        return [p for p in params if p not in self.fixed and p != "patch_embed"]
+
+
+_REGISTRY: dict[str, BackboneSpec] = {}
+
+
+def register_backbone(spec: BackboneSpec) -> BackboneSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"backbone {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def list_backbones() -> list[str]:
+    """Names accepted by ``create_backbone``, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_spec(name: str) -> BackboneSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(list_backbones())}")
+    return _REGISTRY[name]
+
+
+def create_backbone(name: str, **kwargs: Any) -> nn.Module:
+    """Build a registered backbone.
+
+    Example::
+
+        vit = create_backbone("vit_tiny", img_size=28, patch_size=4, in_chans=1)
+        vit(torch.randn(2, 1, 28, 28)).shape  # [2, 192]
+    """
+    spec = get_spec(name)
+    allowed = spec.allowed_kwargs()
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"backbone {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(allowed)}")
+    model = spec.build(**spec.fixed, **kwargs)
+    model.backbone_name = name
+    model.backbone_kwargs = dict(kwargs)
+    return model

@@ -1,0 +1,45 @@
+"""The registered architectures: ViT Ti/S/B/L/H (ViT paper Table 1; Ti from DeiT), the hybrids
+and the ResNet baselines."""
+
+from __future__ import annotations
+
+from ssl_vit.backbones.hybrid import hybrid_vit
+from ssl_vit.backbones.registry import BackboneSpec, register_backbone
+from ssl_vit.backbones.resnet import ResNetBackbone
+from ssl_vit.backbones.vit import VisionTransformer
+
+# name: (width D, depth, heads); the MLP is 4·D for all (specs §1).
+VIT_SIZES: dict[str, tuple[int, int, int]] = {
+    "tiny": (192, 12, 3),
+    "small": (384, 12, 6),
+    "base": (768, 12, 12),
+    "large": (1024, 24, 16),
+    "huge": (1280, 32, 16),
+}
+
+for _size, (_dim, _depth, _heads) in VIT_SIZES.items():
+    register_backbone(
+        BackboneSpec(
+            f"vit_{_size}",
+            VisionTransformer,
+            fixed={"embed_dim": _dim, "depth": _depth, "num_heads": _heads, "mlp_ratio": 4.0},
+            description=f"ViT-{_size[0].upper()}: D={_dim}, {_depth} layers, {_heads} heads",
+        )
+    )
+
+# Hybrids: the ViT paper's R50+ViT-B/16 (stride-16 map from the extended stage 3), and a small
+# ResNet-18 hybrid for 28–32 px images (use small_input=True, num_stages=2 or 3).
+for _resnet, _size in (("resnet50", "small"), ("resnet50", "base"), ("resnet50", "large"), ("resnet18", "tiny"), ("resnet18", "small")):
+    _dim, _depth, _heads = VIT_SIZES[_size]
+    _short = "r50" if _resnet == "resnet50" else "r18"
+    register_backbone(
+        BackboneSpec(
+            f"hybrid_{_short}_vit_{_size}",
+            hybrid_vit,
+            fixed={"resnet": _resnet, "embed_dim": _dim, "depth": _depth, "num_heads": _heads},
+            description=f"{_resnet} stages feeding ViT-{_size[0].upper()}",
+        )
+    )
+
+for _arch in ("resnet18", "resnet34", "resnet50", "resnet101"):
+    register_backbone(BackboneSpec(_arch, ResNetBackbone, fixed={"arch": _arch}, description=f"torchvision {_arch}, no classifier"))

@@ -1,0 +1,65 @@
+"""The one entry point: ``ssl-vit <command> ...``.
+
+Each command lives in its own module with a ``main(argv) -> int``; this file only dispatches, so
+``ssl-vit --help`` stays fast (nothing heavy is imported until a command runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command: (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fit": ("ssl_vit.train", "pretrain (or train the supervised baseline) from YAML recipes via LightningCLI"),
+    "eval": ("ssl_vit.eval.cli", "evaluate a backbone: linear | finetune | knn | fewshot"),
+    "compare": ("ssl_vit.eval.compare", "tabulate result JSONs (SSL vs supervised vs random init)"),
+    "demo": ("ssl_vit.demo", "the main job: pretrain MPP, MoCo v3, DINO + supervised on Fashion-MNIST and compare"),
+    "export": ("ssl_vit.export_cli", "extract a backbone: timm-compatible safetensors, config.json, TorchScript/ONNX"),
+    "visualize": ("ssl_vit.analysis.cli", "the ViT paper's figures: filters, position embeddings, attention distance, maps"),
+    "benchmark": ("ssl_vit.bench.cli", "speed and memory against lightly+timm, and against the machine's matmul rate"),
+    "backbones": ("ssl_vit.backbones.cli", "list the registered backbones"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: ssl-vit <command> [options]   (ssl-vit <command> --help for its options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "global options:", "  --debug   show full tracebacks instead of one-line errors", "  --version"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if debug:
+        argv.remove("--debug")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from ssl_vit import __version__
+
+        print(f"ssl-vit {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    try:
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        print("ssl-vit: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, KeyError, NotImplementedError, RuntimeError) as err:
+        # Bad input gets one clear line; --debug shows where it came from.
+        if debug:
+            raise
+        print(f"ssl-vit {command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
