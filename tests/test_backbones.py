@@ -1,0 +1,365 @@
+"""Backbones: registry, shapes, timm parity, position-embedding resampling, attention paths,
+the masking hook and the errors users hit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torchvision
+from timm.layers import resample_abs_pos_embed
+
+from ssl_vit import create_backbone, list_backbones
+from ssl_vit.backbones import ResNetBackbone, VisionTransformer, is_vit
+from ssl_vit.backbones.pos_embed import resample_pos_embed, sincos_2d_pos_embed
+
+TIMM_NAMES = {"vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224", "vit_base": "vit_base_patch16_224"}
+
+
+def _timm_twin(name: str, **kwargs) -> torch.nn.Module:
+    return timm.create_model(TIMM_NAMES[name], pretrained=False, num_classes=0, **kwargs).eval()
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def test_registry_lists_the_families():
+    names = list_backbones()
+    for name in ["vit_tiny", "vit_small", "vit_base", "vit_large", "vit_huge", "hybrid_r50_vit_base", "resnet18", "resnet50"]:
+        assert name in names
+    assert names == sorted(names)
+
+
+def test_unknown_backbone_lists_known_ones():
+    with pytest.raises(ValueError, match="unknown backbone 'vit_gigantic'.*vit_tiny"):
+        create_backbone("vit_gigantic")
+
+
+def test_unknown_kwarg_names_accepted_ones():
+    with pytest.raises(TypeError, match="unknown argument.*'embed_dim'.*accepts:.*patch_size"):
+        create_backbone("vit_tiny", embed_dim=10)
+
+
+def test_created_backbone_records_its_recipe():
+    m = create_backbone("vit_tiny", img_size=28, patch_size=4, in_chans=1)
+    assert m.backbone_name == "vit_tiny"
+    assert m.backbone_kwargs == {"img_size": 28, "patch_size": 4, "in_chans": 1}
+
+
+# ----------------------------------------------------------------------------- shapes
+
+# (name, kwargs, embed_dim, tokens): all built on the meta device, so even ViT-H costs nothing.
+SHAPE_CASES = [
+    ("vit_tiny", {}, 192, 197),
+    ("vit_small", {"patch_size": 8}, 384, 785),
+    ("vit_base", {"patch_size": 32}, 768, 50),
+    ("vit_large", {}, 1024, 197),
+    ("vit_huge", {"patch_size": 14}, 1280, 257),
+    ("hybrid_r50_vit_small", {}, 384, 197),
+    ("hybrid_r50_vit_base", {}, 768, 197),
+    ("hybrid_r50_vit_large", {}, 1024, 197),
+    ("hybrid_r18_vit_tiny", {}, 192, 197),
+    ("hybrid_r18_vit_small", {"num_stages": 2}, 384, 785),
+    ("resnet18", {}, 512, None),
+    ("resnet34", {}, 512, None),
+    ("resnet50", {}, 2048, None),
+    ("resnet101", {}, 2048, None),
+]
+
+
+def test_every_registered_backbone_has_a_shape_case():
+    assert sorted({c[0] for c in SHAPE_CASES}) == list_backbones()
+
+
+@pytest.mark.parametrize("name,kwargs,dim,tokens", SHAPE_CASES, ids=[c[0] for c in SHAPE_CASES])
+def test_shapes_at_224(name, kwargs, dim, tokens):
+    with torch.device("meta"):
+        m = create_backbone(name, **kwargs)
+        x = torch.empty(2, 3, 224, 224)
+        assert m.embed_dim == dim
+        assert m(x).shape == (2, dim)
+        feats = m.forward_features(x)
+        if tokens is None:
+            assert feats.shape == (2, dim, 7, 7)
+            assert [t.shape[1] for t in m.get_intermediate_layers(x, 2)] == [dim // 2, dim]
+        else:
+            assert feats.shape == (2, tokens, dim)
+            assert len(m.get_attention_maps(x)) == m.depth
+            assert m.get_attention_maps(x)[0].shape == (2, m.num_heads, tokens, tokens)
+            assert [t.shape for t in m.get_intermediate_layers(x, 4)] == [(2, tokens, dim)] * 4
+
+
+def test_small_image_backbones_for_fashion_mnist():
+    x = torch.randn(3, 1, 28, 28)
+    vit = create_backbone("vit_tiny", img_size=28, patch_size=4, in_chans=1)
+    assert vit(x).shape == (3, 192) and vit.forward_features(x).shape == (3, 50, 192)
+    hyb = create_backbone("hybrid_r18_vit_tiny", img_size=28, in_chans=1, small_input=True, num_stages=2)
+    assert hyb.grid_size == (14, 14) and hyb.patch_size == 2
+    assert hyb.forward_features(x).shape == (3, 197, 192)
+    res = create_backbone("resnet18", in_chans=1, small_input=True)
+    assert res(x).shape == (3, 512) and res.forward_features(x).shape == (3, 512, 4, 4)
+    assert is_vit(vit) and is_vit(hyb) and not is_vit(res)
+
+
+def test_hybrid_and_resnet_train():
+    x = torch.randn(4, 3, 32, 32)
+    for m in (
+        create_backbone("hybrid_r18_vit_tiny", img_size=32, small_input=True, num_stages=3),
+        create_backbone("resnet18", small_input=True),
+    ):
+        m(x).pow(2).mean().backward()
+        assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- timm parity
+
+
+@pytest.mark.parametrize("name", ["vit_tiny", "vit_small", "vit_base"])
+@pytest.mark.parametrize("patch_size,img_size", [(16, 48), (8, 32)])
+def test_state_dict_loads_into_timm_strict_with_same_outputs(name, patch_size, img_size):
+    torch.manual_seed(0)
+    ours = create_backbone(name, img_size=img_size, patch_size=patch_size).eval()
+    ref = _timm_twin(name, img_size=img_size, patch_size=patch_size)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    x = torch.randn(2, 3, img_size, img_size)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max() < 1e-5
+        assert (ours.forward_features(x) - ref.forward_features(x)).abs().max() < 1e-5
+
+
+def test_timm_weights_load_into_ours_with_grey_input():
+    torch.manual_seed(0)
+    ref = _timm_twin("vit_tiny", img_size=28, patch_size=4, in_chans=1)
+    ours = create_backbone("vit_tiny", img_size=28, patch_size=4, in_chans=1).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max() < 1e-5
+
+
+def test_parameter_count_matches_the_paper_table():
+    # specs §1: ViT-Ti/S/B at 224 px have 5.7 M / 22.1 M / 86.6 M parameters with a 1000-way head.
+    for name, expected in [("vit_tiny", 5.7e6), ("vit_small", 22.1e6), ("vit_base", 86.6e6)]:
+        with torch.device("meta"):
+            m = create_backbone(name)
+        head = m.embed_dim * 1000 + 1000
+        assert abs(sum(p.numel() for p in m.parameters()) + head - expected) / expected < 0.01
+
+
+# ----------------------------------------------------------------------------- position embeddings
+
+
+def test_other_resolution_matches_timm_dynamic_resampling():
+    torch.manual_seed(0)
+    ours = create_backbone("vit_tiny", img_size=32, patch_size=8).eval()
+    ref = _timm_twin("vit_tiny", img_size=32, patch_size=8, dynamic_img_size=True)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 56, 48)  # a 7x6 grid from a 4x4 one
+    with torch.no_grad():
+        assert (ours.forward_features(x) - ref.forward_features(x)).abs().max() < 1e-5
+
+
+def test_resample_matches_timm_and_is_identity_on_same_grid():
+    pe = torch.randn(1, 1 + 4 * 4, 16)
+    ours = resample_pos_embed(pe, (6, 5), (4, 4))
+    ref = resample_abs_pos_embed(pe, (6, 5), (4, 4), num_prefix_tokens=1)
+    assert ours.shape == (1, 31, 16)
+    assert torch.allclose(ours, ref, atol=1e-6)
+    assert torch.equal(ours[:, 0], pe[:, 0])  # [CLS] position untouched
+    assert resample_pos_embed(pe, (4, 4), (4, 4)) is pe
+
+
+def test_set_img_size_changes_the_grid_permanently():
+    torch.manual_seed(0)
+    m = create_backbone("vit_tiny", img_size=32, patch_size=8).eval()
+    old = m.pos_embed.detach().clone()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        on_the_fly = m(x)
+        m.set_img_size(64)
+        assert m.pos_embed.shape == (1, 1 + 64, 192) and m.grid_size == (8, 8)
+        assert torch.allclose(m(x), on_the_fly, atol=1e-6)
+    assert torch.allclose(m.pos_embed, resample_abs_pos_embed(old, (8, 8), (4, 4)), atol=1e-6)
+    with pytest.raises(ValueError, match="not divisible by the patch size 8"):
+        m.set_img_size(60)
+
+
+def test_sincos_position_embedding_is_frozen_and_follows_the_formula():
+    m = create_backbone("vit_small", img_size=32, patch_size=8, pos_embed="sincos")
+    assert not m.pos_embed.requires_grad
+    pe = m.pos_embed[0]  # [1+16, 384]
+    assert torch.count_nonzero(pe[0]) == 0  # [CLS] gets no position
+    # MoCo v3 §4.2: first quarter sin(w * omega_k), omega_k = 10000^(-k / (D/4)); row-major grid.
+    d4 = 384 // 4
+    for idx, (h, w) in [(1, (0, 0)), (2, (0, 1)), (7, (1, 2)), (16, (3, 3))]:
+        for k in (0, 5, d4 - 1):
+            omega = 1.0 / 10000 ** (k / d4)
+            assert abs(pe[idx, k].item() - torch.sin(torch.tensor(w * omega)).item()) < 1e-6
+            assert abs(pe[idx, 3 * d4 + k].item() - torch.cos(torch.tensor(h * omega)).item()) < 1e-6
+    with pytest.raises(ValueError, match="divisible by 4"):
+        sincos_2d_pos_embed(30, (2, 2))
+
+
+# ----------------------------------------------------------------------------- attention paths
+
+
+def test_attention_weight_path_agrees_with_fused_path():
+    torch.manual_seed(0)
+    m = create_backbone("vit_tiny", img_size=32, patch_size=8).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        fused = m.forward_features(x)
+        tokens = m.prepare_tokens(x)
+        attns = []
+        for blk in m.blocks:
+            tokens, attn = blk(tokens, return_attention=True)
+            attns.append(attn)
+        explicit = m.norm(tokens)
+        maps = m.get_attention_maps(x)
+    assert (fused - explicit).abs().max() < 1e-5
+    assert len(maps) == 12 and all(torch.allclose(a, b) for a, b in zip(maps, attns))
+    assert torch.allclose(maps[0].sum(-1), torch.ones(2, 3, 17), atol=1e-5)
+    assert torch.equal(m.get_last_selfattention(x), maps[-1])
+
+
+def test_attention_weights_follow_softmax_qk():
+    torch.manual_seed(0)
+    m = VisionTransformer(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=2).eval()
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        tokens = m.blocks[0].norm1(m.prepare_tokens(x))[0]  # [5, 8]
+        q, k, _ = m.blocks[0].attn.qkv(tokens).chunk(3, dim=-1)
+        for h in range(2):
+            qh, kh = q[:, 4 * h : 4 * h + 4], k[:, 4 * h : 4 * h + 4]
+            expected = torch.softmax(qh @ kh.T / 2.0, dim=-1)  # sqrt(head_dim) = 2
+            assert torch.allclose(m.get_attention_maps(x)[0][0, h], expected, atol=1e-6)
+
+
+def test_intermediate_layers_end_with_forward_features():
+    torch.manual_seed(0)
+    m = create_backbone("vit_tiny", img_size=16, patch_size=8).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        last = m.get_intermediate_layers(x, 1)[0]
+        raw = m.get_intermediate_layers(x, [0, 11], norm=False)
+        assert torch.allclose(last, m.forward_features(x), atol=1e-6)
+        assert torch.allclose(m.norm(raw[1]), last, atol=1e-6)
+        assert not torch.allclose(raw[0], raw[1])
+    with pytest.raises(ValueError, match="out of range"):
+        m.get_intermediate_layers(x, [12])
+
+
+# ----------------------------------------------------------------------------- masking hook
+
+
+def test_patch_hook_runs_before_the_position_embedding():
+    torch.manual_seed(0)
+    m = create_backbone("vit_tiny", img_size=32, patch_size=8).eval()
+    a, b = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        emb_b, _ = m.patch_embed(b)
+        # Replacing every patch embedding of a by b's makes a look exactly like b.
+        assert torch.allclose(m.forward_features(a, patch_hook=lambda t: emb_b), m.forward_features(b), atol=1e-6)
+        # Permuting patch embeddings changes the [CLS] output only because positions are added after
+        # the hook: with a zero position embedding, self-attention is permutation-equivariant.
+        perm = torch.randperm(16)
+        assert not torch.allclose(m(a), m.pool(m.forward_features(a, patch_hook=lambda t: t[:, perm])), atol=1e-4)
+        m.pos_embed.zero_()
+        assert torch.allclose(m(a), m.pool(m.forward_features(a, patch_hook=lambda t: t[:, perm])), atol=1e-5)
+
+
+def test_patch_hook_replaces_chosen_positions_with_a_mask_embedding():
+    torch.manual_seed(0)
+    m = create_backbone("vit_tiny", img_size=16, patch_size=8)
+    mask_token = torch.zeros(192, requires_grad=True)
+    where = torch.tensor([[True, False, False, True]])
+    seen = {}
+
+    def hook(tokens):
+        seen["before"] = tokens
+        out = torch.where(where[..., None], mask_token.expand_as(tokens), tokens)
+        seen["after"] = out
+        return out
+
+    m.forward_features(torch.randn(1, 3, 16, 16), patch_hook=hook).sum().backward()
+    assert torch.equal(seen["after"][0, 0], mask_token.detach()) and torch.equal(seen["after"][0, 1], seen["before"][0, 1])
+    assert mask_token.grad is not None and mask_token.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- training details
+
+
+def test_drop_path_is_stochastic_in_training_only_and_grows_with_depth():
+    m = create_backbone("vit_tiny", img_size=16, patch_size=8, drop_path_rate=0.2)
+    assert isinstance(m.blocks[0].drop_path, torch.nn.Identity)
+    assert m.blocks[-1].drop_path.p == pytest.approx(0.2)
+    assert m.blocks[6].drop_path.p == pytest.approx(0.2 * 6 / 11)
+    x = torch.randn(8, 3, 16, 16)
+    torch.manual_seed(0)
+    a = m.train()(x)
+    b = m(x)
+    assert not torch.allclose(a, b)
+    m.eval()
+    assert torch.equal(m(x), m(x))
+
+
+def test_no_weight_decay_and_grad_checkpointing():
+    m = create_backbone("vit_tiny", img_size=16, patch_size=8)
+    assert m.no_weight_decay() == {"pos_embed", "cls_token"}
+    x = torch.randn(2, 3, 16, 16)
+    twin = copy.deepcopy(m)
+    twin.set_grad_checkpointing(True)
+    m(x).sum().backward()
+    twin(x).sum().backward()
+    for (name, p), q in zip(m.named_parameters(), twin.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+
+
+def test_resnet_keys_are_torchvision_keys():
+    ours = create_backbone("resnet18").eval()
+    ref = torchvision.models.resnet18()
+    missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
+    assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
+    ref.fc = torch.nn.Identity()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(ours(x), ref.eval()(x), atol=1e-5)
+    with pytest.raises(NotImplementedError, match="no attention"):
+        ours.get_attention_maps(x)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_image_size_not_divisible_by_patch_size_at_construction():
+    with pytest.raises(ValueError, match=r"image size 30x30 is not divisible by the patch size 4"):
+        create_backbone("vit_tiny", img_size=30, patch_size=4)
+
+
+def test_image_size_not_divisible_at_forward():
+    m = create_backbone("vit_tiny", img_size=28, patch_size=4, in_chans=1)
+    with pytest.raises(ValueError, match=r"image size 30x28 is not divisible by the patch size 4"):
+        m(torch.randn(1, 1, 30, 28))
+
+
+@pytest.mark.parametrize("name,kwargs", [("vit_tiny", {"img_size": 28, "patch_size": 4, "in_chans": 1}), ("resnet18", {"in_chans": 1})])
+def test_wrong_channel_count_at_forward(name, kwargs):
+    m = create_backbone(name, **kwargs)
+    with pytest.raises(ValueError, match="built for 1 input channels, got 3"):
+        m(torch.randn(1, 3, 28, 28))
+    with pytest.raises(ValueError, match=r"expects images \[B, C, H, W\]"):
+        m(torch.randn(1, 28, 28))
+
+
+def test_bad_architecture_arguments():
+    with pytest.raises(ValueError, match="pos_embed must be"):
+        create_backbone("vit_tiny", pos_embed="2d")
+    with pytest.raises(ValueError, match="drop_path_rate"):
+        create_backbone("vit_tiny", drop_path_rate=1.5)
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        VisionTransformer(embed_dim=10, num_heads=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        ResNetBackbone("resnet18", num_stages=5)
