@@ -27,6 +27,9 @@ for _size, (_dim, _depth, _heads) in VIT_SIZES.items():
         )
     )
 
+# Any other shape (small ViTs for 2-core CPU runs and tests): every argument free, timm layout kept.
+register_backbone(BackboneSpec("vit", VisionTransformer, description="ViT of any width/depth/heads (set embed_dim, depth, num_heads)"))
+
 # Hybrids: the ViT paper's R50+ViT-B/16 (stride-16 map from the extended stage 3), and a small
 # ResNet-18 hybrid for 28–32 px images (use small_input=True, num_stages=2 or 3).
 for _resnet, _size in (("resnet50", "small"), ("resnet50", "base"), ("resnet50", "large"), ("resnet18", "tiny"), ("resnet18", "small")):

@@ -1,0 +1,308 @@
+"""What every pretext task shares: the backbone from the registry, the optimiser and its per-step
+LR / weight-decay schedules, EMA updates of declared (online, target) pairs, gradient clipping,
+the online linear probe, logging and the non-finite-loss guard.
+
+A method subclasses ``PretextModule`` once (no deeper), builds its heads and loss from typed
+``__init__`` arguments, and implements ``step(views, labels) -> dict`` returning at least ``loss``
+(and ``features``, the detached representation the online probe learns from).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightly.utils.lars import LARS
+from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+
+from ssl_vit.backbones import create_backbone, get_spec
+from ssl_vit.pretext.ema import EMAPairs
+from ssl_vit.pretext.probe import OnlineLinearProbe
+
+Batch = tuple[list[Tensor], Tensor]
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/Inf loss and no skip policy was configured."""
+
+
+class PretextModule(L.LightningModule):
+    """Base of every method. Arguments shared by all methods:
+
+    Args:
+        backbone: a registered backbone name (``ssl-vit backbones`` lists them).
+        backbone_kwargs: its arguments (img_size, patch_size, in_chans, drop_path_rate, ...).
+        optimizer: ``adamw`` (ViT methods), ``sgd`` or ``lars`` (large-batch ResNets).
+        base_lr: learning rate for a global batch of 256; the peak LR is
+            ``base_lr * global_batch / 256`` (Goyal et al. 2017 linear scaling, as MoCo v3 and DINO).
+        min_lr: LR at the end of the cosine decay.
+        warmup_epochs: linear LR warm-up from 0 (fractions allowed).
+        weight_decay: weight decay at the start; biases, norms, [CLS] and position embeddings get none.
+        weight_decay_end: weight decay at the end, reached by a cosine (DINO: 0.04 -> 0.4);
+            ``None`` keeps it constant.
+        betas: AdamW betas.
+        momentum: SGD / LARS momentum.
+        grad_clip: clip gradients to this norm; ``None`` disables clipping.
+        grad_clip_mode: ``global`` (one norm over all parameters) or ``per_param`` (DINO's
+            ``clip_gradients``: each tensor's norm separately).
+        num_classes: when the data has labels, an online linear probe (BN without affine + linear)
+            is trained on the detached representation and reports ``probe/val_acc``.
+        probe_lr: AdamW learning rate of the online probe (constant; it never touches the backbone).
+        nonfinite_policy: on a NaN/Inf loss, ``raise`` stops training with a message naming the step
+            and the last good checkpoint; ``skip`` drops the batch and continues (at most
+            ``max_skipped_batches`` times).
+        max_skipped_batches: how many non-finite batches ``skip`` tolerates before it raises.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "vit_small",
+        backbone_kwargs: dict[str, Any] | None = None,
+        optimizer: Literal["adamw", "sgd", "lars"] = "adamw",
+        base_lr: float = 1.5e-4,
+        min_lr: float = 0.0,
+        warmup_epochs: float = 10.0,
+        weight_decay: float = 0.05,
+        weight_decay_end: float | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        momentum: float = 0.9,
+        grad_clip: float | None = None,
+        grad_clip_mode: Literal["global", "per_param"] = "global",
+        num_classes: int | None = None,
+        probe_lr: float = 1e-3,
+        nonfinite_policy: Literal["raise", "skip"] = "raise",
+        max_skipped_batches: int = 10,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if optimizer not in ("adamw", "sgd", "lars"):
+            raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'lars', got {optimizer!r}")
+        if base_lr <= 0 or warmup_epochs < 0 or weight_decay < 0:
+            raise ValueError("base_lr must be > 0, warmup_epochs >= 0 and weight_decay >= 0")
+        if nonfinite_policy not in ("raise", "skip"):
+            raise ValueError(f"nonfinite_policy must be 'raise' or 'skip', got {nonfinite_policy!r}")
+        self.backbone_name = backbone
+        self.backbone_kwargs = dict(backbone_kwargs or {})
+        self.backbone = create_backbone(backbone, **self.backbone_kwargs)
+        self.probe = OnlineLinearProbe(self.backbone.embed_dim, num_classes) if num_classes else None
+        # Set by methods with a momentum encoder / teacher.
+        self.ema: EMAPairs | None = None
+        self._total_steps = 1
+        self._steps_per_epoch = 1
+        self._skipped_batches = 0
+        self.peak_lr = base_lr
+        self.global_batch_size: int | None = None
+
+    # ------------------------------------------------------------------ what a method implements
+    def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
+        """One training step's forward: returns ``loss`` and optionally ``features`` (``[B, D]``,
+        the representation for the online probe) and scalars to log."""
+        raise NotImplementedError
+
+    def cancel_gradients(self) -> None:
+        """Hook between backward and the optimiser step (DINO freezes its last layer here)."""
+
+    # ------------------------------------------------------------------ helpers for methods
+    def build_target_backbone(self) -> nn.Module:
+        """A frozen copy of the backbone for a momentum encoder / teacher, rebuilt without
+        stochastic depth or dropout (the DINO teacher and the MoCo v3 momentum encoder are built
+        without them in the reference code) and loaded with the online weights."""
+        kwargs = dict(self.backbone_kwargs)
+        allowed = get_spec(self.backbone_name).allowed_kwargs()
+        for key in ("drop_path_rate", "drop_rate", "attn_drop_rate"):
+            if key in allowed:
+                kwargs[key] = 0.0
+        target = create_backbone(self.backbone_name, **kwargs)
+        target.load_state_dict(self.backbone.state_dict())
+        for p in target.parameters():
+            p.requires_grad_(False)
+        return target
+
+    def _per_device_batch(self, batch: Any) -> int:
+        """The per-device batch size: the datamodule's ``batch_size``, else the loader's, else the
+        first batch's."""
+        trainer = self.trainer
+        per_device = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule is not None else None
+        if per_device is None and trainer.train_dataloader is not None:
+            per_device = getattr(trainer.train_dataloader, "batch_size", None)
+        if per_device is None:
+            per_device = int(batch[1].shape[0])
+        return int(per_device)
+
+    # ------------------------------------------------------------------ optimisation
+    def _param_groups(self) -> list[dict[str, Any]]:
+        skip = set()
+        for prefix, module in self.named_children():
+            if hasattr(module, "no_weight_decay"):
+                skip |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
+        decay, no_decay, probe = [], [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name.startswith("probe."):
+                probe.append(p)
+            elif p.ndim <= 1 or name in skip or name.endswith(".mask_token") or name == "mask_token":
+                no_decay.append(p)  # biases, norms, [CLS], position and mask embeddings (DINO/MAE)
+            else:
+                decay.append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay, "scheduled_wd": True},
+            {"params": no_decay, "weight_decay": 0.0, "scheduled_wd": False},
+        ]
+        if probe:
+            groups.append({"params": probe, "weight_decay": 0.0, "scheduled_wd": False, "fixed_lr": self.hparams.probe_lr})
+        return [g for g in groups if g["params"]]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        groups = self._param_groups()
+        for g in groups:
+            g["lr"] = g.get("fixed_lr", hp.base_lr)
+        if hp.optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=hp.base_lr, betas=tuple(hp.betas))
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=hp.base_lr, momentum=hp.momentum)
+        return LARS(groups, lr=hp.base_lr, momentum=hp.momentum)
+
+    def on_train_start(self) -> None:
+        trainer = self.trainer
+        self._total_steps = max(1, int(trainer.estimated_stepping_batches))
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches) or batches <= 0:
+            batches = self._total_steps
+        self._steps_per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+        self._lr_announced = False
+
+    def _scale_lr(self, batch: Any) -> None:
+        trainer = self.trainer
+        per_device = self._per_device_batch(batch)
+        global_batch = per_device * trainer.world_size * trainer.accumulate_grad_batches
+        self.global_batch_size = global_batch
+        self.peak_lr = self.hparams.base_lr * global_batch / 256  # the one place the LR is scaled
+        rank_zero_info(
+            f"[ssl_vit] {type(self).__name__} on {self.backbone_name}: effective batch size {global_batch} "
+            f"= {per_device} per device x {trainer.world_size} device(s) x {trainer.accumulate_grad_batches} "
+            f"accumulation; lr = base_lr {self.hparams.base_lr:g} x {global_batch}/256 = {self.peak_lr:.4g}; "
+            f"{self._total_steps} optimiser steps ({self._steps_per_epoch} per epoch)"
+        )
+        self._lr_announced = True
+
+    def schedule_values(self, step: int) -> dict[str, float]:
+        """LR and weight decay at an optimiser step: linear warm-up, then cosine (DINO
+        ``utils.cosine_scheduler``; MoCo v3 ``adjust_learning_rate``)."""
+        hp = self.hparams
+        total = self._total_steps
+        warmup = min(int(round(hp.warmup_epochs * self._steps_per_epoch)), total)
+        step = min(step, total)
+        lr = cosine_warmup_schedule(step, total, self.peak_lr, hp.min_lr, warmup, 0.0) if warmup else cosine_schedule(step, total, self.peak_lr, hp.min_lr)
+        wd_end = hp.weight_decay if hp.weight_decay_end is None else hp.weight_decay_end
+        wd = cosine_schedule(step, total, hp.weight_decay, wd_end)
+        return {"lr": lr, "weight_decay": wd}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not getattr(self, "_lr_announced", False):
+            self._scale_lr(batch)
+        values = self.schedule_values(self.global_step)
+        optimizer = self.optimizers()
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
+        for group in optimizer.param_groups:
+            if "fixed_lr" not in group:
+                group["lr"] = values["lr"]
+            if group.get("scheduled_wd"):
+                group["weight_decay"] = values["weight_decay"]
+        self._schedule_now = values
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
+        # Our own clipping (per-parameter for DINO); a Trainer-level clip still works on top.
+        clip = self.hparams.grad_clip
+        if clip:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if self.hparams.grad_clip_mode == "per_param":
+                for p in params:  # DINO utils.clip_gradients
+                    norm = p.grad.detach().norm(2)
+                    p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+            else:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+        if gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.cancel_gradients()
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # EMA after each optimiser step (MoCo v3 Alg. 1; DINO main loop "EMA update for the teacher").
+        if self.ema is not None:
+            m = self.ema.update(self.global_step, self._total_steps)
+            self.log("train/ema_momentum", m, on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+        views, labels = batch
+        out = self.step(views, labels)
+        loss = out.pop("loss")
+        features = out.pop("features", None)
+        if not torch.isfinite(loss):
+            return self._handle_nonfinite(loss)
+        logs = {f"train/{k}": v.detach().float() if isinstance(v, Tensor) else v for k, v in out.items()}
+        logs["train/loss"] = loss.detach()
+        if self.probe is not None and features is not None:
+            probe_loss, acc = self.probe.training_loss(features.detach(), labels)
+            if probe_loss is not None:
+                loss = loss + probe_loss
+                logs["probe/train_loss"] = probe_loss.detach()
+                logs["probe/train_acc"] = acc
+        values = getattr(self, "_schedule_now", None)
+        if values is not None:
+            logs["train/lr"] = values["lr"]
+            logs["train/weight_decay"] = values["weight_decay"]
+        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=labels.shape[0], sync_dist=False)
+        self.log("loss", logs["train/loss"], prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=labels.shape[0])
+        return loss
+
+    def _handle_nonfinite(self, loss: Tensor) -> None:
+        step = self.global_step
+        if self.hparams.nonfinite_policy == "skip" and self._skipped_batches < self.hparams.max_skipped_batches:
+            self._skipped_batches += 1
+            rank_zero_info(f"[ssl_vit] non-finite loss ({loss.item()}) at step {step}: batch skipped ({self._skipped_batches}/{self.hparams.max_skipped_batches})")
+            return None  # Lightning skips the backward and the optimiser step
+        last = None
+        ckpt_cb = getattr(self.trainer, "checkpoint_callback", None)
+        if ckpt_cb is not None:
+            last = getattr(ckpt_cb, "last_model_path", None) or getattr(ckpt_cb, "best_model_path", None)
+        where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise NonFiniteLossError(
+            f"non-finite loss ({loss.item()}) at step {step} (epoch {self.current_epoch}); {where}. "
+            "Lower the learning rate, raise warm-up, or set nonfinite_policy: skip."
+        )
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        if self.probe is None and type(self).validation_metrics is PretextModule.validation_metrics:
+            return  # nothing to measure: skip the backbone pass
+        with torch.no_grad():
+            feats = self.backbone(images)  # [B, D]
+        for name, value in self.validation_metrics(feats, labels).items():
+            self.log(name, value, on_epoch=True, prog_bar=True, batch_size=labels.shape[0], sync_dist=True)
+
+    def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        """Metrics of one validation batch from the backbone's representation ``[B, D]``."""
+        if self.probe is None:
+            return {}
+        acc = self.probe.accuracy(features, labels)
+        return {} if acc is None else {"probe/val_acc": acc}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Enough to rebuild the backbone without the recipe (export reads this).
+        checkpoint["ssl_vit"] = {
+            "method": type(self).__name__,
+            "backbone": self.backbone_name,
+            "backbone_kwargs": self.backbone_kwargs,
+            "global_step": self.global_step,
+            "epoch": self.current_epoch,
+        }

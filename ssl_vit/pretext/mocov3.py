@@ -1,0 +1,108 @@
+"""MoCo v3 (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised Vision Transformers").
+
+query encoder = backbone -> 3-layer projector -> 2-layer predictor; momentum encoder = EMA copy of
+backbone + projector (cosine momentum 0.99 -> 1). Loss: ctr(q1, k2) + ctr(q2, k1), InfoNCE scaled by
+2τ with keys gathered from all devices. For ViTs the patch projection is frozen at its random init
+(§4.4 "random patch projection"), and a fixed 2-D sin-cos position embedding is the reference's
+choice (pass ``backbone_kwargs: {pos_embed: sincos}``).
+Recipe (§4, Table 2 / reference README): AdamW, base LR 1.5e-4 per 256, wd 0.1, 40 warm-up epochs,
+300 epochs, batch 4096.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ssl_vit.backbones import is_vit
+from ssl_vit.heads import MoCoV3PredictionHead, MoCoV3ProjectionHead
+from ssl_vit.losses import MoCoV3Loss, embedding_std
+from ssl_vit.pretext.base import PretextModule
+from ssl_vit.pretext.ema import EMAPairs, make_target
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+class MoCoV3(PretextModule):
+    """MoCo v3.
+
+    Args:
+        temperature: τ of the contrastive loss (0.2 for ViT, 1.0 for ResNet; §4).
+        proj_hidden_dim, proj_output_dim, pred_hidden_dim: head widths (4096 / 256 / 4096).
+        momentum, momentum_end: cosine schedule of the momentum encoder (0.99 -> 1).
+        freeze_patch_embed: random patch projection (§4.4): the projection is re-initialised as
+            in the reference (Xavier-uniform over the flattened filter) and receives no gradient.
+            On by default for ViTs; ignored for ResNets.
+        **kwargs: the shared arguments of :class:`PretextModule`.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.2,
+        proj_hidden_dim: int = 4096,
+        proj_output_dim: int = 256,
+        pred_hidden_dim: int = 4096,
+        momentum: float = 0.99,
+        momentum_end: float = 1.0,
+        freeze_patch_embed: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.freeze_patch_embed = freeze_patch_embed and is_vit(self.backbone) and hasattr(self.backbone.patch_embed, "proj") and not hasattr(self.backbone.patch_embed, "backbone")
+        if self.freeze_patch_embed:
+            proj = self.backbone.patch_embed.proj
+            # reference vits.py: val = sqrt(6 / (3·P·P + D)); uniform(-val, val) (Xavier over [D, C·P·P]).
+            fan = proj.weight[0].numel() + proj.weight.shape[0]
+            val = math.sqrt(6.0 / fan)
+            nn.init.uniform_(proj.weight, -val, val)
+            nn.init.zeros_(proj.bias)
+            proj.weight.requires_grad_(False)
+            proj.bias.requires_grad_(False)
+        dim = self.backbone.embed_dim
+        self.projector = MoCoV3ProjectionHead(dim, proj_hidden_dim, proj_output_dim)
+        self.predictor = MoCoV3PredictionHead(proj_output_dim, pred_hidden_dim, proj_output_dim)
+        self.momentum_backbone = self.build_target_backbone()
+        self.momentum_projector = make_target(self.projector)
+        self.ema = EMAPairs(
+            [(self.backbone, self.momentum_backbone), (self.projector, self.momentum_projector)], momentum, momentum_end
+        )
+        self.criterion = MoCoV3Loss(temperature)
+        # Views can share one backbone pass only if nothing in it normalises across the batch.
+        self._concat_views = not has_batchnorm(self.backbone)
+
+    def setup(self, stage: str) -> None:
+        # SyncBN in the heads across devices, as the reference (it converts the whole model).
+        if self.trainer is not None and self.trainer.world_size > 1:
+            for name in ("projector", "predictor", "momentum_projector"):
+                setattr(self, name, nn.SyncBatchNorm.convert_sync_batchnorm(getattr(self, name)))
+            self.ema.pairs[1] = (self.projector, self.momentum_projector)
+
+    def _encode(self, encoder: nn.Module, projector: nn.Module, x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b = x1.shape[0]
+        if self._concat_views:
+            h1, h2 = encoder(torch.cat([x1, x2])).split(b)  # one pass for both views, [B, D] each
+        else:
+            h1, h2 = encoder(x1), encoder(x2)
+        # The heads see each view separately: their BN statistics are per view, as in the reference.
+        return projector(h1), projector(h2), h1
+
+    def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
+        if len(views) != 2:
+            raise ValueError(f"MoCo v3 needs two views per image, got {len(views)} (use TwoViews)")
+        x1, x2 = views
+        z1, z2, h1 = self._encode(self.backbone, self.projector, x1, x2)
+        q1, q2 = self.predictor(z1), self.predictor(z2)  # [B, C]
+        with torch.no_grad():
+            k1, k2, _ = self._encode(self.momentum_backbone, self.momentum_projector, x1, x2)  # [B, C]
+        loss = self.criterion(q1, q2, k1, k2)
+        return {
+            "loss": loss,
+            "features": h1.detach(),
+            "embedding_std": embedding_std(h1.detach()),
+            "q_std": embedding_std(q1.detach()),
+        }

@@ -1,0 +1,69 @@
+"""Small shared fixtures for the tests: tiny backbones, fixed batches, short Lightning runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+
+# A tiny ViT: 16 px grey images, 4 px patches -> 16 tokens; 2 blocks of width 32.
+TINY_VIT: dict[str, Any] = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
+TINY_BACKBONE: dict[str, Any] = {"backbone": "vit", "backbone_kwargs": TINY_VIT}
+
+
+class RepeatBatch(Dataset):
+    """Serves the same ``(views, labels)`` batch ``length`` times (batch_size=None loaders)."""
+
+    def __init__(self, views: list[torch.Tensor], labels: torch.Tensor, length: int) -> None:
+        self.views, self.labels, self.length = views, labels, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return self.views, self.labels
+
+
+def fixed_views(sizes: list[int], batch: int = 16, chans: int = 1, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(batch) % 4
+    base = torch.randn(batch, chans, max(sizes), max(sizes), generator=g) * 0.5 + labels.view(-1, 1, 1, 1) * 0.5
+    views = [torch.nn.functional.interpolate(base, size=(s, s), mode="bilinear", align_corners=False) + 0.05 * torch.randn(batch, chans, s, s, generator=g) for s in sizes]
+    return views, labels
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def fit_steps(
+    model: L.LightningModule,
+    views: list[torch.Tensor],
+    labels: torch.Tensor,
+    steps: int,
+    epochs: int = 1,
+    callbacks_extra: list[Callback] | None = None,
+    **trainer_kwargs: Any,
+) -> list[float]:
+    """Train ``steps`` optimiser steps per epoch on one fixed batch; returns the loss of each step."""
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, *(callbacks_extra or [])],
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, DataLoader(RepeatBatch(views, labels, steps), batch_size=None))
+    return recorder.losses

@@ -1,0 +1,297 @@
+"""Pretext modules: each method learns on a fixed batch, and the mechanics each paper specifies
+(frozen patch projection, EMA, teacher inputs, last-layer freeze, schedules, online probe) hold."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import pytest
+import torch
+from helpers import TINY_BACKBONE, fit_steps, fixed_views
+
+from ssl_vit.pretext import (
+    DINO,
+    METHODS,
+    MPP,
+    MoCoV3,
+    NonFiniteLossError,
+    PretextModule,
+    Supervised,
+)
+
+SMALL_HEADS = {
+    "mpp": {"mean": [0.5], "std": [0.5]},
+    "mocov3": {"proj_hidden_dim": 64, "pred_hidden_dim": 64, "proj_output_dim": 32},
+    "dino": {"out_dim": 256, "hidden_dim": 64, "bottleneck_dim": 32},
+    "supervised": {},
+}
+VIEW_SIZES = {"mpp": [16], "mocov3": [16, 16], "dino": [16, 16, 8, 8], "supervised": [16]}
+
+
+def make(method: str, **overrides) -> PretextModule:
+    kwargs = {**TINY_BACKBONE, "num_classes": 4, "warmup_epochs": 0.0, "base_lr": 0.02, "weight_decay": 0.0, **SMALL_HEADS[method], **overrides}
+    return METHODS[method](**kwargs)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_lowers_its_loss_on_a_fixed_batch(method):
+    torch.manual_seed(0)
+    # DINO's centre chases the teacher mean, which on one fixed batch flattens the teacher's
+    # targets and raises the loss by design; freeze the centre here (it is tested on its own below).
+    model = make(method, **({"center_momentum": 1.0} if method == "dino" else {}))
+    views, labels = fixed_views(VIEW_SIZES[method])
+    if method == "mpp":
+        views = [v.clamp(-1, 1) for v in views]  # raw pixels = v * 0.5 + 0.5 must lie in [0, 1]
+    losses = fit_steps(model, views, labels, steps=12)
+    assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first * 0.97, f"{method}: loss did not decrease ({first:.4f} -> {last:.4f})"
+
+
+def test_a_fourth_method_is_one_subclass():
+    class Reconstruct(PretextModule):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.decoder = torch.nn.Linear(self.backbone.embed_dim, 16 * 16)
+
+        def step(self, views, labels):
+            feats = self.backbone(views[0])
+            loss = (self.decoder(feats) - views[0].flatten(1)).pow(2).mean()
+            return {"loss": loss, "features": feats.detach()}
+
+    views, labels = fixed_views([16])
+    losses = fit_steps(Reconstruct(**TINY_BACKBONE, warmup_epochs=0.0, base_lr=0.02), views, labels, steps=6)
+    assert losses[-1] < losses[0]
+
+
+# ----------------------------------------------------------------------------- MoCo v3
+
+
+def test_mocov3_random_patch_projection_stays_frozen_and_momentum_follows_ema():
+    torch.manual_seed(0)
+    model = make("mocov3", momentum=0.9, momentum_end=0.9)
+    proj = model.backbone.patch_embed.proj
+    assert not proj.weight.requires_grad and not proj.bias.requires_grad
+    # reference init: U(-v, v), v = sqrt(6 / (C*P*P + D))
+    bound = math.sqrt(6.0 / (1 * 4 * 4 + 32))
+    assert proj.weight.abs().max() <= bound and proj.weight.abs().max() > 0.9 * bound
+    frozen = proj.weight.detach().clone()
+    online_before = copy.deepcopy(model.backbone.state_dict())
+    target_before = copy.deepcopy(model.momentum_backbone.state_dict())
+    snapshots = []
+
+    class Snapshot(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            snapshots.append(copy.deepcopy(pl_module.backbone.state_dict()))
+
+    views, labels = fixed_views([16, 16])
+    fit_steps(model, views, labels, steps=2, callbacks_extra=[Snapshot()])
+    assert torch.equal(model.backbone.patch_embed.proj.weight, frozen)
+    o1, o2 = snapshots
+    for name, value in model.momentum_backbone.state_dict().items():
+        # T1 = 0.9 T0 + 0.1 O1 ; T2 = 0.9 T1 + 0.1 O2 (the online weights after each step)
+        expected = 0.9 * (0.9 * target_before[name] + 0.1 * o1[name]) + 0.1 * o2[name]
+        assert torch.allclose(value, expected, atol=1e-6), name
+    changed = [n for n in o2 if not torch.equal(o2[n], online_before[n])]
+    assert "blocks.0.attn.qkv.weight" in changed and "patch_embed.proj.weight" not in changed
+
+
+def test_mocov3_momentum_follows_a_cosine_from_0_99_to_1():
+    model = make("mocov3")
+    ema = model.ema
+    assert ema.momentum(0, 100) == pytest.approx(0.99)
+    assert ema.momentum(99, 100) == pytest.approx(1.0)
+    mid = 0.99 + (1 - 0.99) * (1 - math.cos(math.pi * 50 / 99)) / 2
+    assert ema.momentum(50, 100) == pytest.approx(mid)
+
+
+def test_mocov3_momentum_encoder_has_no_stochastic_depth_and_no_grad():
+    model = make("mocov3", backbone_kwargs={**TINY_BACKBONE["backbone_kwargs"], "drop_path_rate": 0.1})
+    assert model.backbone.blocks[-1].drop_path.p == pytest.approx(0.1)
+    assert all(isinstance(b.drop_path, torch.nn.Identity) for b in model.momentum_backbone.blocks)
+    assert not any(p.requires_grad for p in model.momentum_backbone.parameters())
+    assert not any(p.requires_grad for p in model.momentum_projector.parameters())
+
+
+def test_mocov3_one_backbone_pass_for_both_views_on_a_vit():
+    model = make("mocov3")
+    calls = []
+    model.backbone.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    views, labels = fixed_views([16, 16], batch=8)
+    model.step(views, labels)
+    assert calls == [16]
+
+
+# ----------------------------------------------------------------------------- DINO
+
+
+def test_dino_teacher_sees_only_global_crops_and_student_one_pass_per_resolution():
+    model = make("dino")
+    teacher_inputs, student_inputs = [], []
+    model.teacher_backbone.register_forward_hook(lambda m, i, o: teacher_inputs.append(tuple(i[0].shape)))
+    model.backbone.register_forward_hook(lambda m, i, o: student_inputs.append(tuple(i[0].shape)))
+    views, labels = fixed_views([16, 16, 8, 8, 8], batch=4)
+    out = model.step(views, labels)
+    assert teacher_inputs == [(8, 1, 16, 16)]
+    assert student_inputs == [(8, 1, 16, 16), (12, 1, 8, 8)]
+    assert torch.isfinite(out["loss"])
+    for key in ("teacher_entropy", "teacher_student_kl", "embedding_std"):
+        assert key in out
+
+
+def test_dino_center_is_updated_with_the_teacher_batch_mean():
+    torch.manual_seed(0)
+    model = make("dino")
+    model.criterion.center.normal_()
+    before = model.criterion.center.clone()
+    views, labels = fixed_views([16, 16, 8, 8], batch=4)
+    with torch.no_grad():
+        teacher = model.teacher_head(model.teacher_backbone(torch.cat(views[:2])))  # [8, K]
+    model.step(views, labels)
+    expected = 0.9 * before + 0.1 * teacher.mean(0)
+    assert torch.allclose(model.criterion.center, expected, atol=1e-6)
+
+
+def test_dino_last_layer_frozen_in_first_epoch_only():
+    torch.manual_seed(0)
+    model = make("dino", freeze_last_layer_epochs=1)
+    views, labels = fixed_views([16, 16, 8, 8])
+    v0 = model.head.last_layer.weight_v.detach().clone()
+    mlp0 = model.head.mlp[0].weight.detach().clone()
+    fit_steps(model, views, labels, steps=3, epochs=1)
+    assert torch.equal(model.head.last_layer.weight_v, v0)
+    assert not torch.equal(model.head.mlp[0].weight, mlp0)
+    fit_steps(model, views, labels, steps=3, epochs=2)  # a fresh trainer: epochs 0 and 1
+    assert not torch.equal(model.head.last_layer.weight_v, v0)
+
+
+def test_dino_teacher_temperature_warms_up_per_epoch():
+    model = make("dino", warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_epochs=30)
+    assert model.current_teacher_temp() == pytest.approx(0.04)  # epoch 0
+
+
+def test_dino_head_has_weight_normalised_last_layer_fixed_to_norm_one():
+    model = make("dino")
+    w = model.head.last_layer.weight
+    assert torch.allclose(w.norm(dim=1), torch.ones(w.shape[0]), atol=1e-5)
+    assert not model.head.last_layer.weight_g.requires_grad
+
+
+# ----------------------------------------------------------------------------- MPP
+
+
+def test_mpp_corrupts_half_the_patches_and_predicts_512_colours_for_rgb():
+    model = MPP(backbone="vit", backbone_kwargs={**TINY_BACKBONE["backbone_kwargs"], "in_chans": 3}, mean=[0.5] * 3, std=[0.25] * 3)
+    assert model.head.out_shape == (512,)
+    seen = {}
+    original = model.backbone.forward_features
+
+    def spy(x, patch_hook=None):
+        tokens, _ = model.backbone.patch_embed(x)
+        replaced = patch_hook(tokens)
+        seen["changed"] = (replaced != tokens).any(-1)  # [B, N]
+        return original(x, patch_hook=patch_hook)
+
+    model.backbone.forward_features = spy
+    x = torch.rand(8, 3, 16, 16) * 2 - 1  # normalised with mean .5 / std .25 -> raw in [0.25, 0.75]
+    out = model.step([x], torch.zeros(8, dtype=torch.long))
+    # 8 of 16 patches corrupted per image; the unchanged 10 % leave some of them equal
+    assert (seen["changed"].sum(1) <= 8).all() and seen["changed"].sum() > 0.6 * 64
+    assert torch.isfinite(out["loss"]) and 0 <= out["masked_acc"] <= 1
+
+
+def test_mpp_recovers_raw_pixels_from_normalised_views():
+    model = make("mpp", mean=[0.3], std=[0.2])
+    raw = torch.rand(2, 1, 16, 16)
+    assert torch.allclose(model.raw_pixels((raw - 0.3) / 0.2), raw, atol=1e-6)
+
+
+def test_mpp_rejects_resnet():
+    with pytest.raises(ValueError, match="needs a ViT"):
+        MPP(backbone="resnet18", mean=[0.5], std=[0.5])
+
+
+# ----------------------------------------------------------------------------- shared machinery
+
+
+def test_lr_warmup_cosine_and_weight_decay_schedule():
+    model = make("supervised", base_lr=0.1, min_lr=0.001, warmup_epochs=2, weight_decay=0.04, weight_decay_end=0.4)
+    model._total_steps, model._steps_per_epoch = 100, 10
+    model.peak_lr = 0.1 * 512 / 256  # global batch 512
+    values = [model.schedule_values(s) for s in range(100)]
+    lrs = [v["lr"] for v in values]
+    assert lrs[0] == pytest.approx(0.2 / 20) and lrs[19] == pytest.approx(0.2)  # linear warm-up over 20 steps
+    assert lrs[-1] == pytest.approx(0.001)
+    assert all(a >= b for a, b in zip(lrs[19:], lrs[20:]))  # then monotone cosine decay
+    step = 60  # cosine over the 80 post-warm-up steps, lightly's convention (max_steps - 1)
+    expected = 0.001 + (0.2 - 0.001) * (1 + math.cos(math.pi * (step - 20) / 79)) / 2
+    assert lrs[step] == pytest.approx(expected)
+    wds = [v["weight_decay"] for v in values]
+    assert wds[0] == pytest.approx(0.04) and wds[-1] == pytest.approx(0.4)
+
+
+def test_lr_is_scaled_by_global_batch_over_256_and_set_on_the_optimiser():
+    model = make("supervised", base_lr=0.1, warmup_epochs=0.0)
+    views, labels = fixed_views([16], batch=16)
+    fit_steps(model, views, labels, steps=2)
+    assert model.peak_lr == pytest.approx(0.1 * 16 / 256)
+
+
+def test_weight_decay_groups_exclude_norms_biases_and_embeddings():
+    model = make("mpp", weight_decay=0.05)
+    groups = model._param_groups()
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0.0 and "fixed_lr" not in g for p in g["params"]}
+    decay = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert {"backbone.pos_embed", "backbone.cls_token", "mask_token", "backbone.norm.weight", "backbone.blocks.0.attn.qkv.bias"} <= no_decay
+    assert "backbone.blocks.0.attn.qkv.weight" in decay and not any(n.startswith("probe.") for n in decay | no_decay)
+
+
+def test_online_probe_reports_accuracy_without_touching_the_backbone():
+    torch.manual_seed(0)
+    model = make("mocov3")
+    views, labels = fixed_views([16, 16])
+    out = model.step(views, labels)
+    loss, acc = model.probe.training_loss(out["features"], labels)
+    model.zero_grad()
+    loss.backward()
+    assert all(p.grad is None for p in model.backbone.parameters())
+    assert 0.0 <= float(acc) <= 1.0
+    unlabelled = torch.full_like(labels, -1)
+    assert model.probe.training_loss(out["features"], unlabelled) == (None, None)
+
+
+def test_nonfinite_loss_stops_with_the_step_or_skips():
+    class Exploding(Supervised):
+        def step(self, views, labels):
+            out = super().step(views, labels)
+            if self.global_step == 2:
+                out["loss"] = out["loss"] * float("nan")
+            return out
+
+    views, labels = fixed_views([16])
+    with pytest.raises(NonFiniteLossError, match="non-finite loss .* at step 2.*no checkpoint was written yet"):
+        fit_steps(Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0), views, labels, steps=5)
+    model = Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, nonfinite_policy="skip")
+    losses = fit_steps(model, views, labels, steps=5)
+    assert model._skipped_batches == 1 and len(losses) == 5 and all(math.isfinite(v) for v in losses)
+
+
+def test_supervised_needs_labels():
+    with pytest.raises(ValueError, match="needs num_classes"):
+        Supervised(**TINY_BACKBONE)
+
+
+def test_methods_reject_bad_arguments():
+    with pytest.raises(ValueError, match="optimizer must be"):
+        make("supervised", optimizer="adam")
+    with pytest.raises(ValueError, match="momentum"):
+        make("mocov3", momentum=1.2)
+    with pytest.raises(ValueError, match="two views"):
+        make("mocov3").step(fixed_views([16])[0], torch.zeros(16, dtype=torch.long))
+    with pytest.raises(ValueError, match="unknown backbone"):
+        MoCoV3(backbone="vit_gigantic")
+    with pytest.raises(ValueError, match="n_global_crops"):
+        DINO(**TINY_BACKBONE, n_global_crops=0, out_dim=16, hidden_dim=8, bottleneck_dim=8)
