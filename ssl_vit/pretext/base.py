@@ -297,12 +297,33 @@ class PretextModule(L.LightningModule):
         return {} if acc is None else {"probe/val_acc": acc}
 
     # ------------------------------------------------------------------ checkpoints
+    def setup(self, stage: str) -> None:
+        # What the data looked like, for export (normalisation) and result records.
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is not None:
+            info = {"name": type(dm).__name__}
+            for key in ("mean", "std", "img_size", "in_chans", "num_classes"):
+                value = getattr(dm, key, None)
+                if value is not None:
+                    info[key] = list(value) if isinstance(value, tuple | list) else value
+            self.data_info = info
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Enough to rebuild the backbone without the recipe (export reads this).
+        # Enough to rebuild the backbone, and to say how it was trained, without the recipe.
         checkpoint["ssl_vit"] = {
             "method": type(self).__name__,
             "backbone": self.backbone_name,
             "backbone_kwargs": self.backbone_kwargs,
             "global_step": self.global_step,
             "epoch": self.current_epoch,
+            "data": getattr(self, "data_info", None),
+            "recipe": getattr(self, "recipe", None),
+            "global_batch_size": self.global_batch_size,
         }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get("ssl_vit") or {}
+        if meta.get("data"):
+            self.data_info = meta["data"]
+        if meta.get("recipe"):
+            self.recipe = meta["recipe"]

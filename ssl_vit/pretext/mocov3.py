@@ -76,6 +76,7 @@ class MoCoV3(PretextModule):
         self._concat_views = not has_batchnorm(self.backbone)
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         # SyncBN in the heads across devices, as the reference (it converts the whole model).
         if self.trainer is not None and self.trainer.world_size > 1:
             for name in ("projector", "predictor", "momentum_projector"):

@@ -65,6 +65,7 @@ class MPP(PretextModule):
         return torch.tensor(list(values), dtype=torch.float32) if values is not None else torch.empty(0)
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         dm = self.trainer.datamodule if self.trainer is not None else None
         for name, attr in (("norm_mean", "mean"), ("norm_std", "std")):
             if getattr(self, name).numel() == 0:

@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as err:
         raise ConfigError(_one_line(str(err))) from None
     cfg = cli.config
+    # The resolved recipe travels inside every checkpoint (export writes it into config.json).
+    cli.model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)
     validate_run(cli.model, cli.datamodule, cli.trainer, cfg.get("global_batch_size"))
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path == "last" and not _has_last_checkpoint(cli.trainer):
