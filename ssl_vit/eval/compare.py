@@ -1,0 +1,269 @@
+"""``ssl-vit compare RESULTS... [--out report.md]``: one table of every result record, SSL
+methods against the supervised baseline and random initialisation (specs §5 "SSL vs
+supervised"), printed as text and written as a Markdown report with two figures: the main metric
+per method and protocol, and accuracy against pre-training compute (ViT paper Fig. 5 style).
+
+Rows are (method, backbone[, dataset]); columns are the metrics of each protocol, followed by
+"Δ sup" and "Δ rand": the protocol's main metric minus that of the ``supervised`` / ``random``
+row with the same backbone and dataset, in percentage points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult
+
+BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
+RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
+    """Result records from files and folders (searched recursively for ``*.json``). In folders,
+    JSON files that are not result records (no ``protocol``/``metrics``, e.g. an export's
+    ``config.json``) are skipped; a malformed record is an error naming its file."""
+    results: list[EvalResult] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            for f in sorted(p.rglob("*.json")):
+                try:
+                    d = json.loads(f.read_text(encoding="utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    print(f"compare: skipping {f} (not JSON)", file=sys.stderr)
+                    continue
+                if not (isinstance(d, dict) and "protocol" in d and "metrics" in d):
+                    continue
+                results.append(EvalResult.from_dict(d, where=str(f)))
+        elif p.is_file():
+            results.append(EvalResult.from_json(p))
+        else:
+            raise FileNotFoundError(f"no result file or folder at {p}")
+    if not results:
+        raise ValueError(f"no result records found in {', '.join(map(str, paths))}")
+    return results
+
+
+# -------------------------------------------------------------------------------------- table
+def _metric_order(name: str) -> tuple[int, float, str]:
+    if name.startswith("top") and name[3:].isdigit():
+        return (0, float(name[3:]), name)
+    if name.endswith("shot") and name[:-4].isdigit():
+        return (1, float(name[:-4]), name)
+    return (2, 0.0, name)
+
+
+def _method_order(method: str) -> tuple[int, str]:
+    return ({"supervised": 1, "random": 2}.get(method, 0), method)
+
+
+@dataclass
+class Comparison:
+    """The comparison table: ``cells[(row, (protocol, column))]`` holds a fraction (metric
+    columns) or a difference of fractions (Δ columns); missing cells are absent."""
+
+    rows: list[RowKey]
+    columns: list[tuple[str, str]]
+    cells: dict[tuple[RowKey, tuple[str, str]], float] = field(default_factory=dict)
+    results: list[EvalResult] = field(default_factory=list)
+
+    @property
+    def multi_dataset(self) -> bool:
+        return len({r[2] for r in self.rows}) > 1
+
+    def get(self, row: RowKey, protocol: str, column: str) -> float | None:
+        return self.cells.get((row, (protocol, column)))
+
+
+def build_comparison(results: Sequence[EvalResult]) -> Comparison:
+    """Tabulate results (module docstring). When one (row, protocol) was evaluated more than
+    once, the newest record (``created``) wins and a note goes to stderr."""
+    latest: dict[tuple[RowKey, str], EvalResult] = {}
+    for r in results:
+        key = ((r.method, r.backbone_label, r.data["name"]), r.protocol)
+        if key in latest:
+            print(f"compare: several {r.protocol} results for {key[0]}; keeping the newest", file=sys.stderr)
+            if r.created < latest[key].created:
+                continue
+        latest[key] = r
+    rows = sorted({k[0] for k in latest}, key=lambda row: (row[2], row[1], _method_order(row[0])))
+    columns: list[tuple[str, str]] = []
+    cells: dict[tuple[RowKey, tuple[str, str]], float] = {}
+    for protocol in PROTOCOLS:
+        here = {row: r for (row, p), r in latest.items() if p == protocol}
+        if not here:
+            continue
+        names = sorted({m for r in here.values() for m in r.metrics if not m.endswith("_std")}, key=_metric_order)
+        columns += [(protocol, m) for m in names]
+        for row, r in here.items():
+            for m in names:
+                if m in r.metrics:
+                    cells[(row, (protocol, m))] = r.metrics[m]
+        for base, col in BASELINES.items():
+            if not any(row[0] == base for row in here):
+                continue
+            columns.append((protocol, col))
+            for row, r in here.items():
+                ref = here.get((base, row[1], row[2]))
+                if ref is not None and r.main_metric is not None and ref.main_metric is not None:
+                    cells[(row, (protocol, col))] = r.main_metric - ref.main_metric
+    return Comparison(rows, columns, cells, list(latest.values()))
+
+
+def _cell(value: float | None, column: str) -> str:
+    if value is None:
+        return "–"
+    return f"{100 * value:+.2f}" if column.startswith("Δ") else f"{100 * value:.2f}"
+
+
+def _grid(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    head = ["method", "backbone"] + (["data"] if cmp.multi_dataset else [])
+    head += [f"{p} {c}" for p, c in cmp.columns]
+    body = []
+    for row in cmp.rows:
+        cells = [row[0], row[1]] + ([row[2]] if cmp.multi_dataset else [])
+        cells += [_cell(cmp.get(row, p, c), c) for p, c in cmp.columns]
+        body.append(cells)
+    return head, body
+
+
+def format_text(cmp: Comparison) -> str:
+    """Aligned plain-text table (accuracies in %, Δ in percentage points)."""
+    head, body = _grid(cmp)
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(head), rule, *map(line, body)])
+
+
+def format_markdown(cmp: Comparison, figures: Sequence[Path] = ()) -> str:
+    """The Markdown report: the table, how to read it, the figures and the records it used."""
+    head, body = _grid(cmp)
+    n_left = 3 if cmp.multi_dataset else 2
+    align = ["---"] * n_left + ["---:"] * (len(head) - n_left)
+    lines = ["# ssl_vit: comparison of evaluations", ""]
+    lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    main = ", ".join(f"{p}: {m}" for p, m in MAIN_METRIC.items())
+    lines += [
+        "",
+        "Accuracies in %. Δ sup / Δ rand: the protocol's main metric "
+        f"({main}) minus that of the supervised / random-init row with the same backbone, "
+        "in percentage points.",
+        "",
+    ]
+    for fig in figures:
+        lines += [f"![{fig.stem}]({fig.name})", ""]
+    lines += ["## Records", ""]
+    for r in sorted(cmp.results, key=lambda r: (r.protocol, _method_order(r.method))):
+        lines.append(f"- `{r.summary_line()}` (source: `{r.source}`, {r.created})")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------ figures
+def _figure(width: float, height: float, ncols: int = 1):
+    # The object-oriented API with an Agg canvas: no pyplot state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+def plot_bars(cmp: Comparison, path: str | Path) -> Path:
+    """Grouped bars: the main metric (%) of every row, one group per protocol."""
+    protocols = [p for p in PROTOCOLS if any(c[0] == p for c in cmp.columns)]
+    fig, (ax,) = _figure(max(5.0, 1.6 * len(protocols) * max(1, len(cmp.rows)) ** 0.5), 3.8)
+    width = 0.8 / max(1, len(cmp.rows))
+    for i, row in enumerate(cmp.rows):
+        values = [cmp.get(row, p, MAIN_METRIC[p]) for p in protocols]
+        xs = [j + (i - (len(cmp.rows) - 1) / 2) * width for j in range(len(protocols))]
+        label = " ".join(row) if cmp.multi_dataset else f"{row[0]} {row[1]}"
+        shown = [(x, 100 * v) for x, v in zip(xs, values) if v is not None]
+        ax.bar([x for x, _ in shown], [v for _, v in shown], width, label=label, color=f"C{i % 10}")
+    ax.set_xticks(range(len(protocols)), [f"{p} ({MAIN_METRIC[p]})" for p in protocols])
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 100)
+    fig.legend(fontsize="small", loc="outside right upper")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None:
+    """Main metric against pre-training FLOPs (log x), one panel per protocol, one marker series
+    per method (ViT paper Fig. 5). ``None`` (and no file) when no record has ``pretrain.flops``."""
+    with_flops = [r for r in results if r.pretrain.get("flops") and r.main_metric is not None]
+    if not with_flops:
+        return None
+    protocols = [p for p in PROTOCOLS if any(r.protocol == p for r in with_flops)]
+    fig, axes = _figure(4.0 * len(protocols), 3.6, ncols=len(protocols))
+    markers = "osD^v<>P*X"
+    methods = sorted({r.method for r in with_flops}, key=_method_order)
+    for ax, protocol in zip(axes, protocols):
+        for i, method in enumerate(methods):
+            pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.backbone_label)
+                         for r in with_flops if r.protocol == protocol and r.method == method)
+            if not pts:
+                continue
+            # one colour and marker per method in every panel
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], color=f"C{i % 10}", label=method)
+            for x, y, label in pts:
+                ax.annotate(label, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
+        ax.set_xscale("log")
+        ax.margins(0.15)
+        ax.set_xlabel("pre-training compute (FLOPs)")
+        ax.set_ylabel(f"{protocol} {MAIN_METRIC[protocol]} (%)")
+        ax.set_title(protocol)
+        ax.legend(fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def write_report(cmp: Comparison, out: str | Path, plots: bool = True) -> list[Path]:
+    """Write the Markdown report and, with ``plots``, ``<stem>_bars.png`` and (when FLOPs are
+    known) ``<stem>_compute.png`` beside it. Returns the paths written."""
+    out = Path(out)
+    figures: list[Path] = []
+    if plots:
+        figures.append(plot_bars(cmp, out.with_name(f"{out.stem}_bars.png")))
+        compute = plot_compute(cmp.results, out.with_name(f"{out.stem}_compute.png"))
+        if compute is not None:
+            figures.append(compute)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(format_markdown(cmp, figures), encoding="utf-8")
+    return [out, *figures]
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ssl-vit compare",
+        description="Tabulate evaluation result JSONs: SSL methods vs the supervised baseline vs random init.",
+    )
+    parser.add_argument("results", nargs="+", help="result JSON files or folders (searched recursively)")
+    parser.add_argument("--out", help="write a Markdown report here, with its PNG figures beside it")
+    parser.add_argument("--no-plots", action="store_true", help="with --out: write the Markdown report only")
+    args = parser.parse_args(argv)
+    cmp = build_comparison(load_results(args.results))
+    print(format_text(cmp))
+    if args.out:
+        for p in write_report(cmp, args.out, plots=not args.no_plots):
+            print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

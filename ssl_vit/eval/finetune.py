@@ -1,0 +1,267 @@
+"""End-to-end fine-tuning of a pretrained backbone with a linear head (specs §5): the BEiT/MAE
+recipe (MAE Appendix A.1, ``main_finetune.py``; DeiT for the regularisers).
+
+- layer-wise LR decay (BEiT §2.5 / MAE ``util/lr_decay.py``): parameters get a layer id, 0 for
+  ``patch_embed``/``cls_token``/``pos_embed``, i + 1 for block i, depth + 1 for the final norm
+  and the head; the LR is multiplied by ``layer_decay ** (depth + 1 - id)``, so the layers
+  nearest the input, which hold the most general features, move least;
+- AdamW, linear warm-up then cosine decay per step; weight decay 0.05 except biases, norms and
+  ``backbone.no_weight_decay()`` (``pos_embed``, ``cls_token``) as in MAE ``param_groups_lrd``;
+- drop path increasing linearly with depth, label smoothing 0.1, optional mixup/cutmix
+  (torchvision ``transforms.v2`` MixUp/CutMix; off by default);
+- optionally a new resolution: the position embedding is interpolated (``set_img_size``, bicubic,
+  ViT paper §3.2).
+
+ResNets get one layer id per stage (stem 0, ``layer{i}`` i, head ``num_stages + 1``), so the decay
+acts as in ViTs at coarser grain (``layer_decay=1`` switches it off). Hybrids are ViTs whose
+``patch_embed`` holds the ResNet trunk, which therefore shares id 0 with the patch embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightly.utils.scheduler import CosineWarmupScheduler
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassAccuracy
+from torchvision.ops import StochasticDepth
+from torchvision.transforms import v2
+
+from ssl_vit.backbones import is_vit
+
+
+# ----------------------------------------------------------------------------- layer-wise decay
+def num_layer_ids(backbone: nn.Module) -> int:
+    """The id of the last layer (final norm and head): depth + 1 for ViTs and hybrids,
+    ``num_stages + 1`` for ResNets."""
+    if is_vit(backbone):
+        return backbone.depth + 1
+    if hasattr(backbone, "num_stages"):
+        return backbone.num_stages + 1
+    raise ValueError(f"no layer-wise decay rule for {type(backbone).__name__}; expected a ViT, hybrid or ResNet backbone")
+
+
+def layer_id(name: str, backbone: nn.Module) -> int:
+    """Layer id of the backbone parameter ``name`` (MAE ``get_layer_id_for_vit``; our per-stage
+    rule for ResNets). Names outside the backbone (the head) take ``num_layer_ids(backbone)``."""
+    last = num_layer_ids(backbone)
+    if is_vit(backbone):
+        if name in ("cls_token", "pos_embed") or name.startswith("patch_embed."):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return last  # final norm
+    if name.startswith(("conv1.", "bn1.")):
+        return 0
+    if name.startswith("layer"):
+        return int(name.split(".")[0].removeprefix("layer"))
+    return last
+
+
+def param_groups_layer_decay(
+    backbone: nn.Module,
+    head: nn.Module | None,
+    lr: float,
+    weight_decay: float,
+    layer_decay: float,
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups: one per (layer id, decay or not), each with ``lr = lr · scale``,
+    ``scale = layer_decay ** (last - id)``, and the keys ``layer_id`` and ``lr_scale`` for
+    inspection. Frozen parameters (e.g. a fixed sin-cos position embedding) are left out; 1-D
+    parameters (biases, norms) and ``backbone.no_weight_decay()`` get no weight decay."""
+    if not 0 < layer_decay <= 1:
+        raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+    last = num_layer_ids(backbone)
+    skip = set(backbone.no_weight_decay()) if hasattr(backbone, "no_weight_decay") else set()
+    named = [(n, p, layer_id(n, backbone)) for n, p in backbone.named_parameters()]
+    if head is not None:
+        named += [(f"head.{n}", p, last) for n, p in head.named_parameters()]
+    groups: dict[tuple[int, bool], dict[str, Any]] = {}
+    for name, p, lid in named:
+        if not p.requires_grad:
+            continue
+        decay = not (p.ndim <= 1 or name in skip)
+        key = (lid, decay)
+        if key not in groups:
+            scale = layer_decay ** (last - lid)
+            groups[key] = {
+                "params": [],
+                "names": [],
+                "layer_id": lid,
+                "lr_scale": scale,
+                "lr": lr * scale,
+                "weight_decay": weight_decay if decay else 0.0,
+            }
+        groups[key]["params"].append(p)
+        groups[key]["names"].append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
+def set_drop_path(backbone: nn.Module, rate: float) -> None:
+    """Stochastic depth on the blocks of a ViT/hybrid, increasing linearly from 0 at the first
+    block to ``rate`` at the last (DeiT/timm ``torch.linspace(0, rate, depth)``)."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"drop path rate must be in [0, 1), got {rate}")
+    if not is_vit(backbone):
+        raise ValueError(f"drop path needs Transformer blocks; {type(backbone).__name__} has none (use rate 0)")
+    depth = len(backbone.blocks)
+    for i, blk in enumerate(backbone.blocks):
+        p = rate * i / (depth - 1) if depth > 1 else 0.0
+        # "row": drop the residual branch per sample, as the backbone builds it
+        blk.drop_path = StochasticDepth(p, "row") if p > 0 else nn.Identity()
+
+
+# ----------------------------------------------------------------------------- the module
+class FineTuneModule(L.LightningModule):
+    """Backbone + linear head trained end to end (module docstring for the recipe).
+
+    Args:
+        backbone: a registered backbone (ViT, hybrid or ResNet); its weights are trained.
+        num_classes: outputs of the linear head.
+        base_lr: LR at batch 256; the peak LR is ``base_lr · batch_size / 256`` (MAE: 5e-4 for
+            ViT-B, 1e-3 for ViT-L).
+        batch_size: the global batch size, used only for that scaling.
+        weight_decay: AdamW weight decay (MAE fine-tune: 0.05).
+        layer_decay: layer-wise LR decay (BEiT/MAE 0.65–0.75); 1 turns it off.
+        drop_path_rate: stochastic depth at the last block (MAE ViT-B: 0.1); ViTs only, ignored
+            with a warning for ResNets.
+        label_smoothing: on the (possibly mixed) targets (DeiT/MAE: 0.1).
+        warmup_epochs: linear warm-up (MAE: 5 of 100 epochs), then cosine decay to 0 per step.
+        mixup_alpha, cutmix_alpha: Beta parameters of MixUp / CutMix (MAE: 0.8 / 1.0); 0 turns
+            each off; with both on, one of the two is chosen per batch (timm's switch prob 0.5).
+        img_size: fine-tune at this resolution (ViTs interpolate the position embedding).
+        betas: AdamW betas.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        base_lr: float = 5e-4,
+        batch_size: int = 256,
+        weight_decay: float = 0.05,
+        layer_decay: float = 0.75,
+        drop_path_rate: float = 0.1,
+        label_smoothing: float = 0.1,
+        warmup_epochs: float = 5.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        img_size: int | tuple[int, int] | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        if not 0 < layer_decay <= 1:
+            raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.save_hyperparameters(ignore=["backbone"])
+        self.backbone = backbone
+        if img_size is not None and is_vit(backbone):
+            size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+            if tuple(backbone.img_size) != size:
+                backbone.set_img_size(size)
+        if is_vit(backbone):
+            set_drop_path(backbone, drop_path_rate)
+        elif drop_path_rate > 0:
+            rank_zero_warn(f"drop_path_rate={drop_path_rate} ignored: {type(backbone).__name__} has no blocks")
+        self.head = nn.Linear(backbone.embed_dim, num_classes)
+        # MAE main_finetune.py: head weights trunc-normal(std 2e-5), so training starts from
+        # near-uniform predictions and the pretrained features are not hit by large gradients.
+        nn.init.trunc_normal_(self.head.weight, std=2e-5)
+        nn.init.zeros_(self.head.bias)
+        self.lr = base_lr * batch_size / 256
+        ops = [op(alpha=a, num_classes=num_classes) for op, a in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if a > 0]
+        self.mix = v2.RandomChoice(ops) if len(ops) == 2 else (ops[0] if ops else None)
+        ks = (1, 5) if num_classes >= 5 else (1,)
+        self.test_acc = nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ks})
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.backbone(x))  # [B, num_classes]
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        if self.mix is not None:
+            x, y = self.mix(x, y)  # y: soft labels [B, K]
+        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log(f"{prefix}_loss", F.cross_entropy(logits, y), sync_dist=True)
+        for name, metric in self.test_acc.items():
+            metric.update(logits, y)
+            self.log(f"{prefix}_{name}", metric, on_epoch=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        groups = param_groups_layer_decay(self.backbone, self.head, self.lr, hp.weight_decay, hp.layer_decay)
+        opt = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(hp.betas))
+        total = int(self.trainer.estimated_stepping_batches)
+        per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
+        warmup = min(int(hp.warmup_epochs * per_epoch), total)
+        # lightly's LambdaLR scales every group's own LR, so the layer-wise ratios are kept.
+        sched = CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def run_finetune(
+    backbone: nn.Module,
+    train_ds: Dataset,
+    test_ds: Dataset,
+    num_classes: int,
+    epochs: int,
+    batch_size: int = 64,
+    max_steps: int = -1,
+    num_workers: int = 0,
+    accelerator: str = "auto",
+    devices: int | str = 1,
+    precision: str = "32-true",
+    seed: int = 0,
+    default_root_dir: str | None = None,
+    enable_progress_bar: bool = False,
+    **module_kwargs: Any,
+) -> dict[str, float]:
+    """Fine-tune ``backbone`` (in place) on ``train_ds`` with a Lightning Trainer and return the
+    test accuracies ``{"top1", "top5"}`` (fractions; top-5 only with >= 5 classes).
+
+    ``module_kwargs`` go to ``FineTuneModule`` (``base_lr``, ``layer_decay``, ``drop_path_rate``,
+    ``label_smoothing``, ``mixup_alpha``, ``img_size`` ...); its ``batch_size`` is this one.
+    ``max_steps`` caps the run (smoke tests); the LR schedule follows the shorter of the two."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    L.seed_everything(seed, workers=True, verbose=False)
+    module = FineTuneModule(backbone, num_classes, batch_size=batch_size, **module_kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    train_loader = DataLoader(
+        train_ds, batch_size=batch_size, shuffle=True, drop_last=len(train_ds) > batch_size,
+        num_workers=num_workers, generator=gen,
+    )
+    test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        max_steps=max_steps,
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=enable_progress_bar,
+        default_root_dir=default_root_dir,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_dataloaders=train_loader)
+    (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
+    return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}

@@ -1,0 +1,160 @@
+"""The record every evaluation writes: one JSON per (backbone, protocol) run, which ``ssl-vit
+compare`` tabulates.
+
+Metrics are fractions in [0, 1] (``top1``, ``top5``, ``5shot`` ...); summaries print them as
+percentages. Example::
+
+    EvalResult(method="dino", backbone={"name": "vit_tiny", "kwargs": {"patch_size": 4}},
+               data={"name": "fashion_mnist"}, protocol="knn", metrics={"top1": 0.8123}).summary_line()
+    # 'knn       dino  vit_tiny/4  fashion_mnist  top1=81.23%'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ssl_vit import __version__
+
+PROTOCOLS: tuple[str, ...] = ("linear", "knn", "fewshot", "finetune")
+# The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
+MAIN_METRIC: dict[str, str] = {"linear": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def backbone_info(model: nn.Module) -> dict[str, Any]:
+    """``{"name", "kwargs"}`` of a backbone made by ``create_backbone`` (or the class name)."""
+    name = getattr(model, "backbone_name", type(model).__name__)
+    return {"name": name, "kwargs": dict(getattr(model, "backbone_kwargs", {}))}
+
+
+@dataclass
+class EvalResult:
+    """One evaluation of one backbone by one protocol.
+
+    Attributes:
+        method: the pretext method (``"mpp"``, ``"mocov3"``, ``"dino"`` ...), ``"supervised"``
+            or ``"random"`` (untrained weights: the lower bound).
+        backbone: ``{"name": registry name, "kwargs": create_backbone kwargs}``.
+        data: ``{"name": dataset, ...}`` plus e.g. ``train_split``, ``test_split``, ``train_size``,
+            ``test_size``.
+        protocol: ``"linear"``, ``"knn"``, ``"fewshot"`` or ``"finetune"``.
+        metrics: name -> value, accuracies as fractions in [0, 1].
+        protocol_args: the protocol's settings (k, T, epochs, feature mode ...).
+        pretrain: what the backbone cost: ``steps``, ``epochs``, ``flops``, ``wall_time_s`` (any
+            subset).
+        source: checkpoint or export path the backbone came from, or ``"random"``.
+        created: ISO-8601 time of the evaluation (UTC).
+        ssl_vit_version: the package version that wrote the record.
+    """
+
+    method: str
+    backbone: dict[str, Any]
+    data: dict[str, Any]
+    protocol: str
+    metrics: dict[str, float]
+    protocol_args: dict[str, Any] = field(default_factory=dict)
+    pretrain: dict[str, Any] = field(default_factory=dict)
+    source: str = "random"
+    created: str = field(default_factory=_now)
+    ssl_vit_version: str = __version__
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"EvalResult.method must be a non-empty string, got {self.method!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"EvalResult.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        for name in ("backbone", "data", "metrics", "protocol_args", "pretrain"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"EvalResult.{name} must be a dict, got {type(getattr(self, name)).__name__}")
+        for name in ("backbone", "data"):
+            if not isinstance(getattr(self, name).get("name"), str):
+                raise ValueError(f"EvalResult.{name} needs a string 'name' entry, got {getattr(self, name)!r}")
+        self.backbone.setdefault("kwargs", {})
+        metrics = {}
+        for k, v in self.metrics.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"metric {k!r} must be a finite number, got {v!r}")
+            metrics[str(k)] = float(v)
+        self.metrics = metrics
+
+    # --------------------------------------------------------------------- labels
+    @property
+    def backbone_label(self) -> str:
+        """``name/patch`` (``vit_tiny/4``) when a patch size was given, else the name."""
+        patch = self.backbone.get("kwargs", {}).get("patch_size")
+        return f"{self.backbone['name']}/{patch}" if patch is not None else self.backbone["name"]
+
+    @property
+    def main_metric(self) -> float | None:
+        """The protocol's headline number (``MAIN_METRIC``), or ``None`` when absent."""
+        return self.metrics.get(MAIN_METRIC[self.protocol])
+
+    def summary_line(self) -> str:
+        """e.g. ``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%``."""
+        shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
+        return f"{self.protocol:<9} {self.method}  {self.backbone_label}  {self.data['name']}  {' '.join(shown)}"
+
+    # ------------------------------------------------------------------------ I/O
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "result") -> EvalResult:
+        """Build from a parsed JSON object; unknown or missing fields are errors."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; an EvalResult has {', '.join(fields)}")
+        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}")
+        try:
+            return cls(**d)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Write atomically: a temporary file in the same folder, then ``os.replace``, so a
+        reader (or a crash) never sees half a record."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # default=str: settings such as torch dtypes are recorded by name
+        text = json.dumps(self.to_dict(), indent=2, default=str) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> EvalResult:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no result file at {path}")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(d, where=str(path))

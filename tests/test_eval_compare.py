@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from ssl_vit.eval.compare import build_comparison, load_results, main
+from ssl_vit.eval.results import EvalResult
+
+BACKBONE = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}
+DATA = {"name": "fashion_mnist"}
+# (method, protocol, metrics, flops)
+RECORDS = [
+    ("dino", "knn", {"top1": 0.80, "top5": 0.99}, 2e15),
+    ("mocov3", "knn", {"top1": 0.78, "top5": 0.98}, 3e15),
+    ("supervised", "knn", {"top1": 0.85, "top5": 0.995}, 1e15),
+    ("random", "knn", {"top1": 0.70, "top5": 0.95}, None),
+    ("dino", "linear", {"top1": 0.83, "top5": 0.99}, 2e15),
+    ("supervised", "linear", {"top1": 0.88, "top5": 0.99}, 1e15),
+    ("random", "linear", {"top1": 0.72, "top5": 0.97}, None),
+    ("dino", "fewshot", {"1shot": 0.4, "5shot": 0.60, "5shot_std": 0.02}, 2e15),
+    ("random", "fewshot", {"1shot": 0.3, "5shot": 0.40, "5shot_std": 0.03}, None),
+]
+
+
+@pytest.fixture()
+def results_dir(tmp_path):
+    d = tmp_path / "results"
+    for i, (method, protocol, metrics, flops) in enumerate(RECORDS):
+        pretrain = {"flops": flops} if flops else {}
+        EvalResult(method, BACKBONE, DATA, protocol, metrics, pretrain=pretrain, created=f"2025-01-01T00:00:{i:02d}",
+                   source="random" if method == "random" else f"{method}.ckpt").to_json(d / f"{method}_{protocol}.json")
+    # an older duplicate (must lose to the newer record) and a JSON that is no result (skipped)
+    EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.10}, created="2024-01-01T00:00:00").to_json(d / "old" / "dino_knn.json")
+    (d / "config.json").write_text(json.dumps({"backbone": "vit_tiny", "img_size": 28}))
+    return d
+
+
+def test_delta_values(results_dir):
+    cmp = build_comparison(load_results([results_dir]))
+    dino, sup = ("dino", "vit_tiny/4", "fashion_mnist"), ("supervised", "vit_tiny/4", "fashion_mnist")
+    assert cmp.get(dino, "knn", "top1") == pytest.approx(0.80)
+    assert cmp.get(dino, "knn", "Δ sup") == pytest.approx(0.80 - 0.85)
+    assert cmp.get(dino, "knn", "Δ rand") == pytest.approx(0.80 - 0.70)
+    assert cmp.get(dino, "linear", "Δ sup") == pytest.approx(0.83 - 0.88)
+    assert cmp.get(dino, "fewshot", "Δ rand") == pytest.approx(0.60 - 0.40)  # main few-shot metric: 5-shot
+    assert ("fewshot", "Δ sup") not in cmp.columns  # no supervised few-shot record
+    assert cmp.get(("mocov3", "vit_tiny/4", "fashion_mnist"), "linear", "top1") is None
+    assert cmp.get(sup, "knn", "Δ sup") == pytest.approx(0.0)
+    assert ("fewshot", "5shot_std") not in cmp.columns
+    assert [r[0] for r in cmp.rows] == ["dino", "mocov3", "supervised", "random"]
+
+
+def test_main_writes_report_and_figures(results_dir, tmp_path, capsys):
+    out = tmp_path / "report" / "report.md"
+    assert main([str(results_dir), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = text.split("\nwrote")[0].splitlines()
+    assert table[0].split()[:4] == ["method", "backbone", "linear", "top1"]
+    dino_line = next(line for line in table if line.startswith("dino "))
+    assert "-5.00" in dino_line and "+10.00" in dino_line and "80.00" in dino_line
+    assert len({len(line) for line in table[:2]}) == 1  # header and rule line up
+    md = out.read_text()
+    assert "| dino | vit_tiny/4 |" in md and "-5.00" in md and "![report_bars](report_bars.png)" in md
+    for name in ("report_bars.png", "report_compute.png"):
+        assert (out.parent / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_results([tmp_path / "nothing.json"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no result records"):
+        load_results([tmp_path / "empty"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"protocol": "knn", "metrics": {}, "method": "x"}))
+    with pytest.raises(ValueError, match="missing field"):
+        load_results([tmp_path])

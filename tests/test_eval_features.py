@@ -1,0 +1,70 @@
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ssl_vit import create_backbone
+from ssl_vit.backbones import VisionTransformer
+from ssl_vit.eval.features import extract_features, feature_dim
+
+
+@pytest.fixture(scope="module")
+def vit():
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=4, num_heads=2, drop_path_rate=0.1)
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(11, 1, 16, 16, generator=g), torch.arange(11) % 3
+
+
+def test_modes_shapes_and_values(vit, data):
+    x, y = data
+    ds = TensorDataset(x, y)
+    with torch.no_grad():
+        vit.eval()
+        tokens = vit.forward_features(x)  # [11, 17, 32]
+        # reference for last4: run the blocks by hand, keep the normed [CLS] of the last 4
+        h, outs = vit.prepare_tokens(x), []
+        for blk in vit.blocks:
+            h, _ = blk(h)
+            outs.append(vit.norm(h)[:, 0])
+    vit.train()  # drop path is on: features computed in train mode would differ
+    for mode, width, expected in (
+        ("cls", 32, tokens[:, 0]),
+        ("last4", 128, torch.cat(outs[-4:], dim=1)),
+        ("avg", 32, tokens[:, 1:].mean(dim=1)),
+    ):
+        f, labels = extract_features(vit, ds, mode=mode, batch_size=4)  # 4 does not divide 11
+        assert f.shape == (11, width) == (11, feature_dim(vit, mode)) and f.dtype == torch.float32
+        assert torch.equal(labels, y)
+        torch.testing.assert_close(f, expected, rtol=1e-5, atol=1e-5)
+    assert vit.training, "extract_features must restore the training flag"
+
+
+def test_dataloader_input_and_gather_hook(vit, data):
+    x, y = data
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    calls = []
+
+    def gather(t):  # pretend two processes returned the same shard
+        calls.append(t.shape[0])
+        return torch.cat([t, t])
+
+    f, labels = extract_features(vit, loader, gather=gather)
+    assert calls == [11, 11] and f.shape == (22, 32) and torch.equal(labels, torch.cat([y, y]))
+    f16, _ = extract_features(vit, loader, autocast_dtype=torch.bfloat16)
+    assert f16.dtype == torch.float32 and torch.allclose(f16, f[:11], atol=0.1)
+
+
+def test_resnet_only_has_pooled_features(data):
+    x, y = data
+    net = create_backbone("resnet18", in_chans=1, small_input=True, img_size=16)
+    f, _ = extract_features(net, TensorDataset(x[:4], y[:4]))
+    assert f.shape == (4, 512)
+    for mode in ("last4", "avg"):
+        with pytest.raises(ValueError, match="mode='cls'"):
+            extract_features(net, TensorDataset(x, y), mode=mode)
+    with pytest.raises(ValueError, match="unknown feature mode"):
+        extract_features(net, TensorDataset(x, y), mode="mean")

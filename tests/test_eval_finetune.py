@@ -1,0 +1,105 @@
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.ops import StochasticDepth
+
+from ssl_vit import create_backbone
+from ssl_vit.backbones import VisionTransformer
+from ssl_vit.eval.finetune import (
+    FineTuneModule,
+    param_groups_layer_decay,
+    run_finetune,
+    set_drop_path,
+)
+
+# lightning internals, not ours
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*")
+
+
+def tiny_vit(depth: int = 2) -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=depth, num_heads=2)
+
+
+def test_layer_ids_scales_and_weight_decay_for_a_tiny_vit():
+    vit = tiny_vit(depth=2)
+    head = torch.nn.Linear(32, 3)
+    groups = param_groups_layer_decay(vit, head, lr=1.0, weight_decay=0.05, layer_decay=0.5)
+    seen = {}
+    for g in groups:
+        for name in g["names"]:
+            assert name not in seen
+            seen[name] = (g["layer_id"], g["lr"], g["weight_decay"])
+    # depth 2: ids 0 (embeddings), 1-2 (blocks), 3 (final norm, head); lr = 0.5 ** (3 - id)
+    expected = {
+        "cls_token": (0, 0.125, 0.0),
+        "pos_embed": (0, 0.125, 0.0),
+        "patch_embed.proj.weight": (0, 0.125, 0.05),
+        "patch_embed.proj.bias": (0, 0.125, 0.0),
+        "blocks.0.norm1.weight": (1, 0.25, 0.0),
+        "blocks.0.attn.qkv.weight": (1, 0.25, 0.05),
+        "blocks.0.mlp.fc2.bias": (1, 0.25, 0.0),
+        "blocks.1.attn.proj.weight": (2, 0.5, 0.05),
+        "blocks.1.norm2.bias": (2, 0.5, 0.0),
+        "norm.weight": (3, 1.0, 0.0),
+        "head.weight": (3, 1.0, 0.05),
+        "head.bias": (3, 1.0, 0.0),
+    }
+    for name, value in expected.items():
+        assert seen[name] == value, name
+    assert len(seen) == len(list(vit.parameters())) + 2
+
+
+def test_resnet_layer_ids_follow_stages():
+    net = create_backbone("resnet18", in_chans=1, small_input=True)
+    groups = param_groups_layer_decay(net, None, lr=1.0, weight_decay=0.0, layer_decay=0.5)
+    ids = {n: g["layer_id"] for g in groups for n in g["names"]}
+    assert ids["conv1.weight"] == 0 and ids["bn1.weight"] == 0
+    assert ids["layer1.0.conv1.weight"] == 1 and ids["layer4.1.bn2.bias"] == 4
+    assert {g["layer_id"]: g["lr"] for g in groups}[1] == 0.5**4
+    with pytest.raises(ValueError, match="no blocks|none"):
+        set_drop_path(net, 0.1)
+
+
+def test_drop_path_increases_linearly():
+    vit = tiny_vit(depth=3)
+    set_drop_path(vit, 0.2)
+    assert isinstance(vit.blocks[0].drop_path, torch.nn.Identity)
+    assert [vit.blocks[i].drop_path.p for i in (1, 2)] == pytest.approx([0.1, 0.2])
+    assert all(isinstance(vit.blocks[i].drop_path, StochasticDepth) for i in (1, 2))
+
+
+def _data(n: int = 16, size: int = 16):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1, size, size, generator=g), torch.arange(n) % 3)
+
+
+def test_two_steps_change_weights_and_lr_groups_follow_the_decay():
+    vit = tiny_vit(depth=2)
+    before = {n: p.detach().clone() for n, p in vit.named_parameters()}
+    module = FineTuneModule(vit, 3, base_lr=1e-2, batch_size=8, layer_decay=0.5, warmup_epochs=0, drop_path_rate=0.1)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu")
+    trainer.fit(module, DataLoader(_data(), batch_size=8))
+    changed = [n for n, p in vit.named_parameters() if not torch.equal(p, before[n])]
+    assert "blocks.0.attn.qkv.weight" in changed and "patch_embed.proj.weight" in changed
+    # peak LR 1e-2 * 8 / 256 for the head; the scheduler (LambdaLR) multiplies each group's own
+    # initial LR by one factor, so the groups keep the ratios decay ** (3 - id)
+    groups = trainer.optimizers[0].param_groups
+    assert {g["layer_id"] for g in groups} == {0, 1, 2, 3}
+    for g in groups:
+        assert g["initial_lr"] == pytest.approx(1e-2 * 8 / 256 * 0.5 ** (3 - g["layer_id"]))
+    assert vit.blocks[1].drop_path.p == pytest.approx(0.1)
+
+
+def test_run_finetune_with_mixup_cutmix_and_new_resolution():
+    vit = tiny_vit(depth=2)
+    old = vit.pos_embed.detach().clone()  # [1, 1 + 16, 32]
+    metrics = run_finetune(
+        vit, _data(size=24), _data(8, size=24), num_classes=3, epochs=1, batch_size=8, max_steps=2,
+        accelerator="cpu", img_size=24, mixup_alpha=0.8, cutmix_alpha=1.0,
+    )
+    assert set(metrics) == {"top1"} and 0.0 <= metrics["top1"] <= 1.0
+    assert vit.pos_embed.shape == (1, 1 + 36, 32) and vit.grid_size == (6, 6)
+    assert torch.allclose(vit.pos_embed[:, 0], old[:, 0], atol=1e-3)  # [CLS] entry is carried over
