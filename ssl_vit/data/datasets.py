@@ -1,0 +1,177 @@
+"""Dataset building blocks shared by the datamodules.
+
+* ``InMemoryImages`` — a whole dataset as one uint8 tensor (cheap to hand to workers).
+* ``ImageFiles``     — images decoded from files; unreadable ones are skipped, logged and counted.
+* ``TransformedDataset`` — applies a view transform (training) or the evaluation transform,
+  converts channels and normalises; what the dataloaders and evaluators iterate over.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ssl_vit.data.augment import to_pil
+
+log = logging.getLogger(__name__)
+
+# A file that fails to decode is replaced by another sample; give up (it is not a few bad files
+# but a broken dataset) after this many failures in a row.
+_MAX_CONSECUTIVE_FAILURES = 100
+
+
+class InMemoryImages(Dataset):
+    """uint8 images ``[N, H, W]`` (grey) or ``[N, H, W, 3]`` (RGB) with int64 labels ``[N]``
+    (-1 where unlabelled). Items are ``(PIL image, label)``.
+
+    One contiguous tensor pickles to DataLoader workers as a single buffer (or is shared by fork)
+    instead of N Python objects.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        if images.dtype != torch.uint8:
+            raise TypeError(f"images must be a uint8 tensor, got {images.dtype}")
+        if images.ndim == 4 and images.shape[-1] == 1:
+            images = images[..., 0]
+        if not (images.ndim == 3 or (images.ndim == 4 and images.shape[-1] == 3)):
+            raise ValueError(f"images must be [N, H, W] or [N, H, W, 3], got {tuple(images.shape)}")
+        if labels is None:
+            labels = torch.full((len(images),), -1, dtype=torch.long)
+        labels = torch.as_tensor(labels, dtype=torch.long)
+        if labels.shape != (len(images),):
+            raise ValueError(f"{len(images)} images but labels of shape {tuple(labels.shape)}")
+        self.images = images.contiguous()
+        self.labels = labels
+        self.mode = "L" if images.ndim == 3 else "RGB"
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        return Image.fromarray(self.images[index].numpy(), self.mode), int(self.labels[index])
+
+    def subset(self, indices: torch.Tensor) -> InMemoryImages:
+        # A compact copy, so workers receive only the subset.
+        return InMemoryImages(self.images[indices], self.labels[indices])
+
+    @property
+    def num_skipped(self) -> int:
+        return 0
+
+    @property
+    def skipped_paths(self) -> list[str]:
+        return []
+
+
+class ImageFiles(Dataset):
+    """Images read from files, items ``(PIL image, label)`` (label -1 when unlabelled).
+
+    A file that cannot be decoded (corrupt, truncated, not an image) is logged once with its path,
+    marked, and replaced by a random other sample, so a few bad files never stop a run. The marks
+    live in a shared-memory tensor, so ``num_skipped`` / ``skipped_paths`` read in the main
+    process include what the DataLoader workers found.
+    """
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int] | None = None) -> None:
+        if len(paths) == 0:
+            raise ValueError("ImageFiles needs at least one file")
+        self.paths = list(paths)
+        if labels is None:
+            self.labels = torch.full((len(self.paths),), -1, dtype=torch.long)
+        else:
+            if len(labels) != len(self.paths):
+                raise ValueError(f"{len(self.paths)} files but {len(labels)} labels")
+            self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self._bad = torch.zeros(len(self.paths), dtype=torch.uint8).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def _decode(self, path: str) -> Image.Image:
+        # load() raises OSError on truncated data (unless PIL.ImageFile.LOAD_TRUNCATED_IMAGES was
+        # switched on, in which case the missing part comes back grey, as the user asked).
+        with Image.open(path) as img:
+            img.load()
+            return to_pil(img)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        for _ in range(_MAX_CONSECUTIVE_FAILURES):
+            if not self._bad[index]:
+                path = self.paths[index]
+                try:
+                    return self._decode(path), int(self.labels[index])
+                except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+                    self._bad[index] = 1
+                    log.warning("skipping unreadable image %s (%s: %s)", path, type(err).__name__, err)
+            index = random.randrange(len(self.paths))
+        raise RuntimeError(
+            f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row ({self.num_skipped} of "
+            f"{len(self)} marked so far, e.g. {self.skipped_paths[:3]}); the dataset looks broken"
+        )
+
+    def subset(self, indices: torch.Tensor) -> ImageFiles:
+        idx = indices.tolist()
+        return ImageFiles([self.paths[i] for i in idx], self.labels[indices].tolist())
+
+    @property
+    def num_skipped(self) -> int:
+        """Number of files found unreadable so far (in this process and its workers)."""
+        return int(self._bad.sum())
+
+    @property
+    def skipped_paths(self) -> list[str]:
+        return [self.paths[i] for i in self._bad.nonzero().flatten().tolist()]
+
+
+class TransformedDataset(Dataset):
+    """``source`` items ``(PIL image, label)`` -> ``(views, label)`` or ``(image, label)``.
+
+    ``transform`` returns un-normalised float tensors in [0, 1]: a list of views (``multi_view``)
+    or one tensor. Here the image is converted to ``in_chans`` (RGB -> grey by luma before the
+    transform; grey -> RGB by repeating the channel after it, which is the same result at a third
+    of the cost since colour jitter does nothing to grey pixels) and normalised with mean/std.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        transform: Callable[[Image.Image], Any],
+        mean: Sequence[float],
+        std: Sequence[float],
+        in_chans: int,
+        multi_view: bool,
+    ) -> None:
+        if in_chans not in (1, 3):
+            raise ValueError(f"in_chans must be 1 or 3, got {in_chans}")
+        if len(mean) != in_chans or len(std) != in_chans:
+            raise ValueError(f"mean/std need {in_chans} values, got {list(mean)} / {list(std)}")
+        self.source = source
+        self.transform = transform
+        self.in_chans = in_chans
+        self.multi_view = multi_view
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)  # [C, 1, 1]
+        self.inv_std = 1.0 / torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)  # [C, 1, 1]
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [c, H, W] in [0, 1] with c = 1 or in_chans
+        if x.shape[0] != self.in_chans:
+            x = x.expand(self.in_chans, -1, -1)
+        return (x - self.mean) * self.inv_std  # [C, H, W]
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        img, label = self.source[index]
+        if self.in_chans == 1 and img.mode != "L":
+            img = img.convert("L")
+        out = self.transform(img)
+        if self.multi_view:
+            return [self._normalise(v) for v in out], label
+        return self._normalise(out), label

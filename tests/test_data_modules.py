@@ -1,0 +1,326 @@
+"""Datamodules: batch contract, normalisation, channels, subsets, data sources and their errors."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ssl_vit.data import (
+    CIFAR10DataModule,
+    FashionMNISTDataModule,
+    ImageFolderDataModule,
+    MultiCrop,
+    SingleView,
+    STL10DataModule,
+    SyntheticDataModule,
+    TwoViews,
+)
+from ssl_vit.data.fashion_mnist import DEBIAN_DIR
+
+FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
+
+
+def _synthetic(**kwargs) -> SyntheticDataModule:
+    args = dict(num_samples=32, num_test_samples=16, num_classes=4, img_size=16, in_chans=1,
+                batch_size=8, num_workers=0)
+    args.update(kwargs)
+    return SyntheticDataModule(**args)
+
+
+def _write_pngs(directory: Path, values: list[int | tuple[int, int, int]], size: int = 20) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, value in enumerate(values):
+        mode = "L" if isinstance(value, int) else "RGB"
+        Image.new(mode, (size, size), value).save(directory / f"img{i}.png")
+
+
+# -- batch structure ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "views, sizes",
+    [
+        (SingleView(), [16]),
+        (TwoViews(), [16, 16]),
+        (MultiCrop(local_size=8, n_local=3), [16, 16, 8, 8, 8]),
+    ],
+)
+def test_training_batch_structure(views, sizes):
+    dm = _synthetic(views=views)
+    views_b, labels = next(iter(dm.train_dataloader()))
+    assert isinstance(views_b, list) and [v.shape[-1] for v in views_b] == sizes
+    assert all(tuple(v.shape[:2]) == (8, 1) and v.dtype == torch.float32 for v in views_b)
+    assert labels.dtype == torch.long and labels.shape == (8,)
+    images, labels = next(iter(dm.val_dataloader()))
+    assert tuple(images.shape) == (8, 1, 16, 16) and labels.dtype == torch.long
+
+
+def test_normalisation_is_applied_to_every_view(tmp_path):
+    # Constant images c: every view (crops, flips, blur and grey jitter-free ops keep it constant)
+    # and the evaluation images must equal (c / 255 - mean) / std.
+    _write_pngs(tmp_path / "flat", [100] * 4)
+    views = MultiCrop(local_size=8, n_local=2, jitter_p=0.0, solarize_p=0.0)
+    dm = ImageFolderDataModule(str(tmp_path / "flat"), views=views, img_size=16, in_chans=1,
+                               mean=(0.3,), std=(0.2,), batch_size=4, num_workers=0)
+    expected = (100 / 255 - 0.3) / 0.2
+    views_b, labels = next(iter(dm.train_dataloader()))
+    for v in views_b:
+        torch.testing.assert_close(v, torch.full_like(v, expected), atol=1e-5, rtol=0)
+    assert labels.tolist() == [-1] * 4
+    train_eval, _ = dm.eval_datasets()
+    image, _ = train_eval[0]
+    torch.testing.assert_close(image, torch.full((1, 16, 16), expected), atol=1e-5, rtol=0)
+
+
+def test_channel_conversion_both_ways(tmp_path):
+    # Grey -> 3 channels: the grey value repeated, normalised per channel.
+    _write_pngs(tmp_path / "grey", [60, 60])
+    dm = ImageFolderDataModule(str(tmp_path / "grey"), views=SingleView(augment=False), img_size=20,
+                               in_chans=3, mean=(0.1, 0.2, 0.3), std=(0.5, 0.5, 0.5), num_workers=0)
+    image, _ = dm.eval_datasets()[0][0]
+    assert image.shape == (3, 20, 20)
+    for c, m in enumerate((0.1, 0.2, 0.3)):
+        assert image[c].allclose(torch.tensor((60 / 255 - m) / 0.5))
+    # ... also for augmented training views (grey Fashion-MNIST-like data, 3 channels asked for).
+    _write_fake_fmnist(tmp_path / "fmnist")
+    dm = FashionMNISTDataModule(root=str(tmp_path / "fmnist"), download=False, views=TwoViews(), in_chans=3,
+                                num_workers=0)
+    views, _ = dm.train_dataset[0]
+    assert [tuple(v.shape) for v in views] == [(3, 28, 28)] * 2
+    assert all(torch.equal(v[0], v[1]) and torch.equal(v[0], v[2]) for v in views)
+    # RGB -> 1 channel: ITU-R 601-2 luma, L = (299 R + 587 G + 114 B) / 1000.
+    rgb = (200, 100, 30)
+    _write_pngs(tmp_path / "rgb", [rgb, rgb])
+    dm = ImageFolderDataModule(str(tmp_path / "rgb"), img_size=20, in_chans=1, mean=(0.0,), std=(1.0,),
+                               num_workers=0)
+    luma = (299 * rgb[0] + 587 * rgb[1] + 114 * rgb[2]) / 1000
+    image, _ = dm.eval_datasets()[0][0]
+    assert image.shape == (1, 20, 20)
+    assert abs(float(image.mean()) * 255 - luma) <= 0.5 + 1e-4
+    views, _ = dm.train_dataset[0]
+    assert views[0].shape == (1, 20, 20)
+    # Default statistics follow the channel choice.
+    assert FashionMNISTDataModule(in_chans=3).mean == (FMNIST_MEAN,) * 3
+    assert CIFAR10DataModule(in_chans=1).mean == pytest.approx((0.299 * 0.4914 + 0.587 * 0.4822 + 0.114 * 0.4465,))
+
+
+def test_subset_size_and_determinism(tmp_path):
+    train = torch.from_numpy(_write_fake_fmnist(tmp_path, n_train=40))
+
+    def subset_images(seed: int, size: int = 10) -> torch.Tensor:
+        dm = FashionMNISTDataModule(root=str(tmp_path), download=False, subset=size, seed=seed, num_workers=0)
+        assert len(dm.train_dataset) == size and len(dm.eval_datasets()[0]) == size
+        return dm._train_source.images
+
+    a, b, c = subset_images(1), subset_images(1), subset_images(2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # Every subset image is a distinct training image.
+    matches = [(train.flatten(1) == img.flatten()).all(1).nonzero().flatten().tolist() for img in a]
+    assert all(len(m) == 1 for m in matches) and len({m[0] for m in matches}) == 10
+    with pytest.raises(ValueError, match="subset=100 exceeds"):
+        subset_images(0, size=100)
+
+
+def test_synthetic_is_deterministic_and_learnable():
+    a, b = _synthetic(seed=3), _synthetic(seed=3)
+    a.setup(), b.setup()
+    assert torch.equal(a._train_source.images, b._train_source.images)
+    assert torch.equal(a._train_source.labels, b._train_source.labels)
+    other = _synthetic(seed=4)
+    other.setup()
+    assert not torch.equal(a._train_source.images, other._train_source.images)
+    assert not torch.equal(a._train_source.images[:16], a._test_source.images)
+    # Classes are visually distinct: nearest class mean on raw pixels separates them.
+    dm = _synthetic(num_samples=200, num_test_samples=100, in_chans=3)
+    dm.setup()
+    x_tr, y_tr = dm._train_source.images.flatten(1).float(), dm._train_source.labels
+    x_te, y_te = dm._test_source.images.flatten(1).float(), dm._test_source.labels
+    means = torch.stack([x_tr[y_tr == k].mean(0) for k in range(4)])
+    accuracy = (torch.cdist(x_te, means).argmin(1) == y_te).float().mean()
+    assert accuracy > 0.9
+
+
+def test_drop_last_and_persistent_workers():
+    with pytest.raises(ValueError, match="fewer than batch_size"):
+        _synthetic(batch_size=64).train_dataloader()
+    dm = _synthetic(num_workers=1)
+    assert dm.train_dataloader().persistent_workers
+    assert not _synthetic().train_dataloader().persistent_workers  # needs workers
+
+
+# -- ImageFolder ----------------------------------------------------------------------------------
+
+
+def test_image_folder_with_classes_and_flat(tmp_path):
+    _write_pngs(tmp_path / "train" / "cat", [10, 20, 30])
+    _write_pngs(tmp_path / "train" / "dog", [200, 210])
+    _write_pngs(tmp_path / "val" / "dog", [220])
+    dm = ImageFolderDataModule(str(tmp_path / "train"), val_dir=str(tmp_path / "val"), img_size=16,
+                               in_chans=1, batch_size=5, num_workers=0)
+    assert dm.num_classes == 2 and dm.class_names == ["cat", "dog"]
+    _, labels = next(iter(dm.train_dataloader()))
+    assert sorted(labels.tolist()) == [0, 0, 0, 1, 1]
+    images, labels = next(iter(dm.val_dataloader()))
+    assert labels.tolist() == [1] and images.shape == (1, 1, 16, 16)
+
+    flat = ImageFolderDataModule(str(tmp_path / "train" / "cat"), img_size=16, in_chans=1, batch_size=3,
+                                 num_workers=0)
+    assert flat.num_classes is None
+    _, labels = next(iter(flat.train_dataloader()))
+    assert labels.tolist() == [-1, -1, -1]
+    assert flat.val_dataloader() == [] and flat.eval_datasets()[1] is None
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_corrupt_files_are_skipped_and_counted(tmp_path, num_workers, caplog):
+    _write_pngs(tmp_path / "imgs", [50, 60, 70, 80])
+    bad = tmp_path / "imgs" / "garbage.png"
+    bad.write_bytes(b"this is not a png" * 10)
+    good = (tmp_path / "imgs" / "img0.png").read_bytes()
+    truncated = tmp_path / "imgs" / "truncated.png"
+    truncated.write_bytes(good[: len(good) // 2])
+    dm = ImageFolderDataModule(str(tmp_path / "imgs"), img_size=16, in_chans=1, batch_size=6,
+                               drop_last=False, num_workers=num_workers)
+    loader = dm.train_dataloader()
+    for _ in range(2):  # the second epoch does not retry (or log) the marked files
+        (views,), labels = next(iter(loader))
+        assert views.shape == (6, 1, 16, 16)
+    assert dm.num_skipped == 2
+    assert sorted(dm.skipped_paths) == sorted([str(bad), str(truncated)])
+    if num_workers == 0:  # (worker processes log to their own stderr)
+        logged = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+        assert len(logged) == 2 and any(str(bad) in m for m in logged)
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ImageFolderDataModule(str(tmp_path / "missing"), num_workers=0).setup()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no images found"):
+        ImageFolderDataModule(str(tmp_path / "empty"), num_workers=0).setup()
+    (tmp_path / "empty_classes" / "a").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no images found"):
+        ImageFolderDataModule(str(tmp_path / "empty_classes"), num_workers=0).setup()
+
+
+# -- Fashion-MNIST ----------------------------------------------------------------------------
+
+
+def _idx(array: np.ndarray) -> bytes:
+    return bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+
+
+def _write_fake_fmnist(root: Path, n_train: int = 12, n_test: int = 6) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    train = rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8)
+    for prefix, images in (("train", train), ("t10k", rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8))):
+        labels = (np.arange(len(images)) % 10).astype(np.uint8)
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(_idx(images)))
+        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(labels)))
+    return train
+
+
+def test_fashion_mnist_from_root(tmp_path):
+    train = _write_fake_fmnist(tmp_path / "FashionMNIST" / "raw")  # torchvision's layout
+    dm = FashionMNISTDataModule(root=str(tmp_path), download=False, views=SingleView(augment=False),
+                                batch_size=4, num_workers=0)
+    train_eval, test = dm.eval_datasets()
+    assert len(train_eval) == 12 and len(test) == 6
+    image, label = train_eval[5]
+    expected = (torch.from_numpy(train[5]).float() / 255 - FMNIST_MEAN) / FMNIST_STD
+    torch.testing.assert_close(image[0], expected)
+    assert label == 5
+    assert (dm.img_size, dm.in_chans, dm.num_classes) == (28, 1, 10)
+
+
+def test_fashion_mnist_missing_data_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+        FashionMNISTDataModule(root=str(tmp_path), download=False, num_workers=0).setup()
+
+    # A failed download (no internet) gives the same advice plus the cause.
+    import torchvision.datasets
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(torchvision.datasets, "FashionMNIST", offline)
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist.*download failed.*no network"):
+        FashionMNISTDataModule(root=str(tmp_path), download=True, num_workers=0).prepare_data()
+
+
+@pytest.mark.skipif(not (DEBIAN_DIR / "train-images-idx3-ubyte.gz").is_file(),
+                    reason="Debian package dataset-fashion-mnist not installed")
+def test_fashion_mnist_debian_files():
+    dm = FashionMNISTDataModule(download=False, num_workers=0)
+    dm.setup()
+    train, test = dm._train_source, dm._test_source
+    assert tuple(train.images.shape) == (60000, 28, 28) and tuple(test.images.shape) == (10000, 28, 28)
+    assert set(train.labels.unique().tolist()) == set(range(10))
+    assert torch.bincount(test.labels).tolist() == [1000] * 10
+    # The hard-coded statistics are the training pixels' (to the 4 digits written).
+    pixels = train.images.double() / 255
+    assert abs(float(pixels.mean()) - FMNIST_MEAN) < 1e-4
+    assert abs(float(pixels.std()) - FMNIST_STD) < 1e-4
+
+
+# -- torchvision-backed datasets --------------------------------------------------------------
+
+
+def test_cifar_and_stl_missing_data_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="CIFAR-10 not found.*download=True"):
+        CIFAR10DataModule(root=str(tmp_path), download=False, num_workers=0).setup()
+    with pytest.raises(FileNotFoundError, match="STL-10 not found"):
+        STL10DataModule(root=str(tmp_path), download=False, num_workers=0).setup()
+    with pytest.raises(ValueError, match="train_split"):
+        STL10DataModule(train_split="everything")
+
+
+def test_cifar10_from_fake_batches(tmp_path, monkeypatch):
+    # torchvision's on-disk format: pickled dicts with 'data' [n, 3072] (R plane, G plane, B plane)
+    # and 'labels'; md5 checks are bypassed for the fake files.
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda *args, **kwargs: True)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    red = np.concatenate([np.full(1024, 255), np.zeros(2048)]).astype(np.uint8)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": np.stack([red, red]), "labels": [3, 7]}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"c{i}" for i in range(10)]}, f)
+    dm = CIFAR10DataModule(root=str(tmp_path), download=False, mean=(0.0,), std=(1.0,), num_workers=0,
+                           batch_size=2)
+    train_eval, test = dm.eval_datasets()
+    assert len(train_eval) == 10 and len(test) == 2
+    image, label = test[1]
+    assert image.shape == (3, 32, 32) and label == 7
+    assert image[0].min() == 1.0 and image[1:].max() == 0.0  # red stays in channel 0
+    views, labels = next(iter(dm.train_dataloader()))
+    assert views[0].shape == (2, 3, 32, 32) and set(labels.tolist()) <= {3, 7}
+
+
+def test_datamodule_is_configurable_by_class_path():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(FashionMNISTDataModule, "data")
+    cfg = parser.parse_object({
+        "data": {
+            "class_path": "ssl_vit.data.FashionMNISTDataModule",
+            "init_args": {"batch_size": 16, "views": {"class_path": "ssl_vit.data.MultiCrop",
+                                                      "init_args": {"n_local": 10}}},
+        }
+    })
+    dm = parser.instantiate(cfg).data
+    assert isinstance(dm.views, MultiCrop) and dm.views.n_local == 10 and dm.views.global_size == 28
+    assert dm.batch_size == 16 and dm.img_size == 28

@@ -1,0 +1,203 @@
+"""View transforms, augmentation primitives, the IDX reader and the throughput helper."""
+
+from __future__ import annotations
+
+import gzip
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+from PIL import Image
+
+from ssl_vit.data import (
+    EvalTransform,
+    MultiCrop,
+    SingleView,
+    TwoViews,
+    lightly_dino_transform,
+    read_idx,
+    read_idx_images_labels,
+    views_per_second,
+)
+from ssl_vit.data.augment import adjust_hue, to_pil
+
+
+def _rgb_image(size: int = 32, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
+
+
+def _grey_image(size: int = 28, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size), dtype=np.uint8), "L")
+
+
+# -- IDX ------------------------------------------------------------------------------------
+
+
+def _idx_bytes(array: np.ndarray) -> bytes:
+    # Written out by hand from the format description: 0x00 0x00, type 0x08 (ubyte), ndim, sizes.
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_idx_reader_on_tiny_files(tmp_path, compress):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (5, 4, 3), dtype=np.uint8)
+    labels = np.array([3, 1, 4, 1, 5], dtype=np.uint8)
+    suffix = ".gz" if compress else ""
+    write = gzip.compress if compress else (lambda b: b)
+    (tmp_path / f"img{suffix}").write_bytes(write(_idx_bytes(images)))
+    (tmp_path / f"lab{suffix}").write_bytes(write(_idx_bytes(labels)))
+    got = read_idx(tmp_path / f"img{suffix}")
+    assert got.shape == (5, 4, 3) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, images)
+    imgs, labs = read_idx_images_labels(tmp_path / f"img{suffix}", tmp_path / f"lab{suffix}")
+    np.testing.assert_array_equal(labs, labels.astype(np.int64))
+    assert labs.dtype == np.int64
+
+
+def test_idx_reader_rejects_bad_files(tmp_path):
+    good = _idx_bytes(np.zeros((2, 3, 3), dtype=np.uint8))
+    (tmp_path / "bad_magic").write_bytes(b"\x12\x34" + good[2:])
+    with pytest.raises(ValueError, match="magic"):
+        read_idx(tmp_path / "bad_magic")
+    (tmp_path / "truncated").write_bytes(good[:-4])
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(tmp_path / "truncated")
+    (tmp_path / "labels").write_bytes(_idx_bytes(np.zeros(4, dtype=np.uint8)))
+    with pytest.raises(ValueError, match="dimensions"):
+        read_idx(tmp_path / "labels", expected_ndim=3)
+    (tmp_path / "broken.gz").write_bytes(gzip.compress(good)[:20])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        read_idx(tmp_path / "broken.gz")
+    (tmp_path / "img").write_bytes(good)
+    with pytest.raises(ValueError, match="2 images but .* 4 labels"):
+        read_idx_images_labels(tmp_path / "img", tmp_path / "labels")
+
+
+# -- view transforms --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_image", [_grey_image, _rgb_image])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_multicrop_views(make_image, as_tensor):
+    img = make_image(28)
+    chans = 1 if img.mode == "L" else 3
+    if as_tensor:
+        arr = np.asarray(img)
+        img = torch.from_numpy((arr[None] if chans == 1 else arr.transpose(2, 0, 1)).copy())
+    views = MultiCrop(global_size=28, local_size=12, n_local=5)(img)
+    assert len(views) == 7
+    assert [tuple(v.shape) for v in views] == [(chans, 28, 28)] * 2 + [(chans, 12, 12)] * 5
+    for v in views:
+        assert v.dtype == torch.float32 and v.min() >= 0 and v.max() <= 1
+
+
+def test_multicrop_defaults_follow_dino():
+    mc = MultiCrop().with_img_size(224)
+    assert (mc.global_size, mc.resolved_local_size, mc.n_local, mc.n_global) == (224, 96, 8, 2)
+    assert mc.num_views == 10
+    assert MultiCrop(global_size=28).resolved_local_size == 12
+    # blur sigma (0.1, 2.0) px at 224 px (DINO), scaled with the resolution.
+    assert mc._get_recipes()[0].blur_sigma == pytest.approx((0.1, 2.0))
+    assert MultiCrop(global_size=28)._get_recipes()[0].blur_sigma == pytest.approx((0.0125, 0.25))
+    probs = [(r.blur_p, r.solarize_p) for r in mc._get_recipes()]
+    assert probs[:3] == [(1.0, 0.0), (0.1, 0.2), (0.5, 0.0)]
+
+
+def test_two_views_and_single_view_shapes():
+    img = _rgb_image(40)
+    views = TwoViews(size=32)(img)
+    assert [tuple(v.shape) for v in views] == [(3, 32, 32)] * 2
+    recipes = TwoViews(size=32)._get_recipes()
+    assert [(r.blur_p, r.solarize_p) for r in recipes] == [(1.0, 0.0), (0.1, 0.2)]  # MoCo v3's asymmetry
+    assert [tuple(v.shape) for v in SingleView(size=24)(img)] == [(3, 24, 24)]
+
+
+def test_single_view_without_augmentation_is_identity_at_size():
+    img = _grey_image(28)
+    (view,) = SingleView(size=28, augment=False)(img)
+    expected = torch.from_numpy(np.asarray(img).astype(np.float32) / 255.0)[None]
+    torch.testing.assert_close(view, expected)
+
+
+def test_views_on_grey_images_never_colourise():
+    # Colour jitter and grayscale on grey input (both as "L" and as equal RGB channels).
+    random.seed(0)
+    grey = _grey_image(28)
+    for _ in range(20):
+        for v in TwoViews(size=28)(grey):
+            assert v.shape[0] == 1
+    # As RGB, grey stays grey up to the hue table's rounding (1 level, amplified by at most
+    # contrast x brightness x saturation); a real hue error would be tens of levels.
+    grey_rgb = grey.convert("RGB")
+    spread = np.ptp(np.asarray(adjust_hue(grey_rgb, 0.1)).astype(int), axis=-1)
+    assert spread.max() <= 1
+    for _ in range(20):
+        for v in TwoViews(size=28, jitter_p=1.0)(grey_rgb):
+            assert v.shape[0] == 3
+            assert (v.max(0).values - v.min(0).values).max() <= 4 / 255
+
+
+def test_solarize_and_float_conversion_exact():
+    # A constant image through crops/flips stays constant; solarisation maps v >= 128 to 255 - v.
+    img = Image.new("L", (28, 28), 200)
+    mc = MultiCrop(global_size=28, n_local=1, jitter_p=0.0, blur_p=(0.0, 0.0, 0.0), solarize_p=1.0)
+    v1, v2, local = mc(img)
+    torch.testing.assert_close(v1, torch.full_like(v1, 200 / 255))
+    torch.testing.assert_close(v2, torch.full_like(v2, 55 / 255))
+    torch.testing.assert_close(local, torch.full_like(local, 200 / 255))
+
+
+def test_hue_shift_matches_torchvision():
+    # Reference: torchvision's float adjust_hue, with the shift rounded to 1/255 turn as ours is.
+    img = _rgb_image(48, seed=3)
+    x = torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy()).float() / 255
+    for shift in (-0.1, -0.03, 0.05, 0.1, 0.4):
+        ref = TF.adjust_hue(x, round(shift * 255) / 255) * 255
+        got = torch.from_numpy(np.asarray(adjust_hue(img, shift)).transpose(2, 0, 1).copy()).float()
+        diff = (ref - got).abs()
+        assert diff.mean() < 1.0 and diff.max() <= 6.0, (shift, diff.mean(), diff.max())
+    assert adjust_hue(img, 0.0) is img
+
+
+def test_size_binding_and_errors():
+    with pytest.raises(ValueError, match="global_size is not set"):
+        MultiCrop()(_grey_image())
+    with pytest.raises(ValueError, match="img_size=28"):
+        MultiCrop(global_size=32).with_img_size(28)
+    assert TwoViews().with_img_size(28).size == 28
+    with pytest.raises(ValueError, match="probability"):
+        TwoViews(size=28, jitter_p=1.5)
+    with pytest.raises(ValueError, match="scale"):
+        SingleView(scale=(0.5, 0.2))
+    with pytest.raises(TypeError, match="uint8"):
+        to_pil(torch.rand(3, 8, 8))
+
+
+def test_eval_transform_resize_and_centre_crop_matches_torchvision():
+    # Reference: torchvision's Resize(short side) + CenterCrop on the same PIL image.
+    img = _rgb_image(64).resize((60, 40))
+    out = EvalTransform(16, crop_pct=0.875)(img)  # short side -> floor(16 / 0.875) = 18
+    ref = TF.center_crop(TF.resize(img, 18, interpolation=TF.InterpolationMode.BICUBIC), [16, 16])
+    expected = torch.from_numpy(np.asarray(ref).transpose(2, 0, 1).copy()).float() / 255
+    torch.testing.assert_close(out, expected)
+    same = _grey_image(16)
+    expected = torch.from_numpy(np.array(same, dtype=np.float32)) / 255
+    torch.testing.assert_close(EvalTransform(16)(same)[0], expected)
+
+
+def test_bench_helpers_run():
+    images = [_grey_image(28, seed=i) for i in range(3)]
+    ours = MultiCrop(global_size=28, local_size=12, n_local=2)
+    assert views_per_second(ours, images, 4) > 0
+    theirs = lightly_dino_transform(ours)
+    out = theirs(images[0])
+    assert len(out) == 4 and tuple(out[2].shape) == (1, 12, 12)
+    with pytest.raises(ValueError):
+        views_per_second(ours, [], 1)
