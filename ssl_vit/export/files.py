@@ -1,0 +1,204 @@
+"""Reading weight files with one-line errors, and writing files atomically.
+
+Every reader names the file and what was expected when it fails, because "KeyError: '101'" (what
+``torch.load`` says about a text file) or a 20-line pickling explanation helps nobody. Every writer
+goes through a temporary file in the target's folder, ``fsync`` and ``os.replace``, so an export
+folder never holds half a file, even when the job is killed mid-write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+EXPECTED = (
+    "a pretraining checkpoint (.ckpt written by `ssl-vit fit`), an export directory "
+    "(config.json + model.safetensors) or a state dict (.safetensors / .pt / .pth)"
+)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def one_line(err: BaseException | str, limit: int = 200) -> str:
+    """The first line of an error message, without terminal colour codes."""
+    text = _ANSI.sub("", str(err)).strip()
+    first = text.splitlines()[0].strip() if text else type(err).__name__
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------ reading
+def sniff(path: Path) -> str:
+    """What a file holds, judged from its first bytes: ``zip`` (``torch.save``), ``pickle``
+    (legacy ``torch.save``), ``safetensors``, ``empty``, ``text`` or ``unknown``."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    size = path.stat().st_size
+    if not head:
+        return "empty"
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    if head[0] == 0x80:  # pickle protocol marker
+        return "pickle"
+    # safetensors: little-endian u64 header length, then the JSON header (safetensors format spec)
+    if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size:
+        return "safetensors"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "unknown"
+    return "unknown" if "\x00" in text else "text"
+
+
+def check_exists(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory; expected {EXPECTED}")
+
+
+def read_torch_file(path: Path, map_location: Any = "cpu", weights_only: bool | None = None) -> Any:
+    """``torch.load`` with clear errors.
+
+    ``weights_only=None`` tries the safe loader first and falls back to full unpickling (with a
+    warning) only for files that hold Python objects besides tensors, as some Lightning and
+    official research checkpoints do (argparse namespaces). ``True`` never unpickles code.
+    """
+    kind = sniff(path)
+    if kind in ("empty", "text", "unknown", "safetensors"):
+        what = {"empty": "an empty file", "text": "a text file", "unknown": "not a PyTorch file"}.get(kind, "a safetensors file")
+        raise ValueError(f"{path}: {what}; expected {EXPECTED}")
+    try:
+        if weights_only is not False:
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower():
+            raise ValueError(f"{path}: corrupt PyTorch file ({one_line(err)}); expected {EXPECTED}") from None
+        if weights_only:
+            raise ValueError(
+                f"{path}: holds Python objects besides tensors, which weights_only=True refuses to unpickle "
+                "(load it with weights_only=False if you trust the file)"
+            ) from None
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as err:
+        raise ValueError(
+            f"{path}: cannot be read as a PyTorch file, it is probably truncated or corrupt ({one_line(err)}); "
+            f"expected {EXPECTED}"
+        ) from None
+    if weights_only is None:
+        warnings.warn(
+            f"{path} holds Python objects besides tensors; loading it with full unpickling "
+            "(weights_only=False). Only do this with files you trust.",
+            stacklevel=3,
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as err:  # unpickling can fail in any way (missing modules, corrupt data)
+        raise ValueError(f"{path}: cannot be unpickled ({one_line(err)}); expected {EXPECTED}") from None
+
+
+def read_safetensors(path: Path, device: str = "cpu") -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file, probably truncated or corrupt ({one_line(err)})") from None
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({one_line(err)})") from None
+
+
+# ------------------------------------------------------------------------------------ writing
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return str(value)  # dtypes, enums, namespaces: recorded by name
+
+
+def _default_permissions(path: Path) -> None:
+    # mkstemp creates 0600 files; give them what a plain open() would (0666 minus the umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a temporary path beside ``path``, fsync it and rename it over
+    ``path``. A reader (or a crash) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        _default_permissions(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def atomic_write_json(path: Path, obj: Any) -> Path:
+    text = json.dumps(obj, indent=2, default=_jsonable) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def save_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """Tensors to ``path`` in safetensors format (contiguous CPU copies; ``format: pt`` metadata,
+    which timm and Hugging Face loaders expect)."""
+    from safetensors.torch import save
+
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return atomic_write_bytes(path, save(flat, metadata={"format": "pt", **(metadata or {})}))
+
+
+@contextmanager
+def staging_dir(out_dir: Path) -> Iterator[Path]:
+    """A temporary folder inside ``out_dir`` for writers that need a real path (TorchScript,
+    ONNX): files are checked there and then moved into place with :func:`publish`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
+    try:
+        yield tmp
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+
+def publish(staged: Path, out_dir: Path) -> list[Path]:
+    """fsync every file of a staging folder and rename it into ``out_dir`` (one ``os.replace``
+    per file; the ONNX weights file, if any, keeps its relative name)."""
+    moved = []
+    for f in sorted(staged.iterdir()):
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+        _default_permissions(f)
+        os.replace(f, out_dir / f.name)
+        moved.append(out_dir / f.name)
+    return moved

@@ -1,0 +1,99 @@
+"""``ssl-vit export SOURCE --out DIR``: the backbone of a checkpoint as an export folder.
+
+SOURCE is a pretraining checkpoint (``.ckpt`` from ``ssl-vit fit``), an export folder, or a bare
+state dict (ours, timm's, an official DINO / MoCo v3 checkpoint; then ``--backbone`` and
+``--backbone-kwargs`` name the architecture). The folder gets ``model.safetensors`` (timm keys for
+ViTs, torchvision keys for ResNets), ``config.json`` and, with ``--format``, TorchScript / ONNX
+copies, each checked against the eager backbone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def _kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"patch_size\": 4}}', got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ssl-vit export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", help="checkpoint (.ckpt), export folder, or state dict (.safetensors/.pt/.pth)")
+    parser.add_argument("--out", required=True, help="export folder to write (created; an earlier export there is replaced)")
+    parser.add_argument(
+        "--which",
+        choices=["student", "teacher", "momentum"],
+        default=None,
+        help="encoder to export. Default: DINO's teacher (the paper evaluates the teacher, §3.1), "
+        "otherwise the online backbone (MoCo v3's base encoder). 'student' is the online backbone of "
+        "any method; 'momentum' is MoCo v3's momentum encoder",
+    )
+    parser.add_argument(
+        "--format",
+        nargs="+",
+        choices=["safetensors", "torchscript", "onnx"],
+        default=["safetensors"],
+        help="files to write besides config.json; model.safetensors is always written",
+    )
+    parser.add_argument(
+        "--results",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="evaluation result JSONs (files or folders) to record in config.json, besides those found in "
+        "the checkpoint's run folder",
+    )
+    parser.add_argument("--backbone", default=None, help="registered backbone name, for state dicts that do not record it")
+    parser.add_argument("--backbone-kwargs", type=_kwargs, default=None, metavar="JSON", help="its kwargs as a JSON object; overrides recorded ones")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="max abs difference from the eager outputs a written file may show (float32 reordering "
+        "stays far below 1e-4 for these sizes)",
+    )
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    parser.add_argument("--weights-only", action="store_true", help="refuse files that need full unpickling (untrusted sources)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from ssl_vit.export import export_backbone  # after parsing: --help stays fast
+
+    result = export_backbone(
+        args.source,
+        args.out,
+        which=args.which,
+        formats=args.format,
+        results=args.results,
+        backbone=args.backbone,
+        backbone_kwargs=args.backbone_kwargs,
+        tolerance=args.tolerance,
+        opset=args.opset,
+        weights_only=True if args.weights_only else None,
+    )
+    info = result.config["ssl_vit"]
+    what = " ".join(str(x) for x in (info["method"], info["which"]) if x) or "state dict"
+    h, w = info["img_size"]
+    print(
+        f"exported the {what} backbone {info['backbone']} ({h}x{w}, {info['in_chans']} channel(s), "
+        f"{info['weights_format']} keys) from {args.source} to {result.out_dir}"
+    )
+    for path in result.files:
+        diff = result.parity.get(path.name)
+        check = f"max |diff| vs eager {diff:.2e}" if diff is not None else f"{len(info['results'])} evaluation result(s)"
+        print(f"  {path.name:<22} {check}")
+    return 0
