@@ -1,0 +1,161 @@
+"""``ssl-vit eval {linear,knn,fewshot,finetune}``: evaluate a backbone and write a result JSON.
+
+The backbone is a pretraining checkpoint, an export directory, a bare state dict (with
+``--arch``), or ``random:<name>`` (the random-init baseline). The data is a named datamodule built
+at the backbone's resolution and channels, normalised as the backbone was trained.
+
+Examples::
+
+    ssl-vit eval knn --backbone runs/dino/checkpoints/last.ckpt --data fashion_mnist
+    ssl-vit eval linear --backbone exports/dino --data imagefolder \\
+        --data-arg train_dir=/data/imagenet/train --data-arg val_dir=/data/imagenet/val --features last4
+    ssl-vit eval fewshot --backbone random:vit_tiny --backbone-kwargs '{"img_size": 28, "patch_size": 4, "in_chans": 1}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DATASETS = {
+    "fashion_mnist": "FashionMNISTDataModule",
+    "cifar10": "CIFAR10DataModule",
+    "cifar100": "CIFAR100DataModule",
+    "stl10": "STL10DataModule",
+    "imagefolder": "ImageFolderDataModule",
+    "synthetic": "SyntheticDataModule",
+}
+
+
+def _kv(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as '{\"img_size\": 28}'")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ssl-vit eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="protocol", required=True, metavar="{linear,knn,fewshot,finetune}")
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("backbone")
+    g.add_argument("--backbone", required=True, help="checkpoint (.ckpt), export dir, state dict, or random:<name>")
+    g.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
+    g.add_argument("--arch", default=None, help="registry name for a bare state dict")
+    g.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts, or overrides)")
+    g = common.add_argument_group("data")
+    g.add_argument("--data", choices=sorted(DATASETS), default="fashion_mnist")
+    g.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument (repeatable), e.g. root=/data")
+    g.add_argument("--train-subset", type=int, default=None, help="use a fixed random subset of the training split")
+    g.add_argument("--test-subset", type=int, default=None, help="use a fixed random subset of the test split")
+    g = common.add_argument_group("run")
+    g.add_argument("--features", choices=["cls", "last4", "avg"], default="cls", help="representation: [CLS], last-4 [CLS] concatenated, or mean patch token")
+    g.add_argument("--batch-size", type=int, default=256)
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="results", help="directory for the result JSON")
+
+    p = sub.add_parser("linear", parents=[common], help="linear probe on frozen features (BN + linear, SGD)")
+    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--lr", type=float, default=0.01, help="base LR per 256 examples")
+    p.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
+    p.add_argument("--probe-batch-size", type=int, default=256)
+    p = sub.add_parser("knn", parents=[common], help="DINO's weighted kNN on L2-normalised features")
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=0.07)
+    p = sub.add_parser("fewshot", parents=[common], help="ViT paper's closed-form few-shot regression")
+    p.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10, 25])
+    p.add_argument("--seeds", type=int, default=5, help="support-set draws per shot count")
+    p.add_argument("--l2", type=float, default=2.0**10)
+    p = sub.add_parser("finetune", parents=[common], help="full fine-tuning with layer-wise LR decay")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=5e-4, help="base LR per 256 examples")
+    p.add_argument("--layer-decay", type=float, default=0.75)
+    p.add_argument("--drop-path", type=float, default=0.1)
+    p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--img-size", type=int, default=None, help="fine-tune at another resolution (position embedding interpolated)")
+    p.add_argument("--max-steps", type=int, default=-1)
+    return parser
+
+
+def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], train_subset: int | None, img_size: int | None = None) -> Any:
+    """The named datamodule at the backbone's resolution and channels, normalised as in pretraining."""
+    import ssl_vit.data as data
+
+    cls = getattr(data, DATASETS[name])
+    kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans, "subset": train_subset}
+    if info.get("normalization_source") not in (None, "default") and info.get("mean") is not None:
+        kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
+    kwargs.update(extra)
+    return cls(**kwargs)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from ssl_vit.eval.finetune import run_finetune
+    from ssl_vit.eval.results import EvalResult, backbone_info
+    from ssl_vit.eval.run import evaluate_features, result_path, subsample
+    from ssl_vit.export import load_any_backbone
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
+    dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
+    train_ds, test_ds = dm.eval_datasets()
+    if test_ds is None:
+        raise ValueError(f"{args.data}: no test split to evaluate on (an ImageFolder needs val_dir=...)")
+    test_ds = subsample(test_ds, args.test_subset, args.seed)
+    num_classes = dm.num_classes
+    if not num_classes:
+        raise ValueError(f"{args.data}: evaluation needs labelled data (num_classes is unknown)")
+    data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in dict(args.data_arg).items() if k != "root"}}
+    method = info.get("method") or "unknown"
+    common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone))
+
+    if args.protocol == "finetune":
+        metrics = run_finetune(
+            backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps,
+            num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
+            base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
+            weight_decay=args.weight_decay, img_size=args.img_size,
+        )
+        protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size", "batch_size")}
+        result = EvalResult(protocol="finetune", metrics=metrics, protocol_args=protocol_args, **{k: v for k, v in common.items() if k != "num_classes"})
+        path = result.to_json(result_path(args.out, result))
+        results = [(result, path)]
+    else:
+        protocol_kwargs = {
+            "linear": {"epochs": args.epochs if args.protocol == "linear" else 0, "base_lr": getattr(args, "lr", 0), "optimizer": getattr(args, "optimizer", "sgd"), "batch_size": getattr(args, "probe_batch_size", 256), "seed": args.seed},
+            "knn": {"k": getattr(args, "k", 20), "temperature": getattr(args, "temperature", 0.07)},
+            "fewshot": {"shots": getattr(args, "shots", None), "num_seeds": getattr(args, "seeds", 5), "l2_reg": getattr(args, "l2", 1024.0), "seed": args.seed},
+        }[args.protocol]
+        out = evaluate_features(
+            backbone, train_ds, test_ds, {args.protocol: protocol_kwargs}, feature_mode=args.features, batch_size=args.batch_size,
+            num_workers=args.num_workers, device=device, out_dir=args.out, **common,
+        )
+        results = [(r, result_path(args.out, r)) for r in out]
+    for result, path in results:
+        print(result.summary_line())
+        print(f"  -> {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(__import__("sys").argv[1:]))

@@ -1,0 +1,89 @@
+"""Evaluate one backbone by several protocols, extracting its features once.
+
+This is what ``ssl-vit eval`` and the demo call: frozen features of the (train, test) splits,
+then each feature-based protocol (linear, kNN, few-shot) on them, or fine-tuning, each written as
+an :class:`~ssl_vit.eval.results.EvalResult`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset
+
+from ssl_vit.eval.features import FeatureMode, extract_features
+from ssl_vit.eval.fewshot import FewShotEvaluator
+from ssl_vit.eval.knn import KNNClassifier
+from ssl_vit.eval.linear import LinearProbe
+from ssl_vit.eval.results import EvalResult, backbone_info
+
+FEATURE_PROTOCOLS = {"linear": LinearProbe, "knn": KNNClassifier, "fewshot": FewShotEvaluator}
+
+
+def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
+    """A fixed random subset of ``size`` items (all of them when ``size`` is None or too large)."""
+    if size is None or size >= len(dataset):
+        return dataset
+    if size < 1:
+        raise ValueError(f"a subset needs at least one item, got {size}")
+    idx = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:size].sort().values
+    return Subset(dataset, idx.tolist())
+
+
+def result_path(out_dir: str | Path, result: EvalResult) -> Path:
+    label = result.backbone_label.replace("/", "-")
+    return Path(out_dir) / f"{result.method}_{label}_{result.data['name']}_{result.protocol}.json"
+
+
+def evaluate_features(
+    backbone: nn.Module,
+    train_ds: Dataset,
+    test_ds: Dataset,
+    protocols: Mapping[str, Mapping[str, Any]],
+    *,
+    method: str,
+    data: dict[str, Any],
+    num_classes: int,
+    feature_mode: FeatureMode = "cls",
+    batch_size: int = 256,
+    num_workers: int = 0,
+    device: str | torch.device | None = None,
+    source: str = "random",
+    pretrain: dict[str, Any] | None = None,
+    backbone_record: dict[str, Any] | None = None,
+    out_dir: str | Path | None = None,
+) -> list[EvalResult]:
+    """Run the feature-based ``protocols`` (name -> constructor kwargs) on one backbone.
+
+    Features of both splits are extracted once and shared by every protocol.
+    """
+    unknown = sorted(set(protocols) - set(FEATURE_PROTOCOLS))
+    if unknown:
+        raise ValueError(f"unknown feature protocol(s) {unknown}; known: {', '.join(FEATURE_PROTOCOLS)}")
+    if device is not None:
+        backbone = backbone.to(device)
+    common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device}
+    train_f, train_l = extract_features(backbone, train_ds, **common)  # [N, F], [N]
+    test_f, test_l = extract_features(backbone, test_ds, **common)  # [M, F], [M]
+    data = {**data, "train_size": len(train_ds), "test_size": len(test_ds)}
+    results = []
+    for name, kwargs in protocols.items():
+        metrics = FEATURE_PROTOCOLS[name](**kwargs).evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
+        result = EvalResult(
+            method=method,
+            backbone=backbone_record or backbone_info(backbone),
+            data=data,
+            protocol=name,
+            metrics=metrics,
+            protocol_args={**dict(kwargs), "features": feature_mode},
+            pretrain=dict(pretrain or {}),
+            source=source,
+        )
+        if out_dir is not None:
+            result.to_json(result_path(out_dir, result))
+        results.append(result)
+    return results
