@@ -16,12 +16,15 @@ Extra top-level options:
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from ssl_vit.pretext.base import PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
@@ -76,6 +79,15 @@ class SSLViTCLI(LightningCLI):
         # the supervised head follow it, so a recipe never states the class count twice.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
+        # Checkpoints are always written atomically, whatever plugins a recipe lists (SLURM ...).
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        config["plugins"] = plugins
+        return super()._instantiate_trainer(config, callbacks)
+
 
 def _normalise_argv(argv: list[str]) -> list[str]:
     out = []
@@ -119,6 +131,8 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
 
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    # We pass argv explicitly (the dispatcher strips "fit"); Lightning warns when it differs from sys.argv.
+    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
     try:
         cli = SSLViTCLI(
             PretextModule,
@@ -129,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             run=False,
             args=argv,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"plugins": [AtomicCheckpointIO()], "callbacks": [PreemptionCheckpoint()]},
-            parser_kwargs={"exit_on_error": False, "description": __doc__},
+            trainer_defaults={"callbacks": [PreemptionCheckpoint()]},
+            parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__},
         )
-    except ArgumentError as err:
+    except (ArgumentError, ValueError, TypeError) as err:
         raise ConfigError(_one_line(str(err))) from None
     cfg = cli.config
     # The resolved recipe travels inside every checkpoint (export writes it into config.json).
@@ -154,9 +168,18 @@ def _has_last_checkpoint(trainer: L.Trainer) -> bool:
     return any(_checkpoint_dir(trainer).glob("*.ckpt"))
 
 
+_NOISE = (
+    "Does not validate against any of the Union subtypes",
+    "Expected a <class 'NoneType'>",
+    "Subtypes:",
+    "Errors:",
+    "Given value type:",
+    "Given value:",
+)
+
+
 def _one_line(message: str) -> str:
-    """jsonargparse's nested explanation, folded to its most specific lines."""
+    """jsonargparse's nested explanation folded to the lines that name the problem."""
     lines = [ln.strip(" -") for ln in message.splitlines() if ln.strip(" -")]
-    useful = [ln for ln in lines if "not accepted" in ln or "Does not validate" in ln or "Expected" in ln or "Unrecognized" in ln or "not valid" in ln.lower()]
-    chosen = useful or lines
-    return "; ".join(dict.fromkeys(chosen))[:1000]
+    useful = [ln for ln in lines if not ln.startswith(_NOISE)]
+    return "; ".join(dict.fromkeys(useful or lines)).replace(":; ", ": ")[:1000]

@@ -1,0 +1,152 @@
+"""`ssl-vit fit`: recipes run end to end, bad recipes fail before training with one clear line,
+checkpoints land where --resume finds them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ssl_vit.cli import main as cli_main
+
+RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").rglob("*.yaml"))
+METHOD_RECIPES = [p for p in RECIPES if "model" in yaml.safe_load(p.read_text())]
+
+TINY_BACKBONE = {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2}
+SMALL_HEADS = {
+    "ssl_vit.pretext.DINO": {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16},
+    "ssl_vit.pretext.MoCoV3": {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16},
+    "ssl_vit.pretext.MPP": {},
+    "ssl_vit.pretext.Supervised": {},
+}
+VIEW_SIZE_KEYS = {
+    "ssl_vit.data.MultiCrop": {"global_size": 16, "local_size": 8, "n_local": 2},
+    "ssl_vit.data.TwoViews": {"size": 16},
+    "ssl_vit.data.SingleView": {"size": 16},
+}
+
+
+def tiny_config(tmp_path: Path, method: str = "ssl_vit.pretext.DINO", views: str = "ssl_vit.data.MultiCrop", **trainer) -> Path:
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "max_epochs": 1, "default_root_dir": str(tmp_path / "run"),
+                    "enable_progress_bar": False, "enable_model_summary": False, "logger": False, **trainer},
+        "checkpoint": {"every_n_train_steps": 2},
+        "model": {"class_path": method, "init_args": {"backbone": "vit", "backbone_kwargs": {**TINY_BACKBONE, "in_chans": 3}, "warmup_epochs": 0.0, **SMALL_HEADS[method]}},
+        "data": {"class_path": "ssl_vit.data.SyntheticDataModule", "init_args": {"num_samples": 32, "num_test_samples": 8, "img_size": 16, "batch_size": 8, "num_workers": 0,
+                 "views": {"class_path": views, "init_args": VIEW_SIZE_KEYS[views]}}},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_fit_writes_step_and_last_checkpoints_with_the_recipe(tmp_path):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert ckpts == ["last.ckpt", "step00000002.ckpt"]
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    meta = ckpt["ssl_vit"]
+    assert meta["method"] == "DINO" and meta["global_step"] == 3 and meta["backbone"] == "vit"
+    assert "class_path: ssl_vit.pretext.DINO" in meta["recipe"]
+    assert meta["data"]["num_classes"] == 10 and meta["global_batch_size"] == 8
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--resume"]) == 0
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 5
+
+
+def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--model.init_args.bogus", "1"], "Option 'bogus' is not accepted"),
+        (["--model.init_args.out_dim", "abc"], "Expected a <class 'int'>"),
+        (["--model.init_args.backbone", "vit_gigantic"], "unknown backbone 'vit_gigantic'; known backbones:"),
+        (["--model", "ssl_vit.pretext.NoSuchMethod"], "has no attribute 'NoSuchMethod'"),
+        (["--model.init_args.backbone_kwargs.patch_size", "5"], "image size 16x16 is not divisible by the patch size 5"),
+        (["--data.init_args.img_size", "18", "--data.init_args.views.init_args.global_size", "18"], "data.img_size 18 is not divisible by the backbone's patch size 4"),
+        (["--data.init_args.in_chans", "1"], "the data gives 1-channel images but the backbone was built with in_chans=3"),
+        (["--global_batch_size", "7", "--trainer.accumulate_grad_batches", "2"], "global_batch_size 7 is not divisible by devices x nodes x accumulate_grad_batches = 2"),
+        (["--trainer.max_step", "3"], "unrecognized arguments: --trainer.max_step"),
+    ],
+    ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "global-batch", "abbreviation"],
+)
+def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ssl-vit fit: error: ") and message in err[-1]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_unknown_key_in_a_yaml_file_is_rejected(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    text = cfg.read_text().replace("checkpoint:\n", "chekpoint:\n")
+    cfg.write_text(text)
+    assert cli_main(["fit", "--config", str(cfg)]) == 1
+    assert "chekpoint" in capsys.readouterr().err
+
+
+def test_print_config_resolves_the_recipe(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["fit", "--config", str(cfg), "--print_config"])
+    assert exit_.value.code == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["model"]["class_path"] == "ssl_vit.pretext.DINO"
+    assert out["model"]["init_args"]["teacher_temp"] == 0.07  # defaults appear resolved
+
+
+def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):
+    cfg = tiny_config(tmp_path, max_steps=1)
+    with caplog.at_level(logging.INFO):
+        assert cli_main(["fit", "--config", str(cfg), "--global_batch_size", "16", "--trainer.accumulate_grad_batches", "2"]) == 0
+    assert "effective batch size 16 = 8 per device x 1 device(s) x 2 accumulation" in caplog.text
+
+
+# ----------------------------------------------------------------------------- shipped recipes
+
+
+def _overrides(recipe: Path, tmp_path: Path) -> list[str]:
+    """Shrink a shipped recipe to one CPU step on synthetic data, keeping its method and views."""
+    cfg = yaml.safe_load(recipe.read_text())
+    method = cfg["model"]["class_path"]
+    views = cfg["data"]["init_args"]["views"]["class_path"]
+    args = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.num_nodes", "1", "--trainer.strategy", "auto", "--trainer.precision", "32-true",
+            "--trainer.max_steps", "1", "--trainer.max_epochs", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(tmp_path / "run"), "--global_batch_size", "4",
+            "--model.init_args.backbone", "vit", "--model.init_args.backbone_kwargs", yaml.safe_dump({**cfg["model"]["init_args"].get("backbone_kwargs", {}), **TINY_BACKBONE, "in_chans": cfg["data"]["init_args"].get("in_chans", 3)}, default_flow_style=True).strip()]
+    for key, value in SMALL_HEADS[method].items():
+        args += [f"--model.init_args.{key}", str(value)]
+    args += ["--data", "ssl_vit.data.SyntheticDataModule", "--data.init_args.num_samples", "8", "--data.init_args.num_test_samples", "4", "--data.init_args.img_size", "16",
+             "--data.init_args.num_workers", "0", "--data.init_args.in_chans", str(cfg["data"]["init_args"].get("in_chans", 3)),
+             "--data.init_args.views", views]
+    for key, value in VIEW_SIZE_KEYS[views].items():
+        args += [f"--data.init_args.views.init_args.{key}", str(value)]
+    return args
+
+
+def test_every_recipe_is_shipped_and_parsed():
+    names = {p.relative_to(p.parents[1]).as_posix() for p in METHOD_RECIPES}
+    assert {"imagenet/dino_vit_small16.yaml", "imagenet/mocov3_vit_small16.yaml", "imagenet/mocov3_vit_base16.yaml",
+            "imagenet/mpp_vit_base16.yaml", "imagenet/supervised_vit_base16.yaml"} <= names
+    assert {f"fashion_mnist/{m}.yaml" for m in ("mpp", "mocov3", "dino", "supervised")} <= names
+
+
+@pytest.mark.parametrize("recipe", METHOD_RECIPES, ids=[p.stem if p.parent.name == "imagenet" else f"fmnist-{p.stem}" for p in METHOD_RECIPES])
+def test_shipped_recipe_runs_one_step_with_a_tiny_override(recipe, tmp_path):
+    assert cli_main(["fit", "--config", str(recipe), *_overrides(recipe, tmp_path)]) == 0
