@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from ssl_vit import __version__
+from ssl_vit.io import atomic_write_text
 
 PROTOCOLS: tuple[str, ...] = ("linear", "knn", "fewshot", "finetune")
 # The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
@@ -132,21 +132,8 @@ class EvalResult:
     def to_json(self, path: str | os.PathLike) -> Path:
         """Write atomically: a temporary file in the same folder, then ``os.replace``, so a
         reader (or a crash) never sees half a record."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         # default=str: settings such as torch dtypes are recorded by name
-        text = json.dumps(self.to_dict(), indent=2, default=str) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> EvalResult:

@@ -14,13 +14,15 @@ import pickle
 import re
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from ssl_vit.io import _default_permissions, atomic_write, atomic_write_bytes, atomic_write_json  # noqa: F401  (re-exported)
 
 EXPECTED = (
     "a pretraining checkpoint (.ckpt written by `ssl-vit fit`), an export directory "
@@ -122,52 +124,6 @@ def read_json(path: Path) -> Any:
 
 
 # ------------------------------------------------------------------------------------ writing
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, set | frozenset):
-        return sorted(value)
-    return str(value)  # dtypes, enums, namespaces: recorded by name
-
-
-def _default_permissions(path: Path) -> None:
-    # mkstemp creates 0600 files; give them what a plain open() would (0666 minus the umask).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` on a temporary path beside ``path``, fsync it and rename it over
-    ``path``. A reader (or a crash) sees the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        _default_permissions(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
-
-
-def atomic_write_json(path: Path, obj: Any) -> Path:
-    text = json.dumps(obj, indent=2, default=_jsonable) + "\n"
-    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def save_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> Path:
     """Tensors to ``path`` in safetensors format (contiguous CPU copies; ``format: pt`` metadata,
     which timm and Hugging Face loaders expect)."""

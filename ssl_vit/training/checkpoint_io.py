@@ -8,29 +8,11 @@ path always holds either the previous complete file or the new complete file.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to ``path`` via a temporary file and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from ssl_vit.io import atomic_torch_save
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
