@@ -52,7 +52,7 @@ def test_created_backbone_records_its_recipe():
 
 # (name, kwargs, embed_dim, tokens): all built on the meta device, so even ViT-H costs nothing.
 SHAPE_CASES = [
-    ("vit", {"embed_dim": 64, "depth": 3, "num_heads": 4, "patch_size": 32}, 64, 50),
+    ("vit", {"embed_dim": 64, "depth": 4, "num_heads": 4, "patch_size": 32}, 64, 50),
     ("vit_tiny", {}, 192, 197),
     ("vit_small", {"patch_size": 8}, 384, 785),
     ("vit_base", {"patch_size": 32}, 768, 50),

@@ -8,11 +8,16 @@ Batches (the contract the pretext modules and evaluators rely on):
 * validation / test / ``eval_datasets()``: ``(images [B, C, H, W], labels [B])`` through the
   deterministic evaluation transform, normalised the same way.
 
+The training loader is a :class:`~ssl_vit.data.sampler.ResumableLoader`: its order and
+augmentations follow from the run's seed, the epoch and the sample, and a mid-epoch checkpoint
+resumes at the next batch (see ``sampler.py``).
+
 A subclass only says where its images come from (``_load_split``) and its default statistics.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +28,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.datasets import TransformedDataset
+from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, global_seed
 from ssl_vit.data.views import EvalTransform, SingleView, ViewTransform
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -77,7 +85,8 @@ class ImageDataModule(L.LightningDataModule):
         mean, std: per-channel normalisation (1 value or ``in_chans``); None: the dataset's own.
         subset: train on a fixed random subset of this many training images (drawn with ``seed``;
             also the train split of ``eval_datasets``). None: all.
-        seed: seed of the subset draw (and of generated data).
+        seed: seed of the subset draw (and of generated data); also of the training order and
+            augmentations when the run sets no global seed (``seed_everything``).
         pin_memory: pin batches in page-locked memory (only when CUDA is available).
         drop_last: drop the last incomplete training batch.
         eval_batch_size: batch size of the validation / test loaders (None: batch_size).
@@ -207,14 +216,27 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=persistent and self.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         dataset = self.train_dataset
         if self.drop_last and len(dataset) < self.batch_size:
             raise ValueError(
                 f"the training set has {len(dataset)} images, fewer than batch_size={self.batch_size}, "
                 "so drop_last=True leaves no batch; lower batch_size or set drop_last=False"
             )
-        return self._loader(dataset, self.batch_size, train=True, persistent=True)
+        # Each process reads its own share of the shuffled order (Lightning keeps this sampler
+        # rather than injecting its own); outside a Trainer, torch.distributed says the layout.
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (None, None)
+        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=global_seed(self.seed))
+        return ResumableLoader(
+            dataset,
+            sampler=sampler,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         """The test split through the evaluation transform (the online probe's accuracy);
@@ -227,6 +249,12 @@ class ImageDataModule(L.LightningDataModule):
         _, test = self.eval_datasets()
         batch_size = self.eval_batch_size or self.batch_size
         return [] if test is None else self._loader(test, batch_size, train=False, persistent=False)
+
+    def teardown(self, stage: str) -> None:
+        # The run's summary of bad input: every unreadable file, once, with its path.
+        if stage == "fit" and self.num_skipped:
+            paths = self.skipped_paths
+            log.warning("skipped %d unreadable files: %s", len(paths), ", ".join(paths))
 
     def describe(self) -> str:
         """One line for run summaries."""

@@ -3,7 +3,9 @@
 * ``InMemoryImages`` — a whole dataset as one uint8 tensor (cheap to hand to workers).
 * ``ImageFiles``     — images decoded from files; unreadable ones are skipped, logged and counted.
 * ``TransformedDataset`` — applies a view transform (training) or the evaluation transform,
-  converts channels and normalises; what the dataloaders and evaluators iterate over.
+  converts channels and normalises; what the dataloaders and evaluators iterate over. Indexed with
+  a ``SeededIndex`` (the training sampler's items), an item's random augmentations are drawn from
+  its own seed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ssl_vit.data.augment import to_pil
+from ssl_vit.data.sampler import SeededIndex
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +170,19 @@ class TransformedDataset(Dataset):
             x = x.expand(self.in_chans, -1, -1)
         return (x - self.mean) * self.inv_std  # [C, H, W]
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
+    def __getitem__(self, index: int | SeededIndex) -> tuple[Any, int]:
+        if not isinstance(index, SeededIndex):
+            return self._item(index)
+        # The augmentations (and the stand-in for an unreadable file) draw from Python's `random`:
+        # seed it for this sample, and leave the caller's stream as it was.
+        state = random.getstate()
+        random.seed(index.seed)
+        try:
+            return self._item(index.index)
+        finally:
+            random.setstate(state)
+
+    def _item(self, index: int) -> tuple[Any, int]:
         img, label = self.source[index]
         if self.in_chans == 1 and img.mode != "L":
             img = img.convert("L")

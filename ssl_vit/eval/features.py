@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -26,8 +27,32 @@ FEATURE_MODES: tuple[str, ...] = ("cls", "last4", "avg")
 
 Gather = Callable[[Tensor], Tensor]
 """Maps a per-process tensor ``[n_local, ...]`` to the concatenation over processes
-``[n_total, ...]`` (e.g. a wrapper around ``LightningModule.all_gather`` + reshape); ``None`` on a
-single process."""
+``[n_total, ...]`` (e.g. :func:`gather_in_sampler_order`); ``None`` on a single process."""
+
+
+def gather_in_sampler_order(num_samples: int) -> Gather:
+    """The ``gather`` for :func:`extract_features` when each process reads its share of a dataset
+    of ``num_samples`` items through ``DistributedSampler(shuffle=False)``: every process gets
+    ``[num_samples, ...]`` in dataset order, exactly what one process reading everything gets
+    (DINO ``eval_knn.py`` gathers its feature bank the same way).
+
+    That sampler gives process r the items r, r + W, r + 2W, ... of the dataset padded with its
+    first items to a multiple of W, so all shares have one length; the all-gathered shares are
+    interleaved back into dataset order and the padding is cut off.
+    """
+
+    def gather(x: Tensor) -> Tensor:  # [n_local, ...] -> [num_samples, ...]
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return x[:num_samples]
+        # NCCL moves only CUDA tensors; other backends (gloo) take them where they are.
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
+        local = x.to(device).contiguous()
+        shares = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(shares, local)
+        ordered = torch.stack(shares, dim=1).flatten(0, 1)  # [n_local * W, ...]: item i at row i
+        return ordered[:num_samples].to(x.device)
+
+    return gather
 
 
 def feature_dim(backbone: nn.Module, mode: FeatureMode = "cls", n_last_blocks: int = 4) -> int:
@@ -93,8 +118,8 @@ def extract_features(
         out_device: where the features are collected (CPU keeps accelerator memory free for
             large banks).
         gather: applied once to the collected features and labels so every process gets the
-            whole set (e.g. an all-gather); with a ``DistributedSampler`` the caller must drop
-            the sampler's padding duplicates itself.
+            whole set; with a ``DistributedSampler(shuffle=False)`` loader use
+            ``gather_in_sampler_order(len(dataset))``, which also drops the sampler's padding.
 
     Returns:
         features ``[N, F]`` float32 and labels ``[N]`` int64, in dataset order.

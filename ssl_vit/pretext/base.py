@@ -5,14 +5,23 @@ the online linear probe, logging and the non-finite-loss guard.
 A method subclasses ``PretextModule`` once (no deeper), builds its heads and loss from typed
 ``__init__`` arguments, and implements ``step(views, labels) -> dict`` returning at least ``loss``
 (and ``features``, the detached representation the online probe learns from).
+
+Distributed training (DDP / FSDP through Lightning) gives the same step as one process with the
+whole batch: losses are means over the local batch and DDP averages gradients; what a method
+computes across the batch (MoCo v3's gathered keys, DINO's centre, synchronised BatchNorm) spans
+all processes; logged values are averaged over processes; the non-finite-loss decision is taken
+by all processes together. Each step's randomness comes from a seed of (run seed, epoch, batch,
+rank), so a resumed run continues with the randomness of an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
 import torch
 from lightly.utils.lars import LARS
 from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
@@ -22,6 +31,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.probe import OnlineLinearProbe
+from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
 Batch = tuple[list[Tensor], Tensor]
 
@@ -41,6 +51,8 @@ class PretextModule(L.LightningModule):
             ``base_lr * global_batch / 256`` (Goyal et al. 2017 linear scaling, as MoCo v3 and DINO).
         min_lr: LR at the end of the cosine decay.
         warmup_epochs: linear LR warm-up from 0 (fractions allowed).
+        warmup_steps: the warm-up in optimiser steps instead (the ViT paper counts 10k steps);
+            overrides ``warmup_epochs`` when set.
         weight_decay: weight decay at the start; biases, norms, [CLS] and position embeddings get none.
         weight_decay_end: weight decay at the end, reached by a cosine (DINO: 0.04 -> 0.4);
             ``None`` keeps it constant.
@@ -53,8 +65,8 @@ class PretextModule(L.LightningModule):
             is trained on the detached representation and reports ``probe/val_acc``.
         probe_lr: AdamW learning rate of the online probe (constant; it never touches the backbone).
         nonfinite_policy: on a NaN/Inf loss, ``raise`` stops training with a message naming the step
-            and the last good checkpoint; ``skip`` drops the batch and continues (at most
-            ``max_skipped_batches`` times).
+            and the last good checkpoint; ``skip`` drops the batch (the optimiser step it belongs
+            to and its EMA update) and continues, at most ``max_skipped_batches`` times.
         max_skipped_batches: how many non-finite batches ``skip`` tolerates before it raises.
     """
 
@@ -66,6 +78,7 @@ class PretextModule(L.LightningModule):
         base_lr: float = 1.5e-4,
         min_lr: float = 0.0,
         warmup_epochs: float = 10.0,
+        warmup_steps: int | None = None,
         weight_decay: float = 0.05,
         weight_decay_end: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -94,6 +107,8 @@ class PretextModule(L.LightningModule):
         self._total_steps = 1
         self._steps_per_epoch = 1
         self._skipped_batches = 0
+        self._skipping = False  # the current batch is being skipped (non-finite loss)
+        self._seed: int | None = None  # base of the per-step seeds; kept in checkpoints
         self.peak_lr = base_lr
         self.global_batch_size: int | None = None
 
@@ -132,6 +147,15 @@ class PretextModule(L.LightningModule):
         if per_device is None:
             per_device = int(batch[1].shape[0])
         return int(per_device)
+
+    def sync_batchnorm(self, *names: str) -> None:
+        """Normalise the BatchNorm layers of these submodules over the global batch when training
+        on several processes (call from ``setup``, before the optimiser is built)."""
+        if self._trainer is None or self.trainer.world_size <= 1:
+            return
+        device_type = self.trainer.strategy.root_device.type
+        for name in names:
+            setattr(self, name, convert_sync_batchnorm(getattr(self, name), device_type))
 
     # ------------------------------------------------------------------ optimisation
     def _param_groups(self) -> list[dict[str, Any]]:
@@ -196,14 +220,25 @@ class PretextModule(L.LightningModule):
         ``utils.cosine_scheduler``; MoCo v3 ``adjust_learning_rate``)."""
         hp = self.hparams
         total = self._total_steps
-        warmup = min(int(round(hp.warmup_epochs * self._steps_per_epoch)), total)
+        warmup_steps = hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self._steps_per_epoch)
+        warmup = min(int(warmup_steps), total)
         step = min(step, total)
         lr = cosine_warmup_schedule(step, total, self.peak_lr, hp.min_lr, warmup, 0.0) if warmup else cosine_schedule(step, total, self.peak_lr, hp.min_lr)
         wd_end = hp.weight_decay if hp.weight_decay_end is None else hp.weight_decay_end
         wd = cosine_schedule(step, total, hp.weight_decay, wd_end)
         return {"lr": lr, "weight_decay": wd}
 
+    def _seed_step(self, batch_idx: int) -> None:
+        """Seed torch's generators for this batch (drop path, masking) from (run seed, epoch,
+        batch, rank): the randomness is a function of the position in training, so a resumed run
+        draws what the uninterrupted run drew, and each process draws its own."""
+        if self._seed is None:  # seed_everything's seed, else torch's (the same on every process)
+            self._seed = int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
+        key = [self._seed, self.current_epoch, batch_idx, self.global_rank]
+        torch.manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._seed_step(batch_idx)
         if not getattr(self, "_lr_announced", False):
             self._scale_lr(batch)
         values = self.schedule_values(self.global_step)
@@ -231,10 +266,20 @@ class PretextModule(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._skipping:
+            # A skipped batch: without gradients the optimiser leaves every parameter, its moments
+            # and its weight decay alone.
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
         self.cancel_gradients()
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
+        if self._skipping:
+            self._skipping = False
+            return
         # EMA after each optimiser step (MoCo v3 Alg. 1; DINO main loop "EMA update for the teacher").
         if self.ema is not None:
             m = self.ema.update(self.global_step, self._total_steps)
@@ -246,7 +291,11 @@ class PretextModule(L.LightningModule):
         out = self.step(views, labels)
         loss = out.pop("loss")
         features = out.pop("features", None)
-        if not torch.isfinite(loss):
+        finite = bool(torch.isfinite(loss))
+        if self.trainer.world_size > 1:
+            # One decision for all processes: a process that skipped DDP's backward would hang the rest.
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
             return self._handle_nonfinite(loss)
         logs = {f"train/{k}": v.detach().float() if isinstance(v, Tensor) else v for k, v in out.items()}
         logs["train/loss"] = loss.detach()
@@ -260,23 +309,40 @@ class PretextModule(L.LightningModule):
         if values is not None:
             logs["train/lr"] = values["lr"]
             logs["train/weight_decay"] = values["weight_decay"]
+        if self.trainer.world_size > 1:
+            logs = self._mean_over_processes(logs)
         self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=labels.shape[0], sync_dist=False)
         self.log("loss", logs["train/loss"], prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=labels.shape[0])
         return loss
 
-    def _handle_nonfinite(self, loss: Tensor) -> None:
+    def _mean_over_processes(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """The logged tensors averaged over processes in one all-reduce: the loss of the global
+        batch (each process's loss is the mean over its equal share), not rank 0's share."""
+        keys = [k for k, v in logs.items() if isinstance(v, Tensor)]
+        if not keys:
+            return logs
+        stacked = torch.stack([logs[k].detach().float().reshape(()) for k in keys])  # [K]
+        mean = self.trainer.strategy.reduce(stacked, reduce_op="mean")  # [K]
+        return {**logs, **dict(zip(keys, mean.unbind()))}
+
+    def _handle_nonfinite(self, loss: Tensor) -> Tensor:
         step = self.global_step
         if self.hparams.nonfinite_policy == "skip" and self._skipped_batches < self.hparams.max_skipped_batches:
             self._skipped_batches += 1
-            rank_zero_info(f"[ssl_vit] non-finite loss ({loss.item()}) at step {step}: batch skipped ({self._skipped_batches}/{self.hparams.max_skipped_batches})")
-            return None  # Lightning skips the backward and the optimiser step
+            self._skipping = True
+            rank_zero_info(f"[ssl_vit] non-finite loss (on rank 0: {loss.item()}) at step {step}: batch skipped ({self._skipped_batches}/{self.hparams.max_skipped_batches})")
+            # Not `return None`, which Lightning refuses under DDP: a zero that reaches every
+            # trainable parameter, so the backward (and DDP's gradient reduction, which every
+            # process must join) runs with zero gradients; they are dropped before the update.
+            trainable = [p.sum() for p in self.parameters() if p.requires_grad]
+            return torch.stack(trainable).sum() * 0.0
         last = None
         ckpt_cb = getattr(self.trainer, "checkpoint_callback", None)
         if ckpt_cb is not None:
             last = getattr(ckpt_cb, "last_model_path", None) or getattr(ckpt_cb, "best_model_path", None)
         where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
         raise NonFiniteLossError(
-            f"non-finite loss ({loss.item()}) at step {step} (epoch {self.current_epoch}); {where}. "
+            f"non-finite loss ({loss.item()} on rank {self.global_rank}) at step {step} (epoch {self.current_epoch}); {where}. "
             "Lower the learning rate, raise warm-up, or set nonfinite_policy: skip."
         )
 
@@ -307,6 +373,10 @@ class PretextModule(L.LightningModule):
                 if value is not None:
                     info[key] = list(value) if isinstance(value, tuple | list) else value
             self.data_info = info
+        # The online probe's BN (specs §5: BN without affine + linear) over the global batch, so
+        # it learns the same whatever the split over devices.
+        if self.probe is not None:
+            self.sync_batchnorm("probe")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Enough to rebuild the backbone, and to say how it was trained, without the recipe.
@@ -319,6 +389,10 @@ class PretextModule(L.LightningModule):
             "data": getattr(self, "data_info", None),
             "recipe": getattr(self, "recipe", None),
             "global_batch_size": self.global_batch_size,
+            # What a resumed run needs besides weights, optimiser and loops: the per-step seed
+            # base and how much of the non-finite skip budget is spent.
+            "seed": self._seed,
+            "skipped_batches": self._skipped_batches,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -327,3 +401,6 @@ class PretextModule(L.LightningModule):
             self.data_info = meta["data"]
         if meta.get("recipe"):
             self.recipe = meta["recipe"]
+        if meta.get("seed") is not None:
+            self._seed = int(meta["seed"])
+        self._skipped_batches = int(meta.get("skipped_batches", 0))

@@ -119,6 +119,13 @@ class DINO(PretextModule):
             "teacher_temp": torch.tensor(teacher_temp),
         }
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        # Reference main_dino.py: a student with BatchNorm (ResNet backbone, or BN in the head) and
+        # its teacher use SyncBN; a ViT with the default head has none, and this changes nothing.
+        self.sync_batchnorm("backbone", "head", "teacher_backbone", "teacher_head")
+        self.ema.pairs = [(self.backbone, self.teacher_backbone), (self.head, self.teacher_head)]
+
     def cancel_gradients(self) -> None:
         # Reference main_dino.py: utils.cancel_gradients_last_layer(epoch, student, freeze_last_layer).
         if self.current_epoch < self.freeze_last_layer_epochs:

@@ -77,11 +77,13 @@ class MoCoV3(PretextModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        # SyncBN in the heads across devices, as the reference (it converts the whole model).
-        if self.trainer is not None and self.trainer.world_size > 1:
-            for name in ("projector", "predictor", "momentum_projector"):
-                setattr(self, name, nn.SyncBatchNorm.convert_sync_batchnorm(getattr(self, name)))
-            self.ema.pairs[1] = (self.projector, self.momentum_projector)
+        # SyncBN over all devices, as the reference ("apply SyncBN": main_moco.py converts the whole
+        # model): the heads' BN, and the backbone's for a ResNet. Queries and keys are then
+        # normalised with the global batch's statistics, whatever the split over devices.
+        self.sync_batchnorm("backbone", "momentum_backbone", "projector", "predictor", "momentum_projector")
+        # The EMA must average the converted modules (the converter returns a new module only when
+        # given a bare BN layer, but the pairs are rebuilt rather than assumed).
+        self.ema.pairs = [(self.backbone, self.momentum_backbone), (self.projector, self.momentum_projector)]
 
     def _encode(self, encoder: nn.Module, projector: nn.Module, x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b = x1.shape[0]

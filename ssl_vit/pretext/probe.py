@@ -8,10 +8,15 @@ data) are ignored.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssl_vit.heads import LinearProbeHead
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class OnlineLinearProbe(nn.Module):
@@ -20,15 +25,23 @@ class OnlineLinearProbe(nn.Module):
         self.head = LinearProbeHead(in_dim, num_classes)  # BN without affine + linear (specs §5)
 
     def training_loss(self, features: Tensor, labels: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        """Cross-entropy and accuracy on the labelled rows of ``features [B, D]``; ``(None, None)``
-        when fewer than two rows are labelled (BatchNorm needs two)."""
-        keep = labels >= 0
-        if int(keep.sum()) < 2:
+        """Cross-entropy and accuracy over the labelled rows of ``features [B, D]``.
+
+        The head sees every row, so that its BatchNorm statistics (synchronised over processes in
+        distributed training) and the collectives behind them do not depend on which rows carry
+        labels; unlabelled rows add nothing to the loss. ``(None, None)`` when the global batch has
+        a single row (BatchNorm needs two), or, on a single process, no labelled row (with several
+        processes every one must take part, with a zero loss if need be)."""
+        world = _world_size()
+        keep = labels >= 0  # [B]
+        if features.shape[0] * world < 2 or (world == 1 and not keep.any()):
             return None, None
-        logits = self.head(features[keep])  # [B', C]
-        loss = F.cross_entropy(logits, labels[keep])
-        acc = (logits.argmax(dim=1) == labels[keep]).float().mean()
-        return loss, acc.detach()
+        logits = self.head(features)  # [B, C]
+        n = keep.sum().clamp(min=1)
+        # Mean over the labelled rows; 0 (with a graph, for DDP) when there are none.
+        loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none").mul(keep).sum() / n
+        acc = ((logits.argmax(dim=1) == labels) & keep).sum() / n
+        return loss, acc.detach().float()
 
     @torch.no_grad()
     def accuracy(self, features: Tensor, labels: Tensor) -> Tensor | None:

@@ -11,10 +11,16 @@ Extra top-level options:
     --global_batch_size N   the paper's batch size; split evenly over devices x nodes x accumulation
     --ckpt_path PATH|last   resume from a checkpoint (``last``: the newest in the run's directory)
     --resume                shorthand for ``--ckpt_path last``
+
+A resumed run continues exactly where the checkpoint was written: weights, EMA/teacher, DINO's
+centre, optimiser state, the schedules (functions of the global step), the loop counters, the
+position in the epoch's data order (``ResumableLoader``) and the per-step seeds. SIGTERM or SIGUSR1
+writes ``last.ckpt`` after the current step and exits with status 128 + the signal's number.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -25,6 +31,7 @@ from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ssl_vit.pretext.base import PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
@@ -62,6 +69,11 @@ class StepCheckpoint(ModelCheckpoint):
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         super().setup(trainer, pl_module, stage)
+
+    def save_last_checkpoint(self, trainer: L.Trainer) -> Path:
+        """Write ``last.ckpt`` now (a preemption), recorded as this step's save."""
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        return Path(self.last_model_path)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The final weights, whatever the interval: the run's result lives in last.ckpt.
@@ -155,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path == "last" and not _has_last_checkpoint(cli.trainer):
         raise ConfigError(f"--resume: no checkpoint to resume from in {_checkpoint_dir(cli.trainer)}")
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    stopped_by = None
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException:
+        stopped_by = "SIGTERM"  # Lightning stopped after the current step; PreemptionCheckpoint saved it
+    stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
+    if stopped_by is not None:
+        print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
+        return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     return 0
 
 

@@ -2,9 +2,15 @@
 signal when ``--signal=USR1@90`` is set) writes ``last.ckpt`` before the process exits, so
 ``--resume`` loses at most the current step.
 
-On SIGTERM Lightning's own handler flags the trainer and ends the run with ``SIGTERMException``
-after the current batch; we save in ``on_exception``. SIGUSR1 is ours unless Lightning's SLURM
-auto-requeue already handles it (then Lightning saves an ``hpc_ckpt`` and requeues the job).
+On SIGTERM Lightning's own handler flags the trainer (and, with several processes, tells them all)
+and ends the run with ``SIGTERMException`` after the current batch; we save in ``on_exception``.
+SIGUSR1 is ours unless Lightning's SLURM auto-requeue handles it (then Lightning saves an
+``hpc_ckpt`` and requeues the job, and the requeued run resumes from it); the processes agree on it
+at the end of each batch, so all stop after the same step. A signal that arrives before the run has
+taken a step writes nothing: the checkpoint already on disk (the one a resumed run started from) is
+as new, and stays untouched. ``stopped_by`` names the signal, so the CLI can exit with status
+128 + its number, as a shell reports a process killed by it: wrapper scripts and schedulers see
+that the run did not finish.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -31,6 +38,8 @@ class PreemptionCheckpoint(Callback):
         self.signals = signals
         self._requested: str | None = None
         self._previous: dict[int, Any] = {}
+        self._start_step = 0
+        self.stopped_by: str | None = None
 
     def _handler(self, signum: int, frame: Any) -> None:
         self._requested = signal.Signals(signum).name
@@ -38,14 +47,22 @@ class PreemptionCheckpoint(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self.stopped_by = None
+        # SLURM auto-requeue: Lightning installs its own handler for the requeue signal later (it
+        # saves an hpc checkpoint and requeues the job), but only where no handler is set yet.
+        env = getattr(trainer._accelerator_connector, "cluster_environment", None)
+        requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
         for name in self.signals:
             sig = getattr(signal, name, None)
-            if sig is None:
+            if sig is None or sig == requeue:
                 continue
             current = signal.getsignal(sig)
-            if current not in (signal.SIG_DFL, signal.SIG_IGN, None):
-                continue  # e.g. SLURM auto-requeue's handler: leave it in charge
-            self._previous[sig] = current
+            # A handler left by an earlier run of this callback (Lightning re-installs the handlers
+            # it found when a run ends in an exception) is replaced; anyone else's stays in charge.
+            stale = isinstance(getattr(current, "__self__", None), PreemptionCheckpoint)
+            if current not in (signal.SIG_DFL, signal.SIG_IGN, None) and not stale:
+                continue
+            self._previous[sig] = signal.SIG_DFL if stale else current
             signal.signal(sig, self._handler)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -60,18 +77,34 @@ class PreemptionCheckpoint(Callback):
             return Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
         return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
 
-    def _save(self, trainer: L.Trainer, why: str) -> None:
-        path = self.last_path(trainer)
-        trainer.save_checkpoint(path)
-        rank_zero_info(f"[ssl_vit] {why}: checkpoint written to {path} at step {trainer.global_step}; resume with --resume")
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start_step = trainer.global_step  # after a resume: the checkpoint's step
+
+    def _save(self, trainer: L.Trainer, signal_name: str) -> None:
+        self.stopped_by = signal_name
+        if trainer.global_step <= self._start_step:
+            rank_zero_info(f"[ssl_vit] received {signal_name} before the first step: nothing new to save")
+            return
+        cb = trainer.checkpoint_callback
+        save_last = getattr(cb, "save_last_checkpoint", None)
+        if callable(save_last):
+            path = save_last(trainer)  # StepCheckpoint: its bookkeeping knows this step is saved
+        else:
+            path = self.last_path(trainer)
+            trainer.save_checkpoint(path)
+        rank_zero_info(f"[ssl_vit] received {signal_name}: checkpoint written to {path} at step {trainer.global_step}; resume with --resume")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._requested is not None:
-            self._save(trainer, f"received {self._requested}")
+        requested = self._requested is not None
+        if trainer.world_size > 1:  # stop together: a signal may reach the processes a step apart
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if requested:
+            # (When only another process got it, the name is one of ours: it only sets the exit status.)
+            self._save(trainer, self._requested or self.signals[0])
             self._requested = None
             trainer.should_stop = True
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Only on a preemption: after a NaN loss the last good checkpoint must stay as it is.
         if isinstance(exception, SIGTERMException):
-            self._save(trainer, "received SIGTERM")
+            self._save(trainer, "SIGTERM")

@@ -1,0 +1,156 @@
+"""A training data order that a resumed run continues exactly.
+
+An interrupted run resumed from a mid-epoch checkpoint should see the same images, augmented the
+same way, as the run that was never interrupted. Two things make that hold:
+
+* the order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s permutation, sharded
+  over the processes), and the loader's checkpointed state says how many batches of the epoch the
+  training loop consumed, so the resumed epoch skips exactly those;
+* every sample carries its own augmentation seed, derived from ``(seed, epoch, index)``
+  (:class:`SeededIndex`), so an image's views depend neither on which worker process decodes it
+  nor on where a run was resumed.
+
+Lightning saves and restores a training loader that has ``state_dict`` / ``load_state_dict``
+(``CombinedLoader._state_dicts``), which :class:`ResumableLoader` provides. It keeps
+:class:`ResumableSampler` a ``DistributedSampler``, so Lightning uses it as it is instead of
+injecting its own, and calls ``set_epoch`` on it every epoch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class SeededIndex(NamedTuple):
+    """A dataset index with the seed of its augmentations."""
+
+    index: int
+    seed: int
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # SplitMix64's finaliser (Steele et al. 2014; the seeding hash of xoshiro / SplittableRandom):
+    # nearby inputs give unrelated 64-bit outputs. uint64 arrays wrap on overflow, as it needs.
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_seeds(seed: int, epoch: int, indices: Sequence[int]) -> list[int]:
+    """The augmentation seeds of samples ``indices`` in ``epoch``: a hash of (seed, epoch, index),
+    vectorised, as the main process computes one per sample."""
+    key = _splitmix64(_splitmix64(np.array([seed % 2**64], dtype=np.uint64)) ^ np.uint64(epoch))  # [1]
+    return _splitmix64(key ^ np.asarray(indices, dtype=np.uint64)).tolist()
+
+
+def global_seed(default: int = 0) -> int:
+    """The run's seed: what ``seed_everything`` set (``PL_GLOBAL_SEED``, the seed Lightning's own
+    distributed sampler uses), else ``default``."""
+    return int(os.environ.get("PL_GLOBAL_SEED", default))
+
+
+class ResumableSampler(DistributedSampler):
+    """Shuffled (per ``(seed, epoch)``), sharded over ``num_replicas`` processes, resumable, and
+    yielding :class:`SeededIndex` items.
+
+    Args:
+        dataset: the dataset to sample from (only its length is used).
+        num_replicas, rank: the process layout; None: from ``torch.distributed`` (one process when
+            it is not initialised).
+        shuffle: permute every epoch (False: dataset order).
+        seed: base of the permutation and of the per-sample augmentation seeds; the same on every
+            process.
+
+    As with ``DistributedSampler``, the epoch is set with :meth:`set_epoch` (Lightning does it);
+    a loop that iterates again without calling it gets the next epoch rather than a repeat.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        initialised = dist.is_available() and dist.is_initialized()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if initialised else 1
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        # Pad rather than drop (drop_last=False), as Lightning's own distributed sampler does; the
+        # loader's drop_last still drops an incomplete final batch.
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        self._epoch_set = True
+        self._skip = 0  # samples of this process's share to skip at the start of the next pass
+        self._skip_epoch = 0
+        self.start = 0  # samples skipped at the start of the current pass
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_set = True
+
+    def skip(self, epoch: int, num_samples: int) -> None:
+        """Start the next pass over ``epoch`` after its first ``num_samples`` samples."""
+        self.set_epoch(epoch)
+        self._skip, self._skip_epoch = num_samples, epoch
+
+    def __iter__(self) -> Iterator[SeededIndex]:  # type: ignore[override]
+        if not self._epoch_set:
+            self.epoch += 1  # iterated again without set_epoch: a new epoch, not a repeat
+        self._epoch_set = False
+        self.start = self._skip if self._skip_epoch == self.epoch else 0
+        self._skip = 0
+        indices = list(super().__iter__())[self.start :]  # this process's share, in epoch order
+        return map(SeededIndex, indices, sample_seeds(self.seed, self.epoch, indices))
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's
+    position: ``{"seed", "epoch", "batches"}``, the batches of the epoch handed out so far.
+
+    The count is of batches *returned by the iterator*, not indices drawn by worker processes
+    ahead of time, so a checkpoint written after step k resumes at batch k + 1. (Lightning fetches
+    no batch ahead for loaders with a length.)
+    """
+
+    def __init__(self, dataset: Dataset, sampler: ResumableSampler, **kwargs: Any) -> None:
+        if not isinstance(sampler, ResumableSampler):
+            raise TypeError(f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}")
+        super().__init__(dataset, sampler=sampler, **kwargs)
+        self._batches = 0  # batches of epoch ``_pass_epoch`` handed out
+        self._pass_epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._counting(super().__iter__())
+
+    def _counting(self, batches: Iterator[Any]) -> Iterator[Any]:
+        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        self._batches, self._pass_epoch = 0, sampler.epoch
+        for i, batch in enumerate(batches, start=1):
+            # The sampler has begun its pass by now (eagerly with workers, lazily without), so it
+            # knows where the pass started: 0, or the resumed position.
+            self._batches, self._pass_epoch = sampler.start // (self.batch_size or 1) + i, sampler.epoch
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        # After set_epoch for a new epoch and before its first batch, nothing of it is consumed yet.
+        batches = self._batches if self._pass_epoch == sampler.epoch else 0
+        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches": batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        if batches >= len(self):  # saved after the epoch's last batch: the next epoch starts afresh
+            epoch, batches = epoch + 1, 0
+        # The checkpoint's seed wins, so a run seeded at random continues the same order.
+        sampler.seed = int(state["seed"])
+        sampler.skip(epoch, batches * (self.batch_size or 1))

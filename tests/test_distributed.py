@@ -1,0 +1,312 @@
+"""Distributed training is the computation one process does with the whole batch.
+
+2 processes x batch b (DDP over gloo, on CPU) against 1 process x batch 2b, from the same initial
+weights and the same data: MoCo v3 (keys gathered from both processes, SyncBN in the heads) and
+DINO (centre all-reduced) give the same logged loss, the same weights after two SGD steps
+(online and EMA), the same DINO centre, the same online-probe weights (its BatchNorm synchronised);
+the kNN feature bank gathered from two processes equals the one-process bank; MPP and the
+supervised baseline train under DDP too, and so does MoCo v3 in bf16-mixed; a non-finite loss on
+one process makes both skip the batch (one decision, no hang).
+
+How the processes are launched: ``torchrun --standalone --nproc_per_node 2`` on this file, the
+command users run (Lightning sees torchrun's environment and starts no processes of its own), so
+the test also checks that launch path. Every rank runs the real Lightning ``Trainer`` with
+``strategy="ddp"`` and the real datamodule (its resumable sampler shards the epoch's permutation,
+and every sample's augmentations are seeded by (seed, epoch, index), so the two shards of a step
+are exactly the one-process batch). The one-process reference runs here, in the test process.
+SGD (not AdamW, whose first step is about lr * sign(grad)) makes the weights sensitive to the
+gradient's scale, and a constant LR keeps the second step from being a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import TINY_BACKBONE
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
+from ssl_vit.eval.features import extract_features, gather_in_sampler_order
+from ssl_vit.pretext import DINO, MPP, MoCoV3, PretextModule, Supervised
+
+WORLD = 2
+PER_DEVICE = 4  # b; the one-process reference trains on 2b
+STEPS = 2
+KNN_IMAGES = 7  # odd: the distributed sampler pads one share
+
+COMMON: dict[str, Any] = {
+    **TINY_BACKBONE,
+    "num_classes": 4,
+    "optimizer": "sgd",
+    # peak LR = base_lr * global batch / 256 = 3.2 * 8 / 256 = 0.1 = min_lr: constant over the run
+    "base_lr": 3.2,
+    "min_lr": 0.1,
+    "warmup_epochs": 0.0,
+    "weight_decay": 1e-4,
+    "probe_lr": 0.1,
+}
+METHODS: dict[str, tuple[type[PretextModule], dict[str, Any]]] = {
+    "mocov3": (MoCoV3, {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16, "momentum": 0.9, "momentum_end": 0.9}),
+    "dino": (DINO, {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9,
+                    "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0, "grad_clip": 3.0, "grad_clip_mode": "per_param"}),
+    "mpp": (MPP, {"mean": [0.5], "std": [0.25]}),
+    "supervised": (Supervised, {}),
+}
+EQUIVALENT = ("mocov3", "dino")  # MPP draws its masks per process: only a smoke run
+
+
+def build(name: str) -> PretextModule:
+    cls, kwargs = METHODS[name]
+    return cls(**COMMON, **kwargs)
+
+
+def datamodule(name: str, batch_size: int) -> SyntheticDataModule:
+    views = {"mocov3": TwoViews(), "dino": MultiCrop(n_local=2, local_size=8)}.get(name)
+    return SyntheticDataModule(num_samples=STEPS * WORLD * PER_DEVICE, num_test_samples=KNN_IMAGES, num_classes=4,
+                               img_size=16, in_chans=1, batch_size=batch_size, num_workers=0, views=views)
+
+
+class LoggedLoss(L.Callback):
+    """The logged ``train/loss`` of every batch (NaN where a skipped batch logged none)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics.pop("train/loss", float("nan"))))
+
+
+def fit(model: PretextModule, dm: SyntheticDataModule, **trainer_kwargs: Any) -> list[float]:
+    L.seed_everything(0, verbose=False)  # the data seed (PL_GLOBAL_SEED) of both runs
+    recorder = LoggedLoss()
+    trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[recorder], **trainer_kwargs)
+    trainer.fit(model, datamodule=dm)
+    return recorder.losses
+
+
+class NaNOnRank1(Supervised):
+    """The first batch's loss is NaN on rank 1 only."""
+
+    def step(self, views: list[torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().step(views, labels)
+        if self.global_step == 0 and self.global_rank == 1:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+def knn_bank(backbone: torch.nn.Module, dm: SyntheticDataModule, distributed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    images = dm.eval_datasets()[1]
+    if not distributed:
+        return extract_features(backbone, images, batch_size=3)
+    loader = DataLoader(images, batch_size=3, sampler=DistributedSampler(images, shuffle=False))
+    return extract_features(backbone, loader, gather=gather_in_sampler_order(len(images)))
+
+
+# ----------------------------------------------------------------------------- worker (torchrun)
+
+
+def _worker(out: Path) -> None:
+    torch.set_num_threads(1)  # 2 processes on 2 cores
+    rank = int(os.environ["RANK"])
+    log = []
+    handler = logging.Handler()
+    handler.emit = lambda record: log.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    init = torch.load(out / "init.pt")
+    result: dict[str, Any] = {}
+    for name in METHODS:
+        model = build(name)
+        model.load_state_dict(init[name])
+        losses = fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy="ddp")
+        result[name] = {"state": model.state_dict(), "losses": losses,
+                        "sync_bn": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})}
+    model = build("mocov3")
+    model.load_state_dict(init["mocov3"])
+    fit(model, datamodule("mocov3", PER_DEVICE), devices=WORLD, strategy="ddp", precision="bf16-mixed")
+    result["bf16"] = {"state": model.state_dict(), "loss": float(model.trainer.callback_metrics["train/loss"])}
+    model = NaNOnRank1(**COMMON, nonfinite_policy="skip")
+    model.load_state_dict(init["supervised"])
+    fit(model, datamodule("supervised", PER_DEVICE), devices=WORLD, strategy="ddp")
+    result["skip"] = {"state": model.state_dict(), "skipped": model._skipped_batches, "step": model.global_step}
+    model = build("dino")
+    model.load_state_dict(init["dino"])
+    result["knn"] = knn_bank(model.backbone, datamodule("dino", PER_DEVICE), distributed=True)
+    result["log"] = log
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+# ----------------------------------------------------------------------------- the test
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Initial weights, the 2-process results (from torchrun) and the 1-process references."""
+    out = tmp_path_factory.mktemp("ddp")
+    torch.manual_seed(0)
+    init = {name: build(name).state_dict() for name in METHODS}
+    torch.save(init, out / "init.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__, str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    # Meanwhile, the references: one process, batch 2b, the same initial weights and data.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref: dict[str, Any] = {}
+        for name in EQUIVALENT:
+            model = build(name)
+            model.load_state_dict(init[name])
+            losses = fit(model, datamodule(name, WORLD * PER_DEVICE), devices=1)
+            ref[name] = {"state": model.state_dict(), "losses": losses}
+        model = build("dino")
+        model.load_state_dict(init["dino"])
+        ref["knn"] = knn_bank(model.backbone, datamodule("dino", PER_DEVICE), distributed=False)
+    finally:
+        torch.set_num_threads(threads)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-4000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {"init": init, "ranks": ranks, "ref": ref}
+
+
+def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> None:
+    """Every tensor moved from ``init`` by the same amount, to float tolerance: the largest
+    difference of the updates is at most 1e-3 of the largest update (plus 1e-6 for tensors whose
+    update is rounding noise, e.g. a bias that a following BatchNorm cancels)."""
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if not value.is_floating_point():
+            assert torch.equal(got[key], value), key
+            continue
+        step_want, step_got = value - init[key], got[key] - init[key]
+        err = float((step_got - step_want).abs().max())
+        assert err <= 1e-3 * float(step_want.abs().max()) + 1e-6, f"{key}: updates differ by {err:.3g} (update {float(step_want.abs().max()):.3g})"
+
+
+@pytest.mark.parametrize("name", EQUIVALENT)
+def test_two_processes_log_the_one_process_loss(runs, name):
+    want = runs["ref"][name]["losses"]
+    assert len(want) == STEPS
+    for rank in runs["ranks"]:
+        assert rank[name]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", EQUIVALENT)
+def test_two_processes_end_with_the_one_process_weights(runs, name):
+    want = runs["ref"][name]["state"]
+    rank0, rank1 = (r[name]["state"] for r in runs["ranks"])
+    changed = [k for k, v in want.items() if v.is_floating_point() and not torch.equal(v, runs["init"][name][k])]
+    # Trained, momentum-averaged and probe weights all moved, so the comparison covers them all.
+    targets = ("momentum_backbone.", "momentum_projector.") if name == "mocov3" else ("teacher_backbone.", "teacher_head.")
+    for prefix in ("backbone.", "probe.", *targets):
+        assert any(k.startswith(prefix) for k in changed), prefix
+    assert_same_update(rank0, want, runs["init"][name])
+    assert_same_update(rank1, rank0, runs["init"][name])  # the replicas agree
+
+
+def test_mocov3_heads_and_probe_use_synchronised_batchnorm(runs):
+    # (torch's SyncBatchNorm on GPUs; on CPU, where torch has none, ours)
+    assert runs["ranks"][0]["mocov3"]["sync_bn"] == ["AllReduceBatchNorm"]
+    assert runs["ranks"][0]["dino"]["sync_bn"] == ["AllReduceBatchNorm"]  # the probe's; DINO's ViT head has none
+    # and the running statistics they keep are the global batch's
+    want = runs["ref"]["mocov3"]["state"]
+    for key in ("projector.1.running_mean", "projector.1.running_var", "predictor.4.running_var", "probe.head.norm.running_mean"):
+        torch.testing.assert_close(runs["ranks"][0]["mocov3"]["state"][key], want[key], rtol=1e-4, atol=1e-6)
+
+
+def test_dino_center_is_the_global_batch_mean(runs):
+    got = runs["ranks"][0]["dino"]["state"]["criterion.center"]
+    want = runs["ref"]["dino"]["state"]["criterion.center"]
+    assert not torch.equal(want, torch.zeros_like(want))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_knn_bank_gathered_from_two_processes_is_the_one_process_bank(runs):
+    want_feats, want_labels = runs["ref"]["knn"]
+    assert want_feats.shape[0] == KNN_IMAGES
+    for rank in runs["ranks"]:
+        feats, labels = rank["knn"]
+        assert torch.equal(labels, want_labels)
+        torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mpp", "supervised"])
+def test_every_method_trains_under_ddp(runs, name):
+    rank0, rank1 = (r[name] for r in runs["ranks"])
+    assert len(rank0["losses"]) == STEPS and all(torch.isfinite(torch.tensor(rank0["losses"])))
+    assert_same_update(rank1["state"], rank0["state"], runs["init"][name])
+
+
+def test_bf16_mixed_trains_under_ddp(runs):
+    rank0, rank1 = (r["bf16"] for r in runs["ranks"])
+    assert torch.isfinite(torch.tensor(rank0["loss"]))
+    assert_same_update(rank1["state"], rank0["state"], runs["init"]["mocov3"])
+
+
+def test_a_nonfinite_loss_on_one_process_is_skipped_by_all(runs):
+    rank0, rank1 = (r["skip"] for r in runs["ranks"])
+    # Both skipped the first batch (rank 0's own loss was finite) and trained on the second.
+    assert rank0["skipped"] == rank1["skipped"] == 1 and rank0["step"] == rank1["step"] == STEPS
+    moved = [k for k, v in rank0["state"].items() if v.is_floating_point() and not torch.equal(v, runs["init"]["supervised"][k])]
+    assert any(k.startswith("backbone.") for k in moved)
+    assert_same_update(rank1["state"], rank0["state"], runs["init"]["supervised"])
+
+
+def test_effective_batch_size_and_scaled_lr_are_printed(runs):
+    lines = [m for m in runs["ranks"][0]["log"] if "effective batch size" in m]
+    assert lines and "effective batch size 8 = 4 per device x 2 device(s) x 1 accumulation" in lines[0]
+    assert "lr = base_lr 3.2 x 8/256 = 0.1" in lines[0]
+    assert not [m for m in runs["ranks"][1]["log"] if "effective batch size" in m]  # rank 0 only
+
+
+def test_the_fsdp_recipe_composes_with_a_method_recipe(tmp_path, capsys):
+    # FSDP needs GPUs (Lightning refuses it on CPU): here the recipe parses, resolves its classes
+    # and reaches the Trainer, which asks for a GPU in one line.
+    from test_faults import recipe
+
+    from ssl_vit.cli import main
+
+    fsdp = Path(__file__).resolve().parents[1] / "recipes" / "trainer" / "fsdp.yaml"
+    assert main(["fit", "--config", str(recipe(tmp_path)), "--config", str(fsdp)]) == 1
+    assert "ssl-vit fit: error: The strategy `fsdp` requires a GPU accelerator" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
+    """``ssl-vit fit --config <recipe> --config recipes/trainer/ddp_cpu2.yaml`` (Lightning starts
+    the second process): a crash at step 5 and ``--resume`` end with the weights of the
+    uninterrupted two-process run. Three launches, about 40 s."""
+    from test_faults import recipe
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    crash = [{"class_path": "test_faults.Interrupt", "init_args": {"step": 5, "how": "crash"}}]
+
+    def run(folder: str, *extra: str, callbacks: list[dict[str, Any]] | None = None) -> int:
+        cfg = recipe(tmp_path / folder, data={"num_samples": 48}, callbacks=callbacks)
+        cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(root / "recipes/trainer/ddp_cpu2.yaml"), *extra]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert run("a") == 0
+    assert run("b", callbacks=crash) != 0
+    assert torch.load(tmp_path / "b/run/checkpoints/last.ckpt", weights_only=False)["global_step"] == 4
+    assert run("b", "--resume") == 0
+    want = torch.load(tmp_path / "a/run/checkpoints/last.ckpt", weights_only=False)["state_dict"]
+    got = torch.load(tmp_path / "b/run/checkpoints/last.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+if __name__ == "__main__":  # one rank, started by torchrun from the fixture above
+    _worker(Path(sys.argv[1]))

@@ -1,0 +1,352 @@
+"""Training that survives faults and bad input.
+
+* checkpoints every N steps and at the end, the newest K kept, written atomically;
+* a run interrupted at step k (a crash, SIGTERM, SIGUSR1) and resumed ends with exactly the weights
+  and optimiser state of the run that was never interrupted (DINO: teacher EMA, centre, last-layer
+  freeze, teacher-temperature and weight-decay schedules, drop path, multi-crop augmentations,
+  online probe), also when the resumed run reads its data with worker processes;
+* a real SIGTERM to an ``ssl-vit fit`` subprocess writes ``last.ckpt``, exits with 143, and the
+  run resumes to the end;
+* a non-finite loss stops the run with one line naming the step and the last good checkpoint,
+  whose bytes stay as they were;
+* unreadable images are skipped and listed in the run's summary; a missing or empty image folder
+  and bad recipes fail before training with one line (a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from ssl_vit.cli import main as ssl_vit_main
+from ssl_vit.data import SyntheticDataModule, TwoViews
+from ssl_vit.pretext import DINO
+from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_VIT = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
+STEPS_PER_EPOCH = 3  # 24 images / batch 8
+SNAPSHOT: dict[str, Any] = {}  # what the callbacks below saw, for the assertions
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models on a shared 2-core machine: a second intra-op thread only waits for the first.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def recipe(tmp_path: Path, *, data: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
+           callbacks: list[dict[str, Any]] | None = None, **trainer: Any) -> Path:
+    """A tiny DINO recipe that uses every piece a resume must restore."""
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "default_root_dir": str(tmp_path / "run"),
+                    "enable_progress_bar": False, "enable_model_summary": False, "logger": False,
+                    "limit_val_batches": 0, "num_sanity_val_steps": 0, "callbacks": callbacks or [], **trainer},
+        "checkpoint": {"every_n_train_steps": 2, "keep_last": 2},
+        "model": {"class_path": "ssl_vit.pretext.DINO", "init_args": {
+            "backbone": "vit", "backbone_kwargs": {**TINY_VIT, "drop_path_rate": 0.1},
+            "out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9,
+            "warmup_teacher_temp_epochs": 2, "freeze_last_layer_epochs": 1, "warmup_epochs": 1.0,
+            "base_lr": 0.05, "weight_decay": 0.04, "weight_decay_end": 0.4, "grad_clip": 3.0, "grad_clip_mode": "per_param",
+            **(model or {})}},
+        "data": {"class_path": "ssl_vit.data.SyntheticDataModule", "init_args": {
+            "num_samples": 8 * STEPS_PER_EPOCH, "num_test_samples": 0, "num_classes": 4, "img_size": 16, "in_chans": 1,
+            "batch_size": 8, "num_workers": 0,
+            "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local": 2}}, **(data or {})}},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def fit(*args: str) -> int:
+    return ssl_vit_main(["fit", *args])
+
+
+def ckpt_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run" / "checkpoints"
+
+
+def load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+class Crash(Exception):
+    """A job killed mid-run: nothing more is saved."""
+
+
+class Interrupt(L.Callback):
+    """At the end of step ``step``: raise (a crash) or send this process a real signal."""
+
+    def __init__(self, step: int, how: str = "crash") -> None:
+        self.step, self.how = step, how
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        if self.how == "crash":
+            raise Crash
+        os.kill(os.getpid(), getattr(signal, self.how))
+
+
+class NaNAtStep(DINO):
+    """DINO whose loss turns NaN at one step; it notes the bytes of the last checkpoint then."""
+
+    def __init__(self, nan_step: int = 5, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.nan_step = nan_step
+
+    def step(self, views: list[torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().step(views, labels)
+        if self.global_step == self.nan_step:
+            last = Path(self.trainer.checkpoint_callback.last_model_path)
+            SNAPSHOT["last"] = (last, last.read_bytes())
+            out["loss"] = out["loss"] * float("inf") * 0.0  # NaN
+        return out
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_every_n_steps_keep_the_newest_k_and_the_end(tmp_path):
+    assert fit("--config", str(recipe(tmp_path, max_epochs=1, max_steps=7, data={"num_samples": 56}))) == 0
+    assert sorted(p.name for p in ckpt_dir(tmp_path).iterdir()) == ["last.ckpt", "step00000004.ckpt", "step00000006.ckpt"]
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 7  # the end, off the interval
+
+
+def test_a_checkpoint_write_that_dies_leaves_the_previous_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+    before = path.read_bytes()
+
+    class Dies:
+        def __reduce__(self):
+            raise KeyboardInterrupt("killed mid-write")
+
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"step": 2, "blob": torch.zeros(1000), "dies": Dies()}, path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+def test_the_training_loader_resumes_its_epoch_at_the_next_batch():
+    def loader():
+        dm = SyntheticDataModule(num_samples=20, num_test_samples=0, img_size=16, in_chans=1, batch_size=4, num_workers=0, views=TwoViews())
+        return dm.train_dataloader()
+
+    def same(a, b):
+        return all(torch.equal(x, y) for (va, la), (vb, lb) in zip(a, b, strict=True) for x, y in zip([*va, la], [*vb, lb]))
+
+    reference = loader()
+    reference.sampler.set_epoch(1)
+    epoch1 = list(reference)
+    reference.sampler.set_epoch(2)
+    epoch2 = list(reference)
+    interrupted = loader()
+    interrupted.sampler.set_epoch(1)
+    it = iter(interrupted)
+    next(it), next(it)
+    state = interrupted.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == 2
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert same(list(resumed), epoch1[2:])  # the same images, augmented the same way
+    assert resumed.state_dict()["batches"] == 5
+    at_end = loader()
+    at_end.load_state_dict(resumed.state_dict())  # saved after the epoch's last batch
+    assert same(list(at_end), epoch2)
+    assert not same(list(at_end), epoch2)  # iterated again without set_epoch: the next epoch, not a repeat
+
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    assert fit("--config", str(recipe(tmp_path))) == 0
+    return load(ckpt_dir(tmp_path) / "last.ckpt")
+
+
+def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["global_step"] == want["global_step"] == 3 * STEPS_PER_EPOCH
+    assert got["state_dict"].keys() == want["state_dict"].keys()
+    for key, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][key], value), key  # online, teacher, centre, probe
+    for g, w in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values(), strict=True):
+        assert all(torch.equal(g[k], w[k]) for k in w)  # AdamW moments and step counts
+
+
+@pytest.mark.parametrize(
+    "how,step,resumed_from",
+    [
+        ("crash", 7, 6),  # killed: the periodic checkpoint of step 6, at an epoch's end
+        ("SIGTERM", 4, 4),  # preempted one batch into the second epoch: last.ckpt of that step
+        ("SIGUSR1", 5, 5),  # SLURM's warning signal: the stop happens after the signalled step
+    ],
+)
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, how, step, resumed_from):
+    interrupt = [{"class_path": "test_faults.Interrupt", "init_args": {"step": step, "how": how}}]
+    if how == "crash":
+        with pytest.raises(Crash):
+            fit("--config", str(recipe(tmp_path, callbacks=interrupt)))
+    else:
+        assert fit("--config", str(recipe(tmp_path, callbacks=interrupt))) == 128 + getattr(signal, how)
+    last = load(ckpt_dir(tmp_path) / "last.ckpt")
+    assert last["global_step"] == resumed_from
+    # The run resumes with worker processes reading the data: the result cannot depend on them.
+    resumed = recipe(tmp_path, data={"num_workers": 1} if how == "SIGTERM" else None)
+    assert fit("--config", str(resumed), "--resume") == 0
+    assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
+
+
+def test_ckpt_path_last_in_the_recipe_resumes_too(tmp_path, uninterrupted):
+    interrupt = [{"class_path": "test_faults.Interrupt", "init_args": {"step": 3, "how": "crash"}}]  # after step 2's save
+    with pytest.raises(Crash):
+        fit("--config", str(recipe(tmp_path, callbacks=interrupt)))
+    cfg = yaml.safe_load(recipe(tmp_path).read_text())
+    cfg["ckpt_path"] = "last"
+    (tmp_path / "resume.yaml").write_text(yaml.safe_dump(cfg))
+    assert fit("--config", str(tmp_path / "resume.yaml")) == 0
+    assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
+
+
+def test_sigterm_to_a_training_process_checkpoints_and_the_run_resumes(tmp_path):
+    steps = 120  # far more than the process gets through before the signal
+    cfg = recipe(tmp_path, max_epochs=-1, max_steps=steps, log_every_n_steps=1)
+    cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = ckpt_dir(tmp_path) / "step00000002.ckpt"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.exists(), "the subprocess never reached step 2"
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "received SIGTERM: checkpoint written to" in output and "continue with --resume" in output
+    last = load(ckpt_dir(tmp_path) / "last.ckpt")  # complete and loadable
+    assert 2 <= last["global_step"] < steps
+    assert not [p for p in ckpt_dir(tmp_path).iterdir() if p.suffix == ".tmp"]  # no half-written files
+    assert fit("--config", str(cfg), "--resume") == 0
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == steps
+
+
+# ----------------------------------------------------------------------------- non-finite loss
+
+
+def test_a_nonfinite_loss_names_the_step_and_leaves_the_last_good_checkpoint(tmp_path, capsys):
+    model = {"class_path": "test_faults.NaNAtStep", "init_args": {"nan_step": 5}}
+    cfg = yaml.safe_load(recipe(tmp_path).read_text())
+    cfg["model"] = {**model, "init_args": {**cfg["model"]["init_args"], **model["init_args"]}}
+    (tmp_path / "nan.yaml").write_text(yaml.safe_dump(cfg))
+    SNAPSHOT.clear()
+    assert fit("--config", str(tmp_path / "nan.yaml")) == 1
+    err = capsys.readouterr().err
+    last, before = SNAPSHOT["last"]
+    assert last.name == "last.ckpt" and last.read_bytes() == before  # intact
+    assert load(last)["global_step"] == 4
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("ssl-vit fit: error: non-finite loss") and "at step 5" in message
+    assert f"the last good checkpoint is {last}" in message and "Traceback" not in err
+    # --debug shows where it came from
+    with pytest.raises(RuntimeError, match="non-finite loss"):
+        ssl_vit_main(["fit", "--config", str(tmp_path / "nan.yaml"), "--resume", "--debug"])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _pngs(folder: Path, n: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = folder / f"img{i}.png"
+        noise = torch.randint(0, 256, (20, 20), generator=torch.Generator().manual_seed(i), dtype=torch.uint8)
+        Image.fromarray(noise.numpy(), "L").save(path)
+        paths.append(path)
+    return paths
+
+
+def test_unreadable_images_are_skipped_and_listed_in_the_summary(tmp_path, caplog):
+    good = _pngs(tmp_path / "images" / "a", 8) + _pngs(tmp_path / "images" / "b", 8)
+    bad = [tmp_path / "images" / "a" / "garbage.png", tmp_path / "images" / "b" / "truncated.png",
+           tmp_path / "images" / "b" / "empty.jpg"]
+    bad[0].write_bytes(b"not an image at all" * 20)
+    bad[1].write_bytes(good[0].read_bytes()[:250])  # of ~460
+    bad[2].write_bytes(b"")
+    data = {"class_path": "ssl_vit.data.ImageFolderDataModule", "init_args": {
+        "train_dir": str(tmp_path / "images"), "img_size": 16, "in_chans": 1, "batch_size": 19, "drop_last": False,
+        "num_workers": 1, "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local": 2}}}}
+    cfg = yaml.safe_load(recipe(tmp_path, max_epochs=2).read_text())
+    cfg["data"] = data
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump(cfg))
+    with caplog.at_level(logging.WARNING, logger="ssl_vit"):
+        assert fit("--config", str(tmp_path / "folder.yaml")) == 0
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
+    assert len(summary) == 1 and summary[0].startswith("skipped 3 unreadable files: ")
+    assert all(str(p) in summary[0] for p in bad)
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 2  # one batch of 19 per epoch
+
+
+@pytest.mark.parametrize("folder", ["missing", "empty"])
+def test_a_missing_or_empty_image_folder_is_one_clear_error(tmp_path, capsys, folder):
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    cfg = yaml.safe_load(recipe(tmp_path).read_text())
+    cfg["data"] = {"class_path": "ssl_vit.data.ImageFolderDataModule", "init_args": {
+        "train_dir": str(tmp_path / folder), "img_size": 16, "in_chans": 1, "batch_size": 8, "num_workers": 0,
+        "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local": 2}}}}
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump(cfg))
+    assert fit("--config", str(tmp_path / "folder.yaml")) == 1
+    err = capsys.readouterr().err
+    expected = "does not exist or is not a directory" if folder == "missing" else "no images found in"
+    assert err.strip().splitlines()[-1].startswith("ssl-vit fit: error: ") and expected in err
+    assert str(tmp_path / folder) in err and "Traceback" not in err
+    assert not ckpt_dir(tmp_path).exists()
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c["model"]["init_args"].update(tempreature=0.1), "tempreature"),
+        (lambda c: c["model"]["init_args"].update(out_dim="many"), "out_dim"),
+        (lambda c: c["model"].update(class_path="ssl_vit.pretext.SimCLR"), "SimCLR"),
+        (lambda c: c["model"]["init_args"].update(backbone="vit_gigantic"), "unknown backbone 'vit_gigantic'"),
+        (lambda c: c["data"]["init_args"]["views"]["init_args"].update(global_size=18) or c["data"]["init_args"].update(img_size=18),
+         "data.img_size 18 is not divisible by the backbone's patch size 4"),
+        (lambda c: c.update(global_batch_size=9) or c["trainer"].update(devices=2, strategy="ddp"),
+         "global_batch_size 9 is not divisible by devices x nodes x accumulate_grad_batches = 2"),
+    ],
+    ids=["unknown-key", "wrong-type", "unknown-method", "unknown-backbone", "patch-size", "batch-over-devices"],
+)
+def test_a_bad_recipe_file_fails_before_training_with_one_line(tmp_path, capsys, edit, message):
+    cfg = yaml.safe_load(recipe(tmp_path).read_text())
+    edit(cfg)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    assert fit("--config", str(tmp_path / "bad.yaml")) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("ssl-vit fit: error: ") and message in err
+    assert "Traceback" not in err and not ckpt_dir(tmp_path).exists()
+
+
+def test_debug_shows_the_traceback_of_a_bad_recipe(tmp_path):
+    with pytest.raises(ValueError, match="not divisible by the patch size 5"):
+        ssl_vit_main(["fit", "--config", str(recipe(tmp_path)), "--model.init_args.backbone_kwargs.patch_size", "5", "--debug"])
