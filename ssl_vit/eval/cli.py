@@ -136,7 +136,10 @@ def main(argv: list[str]) -> int:
             weight_decay=args.weight_decay, img_size=args.img_size,
         )
         protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size", "batch_size")}
-        result = EvalResult(protocol="finetune", metrics=metrics, protocol_args=protocol_args, **{k: v for k, v in common.items() if k != "num_classes"})
+        result = EvalResult(
+            method=method, backbone=common["backbone_record"], data=data_record, protocol="finetune", metrics=metrics,
+            protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
+        )
         path = result.to_json(result_path(args.out, result))
         results = [(result, path)]
     else:

@@ -1,0 +1,71 @@
+"""``ssl-vit visualize BACKBONE --images DIR_OR_DATASET --out DIR``: the ViT paper's figures.
+
+Writes ``filters.png`` (top principal components of the patch embedding), ``pos_embed.png``
+(position-embedding similarity), ``attention_distance.png`` + ``.csv`` (mean attention distance
+per layer and head over ``--num-images`` images, 128 as in the paper), ``attention_rollout.png``
+and ``attention_dino.png`` (rollout from [CLS], and the last layer's per-head [CLS] attention
+thresholded to 60 % of its mass).
+
+BACKBONE is a pretraining checkpoint, an export directory, a state dict (with ``--arch``) or
+``random:<name>``; images come from a folder of images or a named dataset's test split.
+
+Example::
+
+    ssl-vit visualize runs/dino/checkpoints/last.ckpt --images fashion_mnist --out figures/dino
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ssl_vit.eval.cli import DATASETS, _json_dict, _kv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ssl_vit.analysis.render import FIGURES
+
+    p = argparse.ArgumentParser(prog="ssl-vit visualize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("backbone", help="checkpoint (.ckpt), export dir, state dict, or random:<name>")
+    p.add_argument("--images", required=True, help=f"a folder of images, or a dataset: {', '.join(sorted(DATASETS))}")
+    p.add_argument("--out", required=True, help="output directory for the PNGs and the CSV")
+    p.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
+    p.add_argument("--arch", default=None, help="registry name for a bare state dict")
+    p.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts)")
+    p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument, e.g. root=/data")
+    p.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES))
+    p.add_argument("--num-images", type=int, default=128, help="images averaged for the mean attention distance")
+    p.add_argument("--show", type=int, default=8, help="images drawn in the attention-map figures")
+    p.add_argument("--seed", type=int, default=0, help="which images (a seeded random draw)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ssl_vit.analysis.render import render_all
+    from ssl_vit.eval.cli import build_datamodule
+    from ssl_vit.eval.run import subsample
+    from ssl_vit.export import load_any_backbone
+
+    backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
+    extra = dict(args.data_arg)
+    if Path(args.images).is_dir():
+        name, extra = "imagefolder", {"train_dir": args.images, **extra}
+    elif args.images in DATASETS:
+        name = args.images
+    else:
+        raise FileNotFoundError(f"--images {args.images!r} is neither a folder nor a dataset ({', '.join(sorted(DATASETS))})")
+    dm = build_datamodule(name, backbone, info, extra, train_subset=None)
+    train, test = dm.eval_datasets()
+    pool = subsample(test if test is not None else train, max(args.num_images, args.show), args.seed)
+    shown = torch.stack([pool[i][0] for i in range(min(args.show, len(pool)))])  # [S, C, H, W]
+    result = render_all(
+        backbone, shown, args.out, mean=dm.mean, std=dm.std, figures=args.figures, max_images=args.show,
+        distance_images=DataLoader(pool, batch_size=64), num_distance_images=args.num_images,
+    )
+    for fig, path in result.paths.items():
+        print(f"{fig:<24} {path}")
+    return 0

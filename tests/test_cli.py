@@ -1,0 +1,73 @@
+"""The `ssl-vit` entry point: dispatch, `eval`, `visualize`, `compare`, end to end on tiny inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ssl_vit.cli import COMMANDS
+from ssl_vit.cli import main as cli_main
+
+TINY = '{"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2, "num_heads": 2}'
+SYNTH = ["--data", "synthetic", "--data-arg", "num_samples=64", "--data-arg", "num_test_samples=32", "--data-arg", "num_classes=4", "--num-workers", "0"]
+
+
+def test_help_lists_every_subcommand():
+    out = subprocess.run([sys.executable, "-m", "ssl_vit.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for name in ("fit", "eval", "compare", "demo", "export", "visualize", "benchmark"):
+        assert name in COMMANDS and f"  {name}" in out
+
+
+def test_unknown_command_is_an_error(capsys):
+    assert cli_main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "protocol,extra,metric",
+    [
+        ("knn", ["--k", "5"], "top1"),
+        ("linear", ["--epochs", "3"], "top1"),
+        ("fewshot", ["--shots", "1", "2", "--seeds", "2"], "2shot"),
+        ("finetune", ["--epochs", "1", "--max-steps", "2", "--batch-size", "16"], "top1"),
+    ],
+)
+def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
+    args = ["eval", protocol, "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path), *extra]
+    assert cli_main(args) == 0
+    (path,) = tmp_path.glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["protocol"] == protocol and record["method"] == "random" and record["data"]["name"] == "synthetic"
+    assert 0.0 <= record["metrics"][metric] <= 1.0 and record["backbone"]["name"] == "vit"
+    assert f"{protocol}" in capsys.readouterr().out
+
+
+def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    assert cli_main(["eval", "knn", "--backbone", str(tmp_path / "nope.ckpt"), *SYNTH]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.ckpt" in err[0]
+
+
+def test_visualize_writes_every_figure(tmp_path):
+    assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "synthetic", "--data-arg", "num_test_samples=16",
+                     "--out", str(tmp_path), "--num-images", "16", "--show", "2"]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"filters.png", "pos_embed.png", "attention_distance.png", "attention_distance.csv", "attention_rollout.png", "attention_dino.png"} <= names
+    rows = (tmp_path / "attention_distance.csv").read_text().splitlines()
+    assert rows[0].startswith("layer,head") and len(rows) == 1 + 2 * 2  # depth 2 x 2 heads
+
+
+def test_visualize_rejects_unknown_images(tmp_path, capsys):
+    assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "no_such_data", "--out", str(tmp_path)]) == 1
+    assert "neither a folder nor a dataset" in capsys.readouterr().err
+
+
+def test_compare_tabulates_eval_outputs(tmp_path, capsys):
+    for spec in ("random:vit",):
+        assert cli_main(["eval", "knn", "--backbone", spec, "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "res"), "--k", "5"]) == 0
+    assert cli_main(["compare", str(tmp_path / "res"), "--out", str(tmp_path / "report.md")]) == 0
+    assert "random" in capsys.readouterr().out
+    assert (tmp_path / "report.md").read_text().count("|") > 4
