@@ -97,6 +97,7 @@ def pretrain(
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from ssl_vit.data import FashionMNISTDataModule
+    from ssl_vit.flops import PretrainFlopsCounter
     from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
     from ssl_vit.training.cli import StepCheckpoint
 
@@ -116,7 +117,10 @@ def pretrain(
         accelerator=accelerator,
         devices=1,
         logger=TensorBoardLogger(str(out_dir / "tensorboard"), name=recipe.method),
-        callbacks=[StepCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=max(50, max_steps // 4), keep_last=1)],
+        callbacks=[
+            StepCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=max(50, max_steps // 4), keep_last=1),
+            PretrainFlopsCounter(),
+        ],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
         enable_progress_bar=progress,

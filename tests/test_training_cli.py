@@ -54,14 +54,21 @@ def test_fit_writes_step_and_last_checkpoints_with_the_recipe(tmp_path):
     assert meta["method"] == "DINO" and meta["global_step"] == 3 and meta["backbone"] == "vit"
     assert "class_path: ssl_vit.pretext.DINO" in meta["recipe"]
     assert meta["data"]["num_classes"] == 10 and meta["global_batch_size"] == 8
+    # Cumulative pretraining compute (ViT paper Fig. 5's x-axis) grows by the same amount each
+    # step (fixed view shapes), so step 3 holds 1.5x step 2's total.
+    at_2 = torch.load(tmp_path / "run" / "checkpoints" / "step00000002.ckpt", weights_only=False)["ssl_vit"]["pretrain_flops"]
+    assert at_2 > 0 and meta["pretrain_flops"] == pytest.approx(1.5 * at_2)
 
 
 def test_resume_continues_from_the_last_checkpoint(tmp_path):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg)]) == 0
     assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--resume"]) == 0
+    first = torch.load(tmp_path / "run" / "checkpoints" / "step00000002.ckpt", weights_only=False)
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 5
+    # The FLOPs total resumes too: 5 steps' worth, not the 2 after the resume.
+    assert ckpt["ssl_vit"]["pretrain_flops"] == pytest.approx(2.5 * first["ssl_vit"]["pretrain_flops"])
 
 
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):

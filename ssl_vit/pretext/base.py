@@ -393,6 +393,9 @@ class PretextModule(L.LightningModule):
             # base and how much of the non-finite skip budget is spent.
             "seed": self._seed,
             "skipped_batches": self._skipped_batches,
+            # Set by the PretrainFlopsCounter callback (None without it): the x-axis of the ViT
+            # paper's accuracy-vs-compute plot (Figure 5).
+            "pretrain_flops": getattr(self, "pretrain_flops", None),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.pretext.base import PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             run=False,
             args=argv,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [PreemptionCheckpoint()]},
+            trainer_defaults={"callbacks": [PreemptionCheckpoint(), PretrainFlopsCounter()]},
             parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__},
         )
     except (ArgumentError, ValueError, TypeError) as err:

@@ -1,0 +1,116 @@
+"""``ssl-vit benchmark`` machinery on a tiny configuration. No timing is asserted anywhere: only
+that every configuration runs, that ours and each peer do the same work, and that the report and
+JSON carry what they promise."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from ssl_vit.bench import workloads
+from ssl_vit.bench.cli import main
+from ssl_vit.bench.config import BenchConfig, ModelSpec, preset
+from ssl_vit.bench.data import views_job
+from ssl_vit.bench.measure import MemoryProbe
+from ssl_vit.bench.report import format_report, ratio
+
+TINY = preset("tiny")
+
+
+def _torch_flops(fn) -> int:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("row", workloads.ROWS)
+def test_ours_and_the_peer_do_the_same_work(row: str) -> None:
+    device = torch.device("cpu")
+    ours, peer = workloads.ours(row, TINY, device), workloads.peer(row, TINY, device)
+    assert [v.shape for v in ours.views] == [v.shape for v in peer.views]
+    for work in (ours, peer):
+        work.step()  # a warm-up step, as the benchmark does
+    batch = ours.views[0].shape[0]
+    counted_ours = _torch_flops(ours.step) / batch
+    counted_peer = _torch_flops(peer.step) / batch
+    assert ours.flops_per_image == pytest.approx(counted_ours, rel=1e-3)
+    if row == "mpp":
+        # lightly's SimMIM composition applies the head (D -> 512) to the N/2 masked tokens only,
+        # ours to all N: 3 (forward + backward) x N/2 x 2·D·512 fewer FLOPs.
+        n, d = (TINY.method_img_size // TINY.method_model.patch_size) ** 2, TINY.method_model.embed_dim
+        assert counted_peer == pytest.approx(ours.flops_per_image - 3 * (n // 2) * 2 * d * 512, rel=1e-3)
+    else:
+        assert counted_peer == pytest.approx(ours.flops_per_image, rel=1e-3)
+
+
+def test_our_step_updates_the_momentum_encoder() -> None:
+    work = workloads.ours("mocov3", TINY, torch.device("cpu"))
+    before = [p.clone() for p in work.model.momentum_backbone.parameters()]
+    work.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, work.model.momentum_backbone.parameters()))
+
+
+@pytest.mark.parametrize("row", ["two", "multicrop"])
+def test_data_rows_compare_like_with_like(row: str) -> None:
+    ours, peer = views_job(row, "ours", TINY), views_job(row, "peer", TINY)
+    assert ours["views_per_image"] == peer["views_per_image"] == (2 if row == "two" else 2 + TINY.data_n_local)
+    assert ours["views_per_s"] > 0 and peer["views_per_s"] > 0
+
+
+def test_memory_probe_sees_an_allocation() -> None:
+    probe = MemoryProbe(torch.device("cpu"))
+    block = torch.ones(64, 2**20 // 4)  # 64 MiB, touched
+    peak = probe.peak()
+    assert block.sum() > 0
+    assert peak["peak_mem_bytes"] >= 48 * 2**20
+    assert peak["peak_abs_bytes"] >= peak["peak_rss_bytes"] > 0
+
+
+def test_config_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="unknown method"):
+        BenchConfig(methods=("simclr",))
+    with pytest.raises(ValueError, match="not divisible"):
+        BenchConfig(method_img_size=100)
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("huge")
+    assert ModelSpec().label == "ViT-S/16"
+
+
+def test_ratio_format() -> None:
+    assert ratio(1.0712) == "1.07x"
+    assert ratio(None) == "-"
+
+
+def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    # Every configuration in a process of its own; two methods keep the test short (all four
+    # run in-process above); one thread per job keeps it short on a busy machine too.
+    assert main(["--preset", "tiny", "--methods", "mocov3", "dino", "--threads", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"\d+\.\d\dx", printed)  # ratios printed like 1.07x
+    result = json.loads(out.read_text())
+
+    assert result["environment"]["torch"] == torch.__version__
+    assert result["matmul"]["peak_flops_per_s"] > 0 and result["matmul_peak_flops_per_s"] > 0
+    assert [r["name"] for r in result["rows"]] == ["backbone", "mocov3", "dino"]
+    for row in result["rows"]:
+        for impl in ("ours", "peer"):
+            res = row[impl]
+            assert "error" not in res, res.get("traceback")
+            assert res["images_per_s"] > 0 and res["peak_mem_bytes"] > 0
+            assert res["flops_per_s"] > 0 and res["matmul_fraction"] > 0
+            assert res["flops_check"] == pytest.approx(1.0, rel=1e-3)  # counted == analytic
+        assert row["throughput_ratio"] > 0 and row["memory_ratio"] > 0
+        assert row["flops_per_image"] > 0
+    assert [d["name"] for d in result["data"]] == ["two", "multicrop"]
+    for d in result["data"]:
+        assert d["ours"]["views_per_s"] > 0 and d["throughput_ratio"] > 0
+    assert set(result["targets"]) == {"mocov3", "dino", "backbone"}
+    assert all(isinstance(t["pass"], bool) for t in result["targets"].values())
+    # The report renders from the JSON alone (RESULTS.md is made from it).
+    assert "mocov3" in format_report(result, markdown=True)

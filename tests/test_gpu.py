@@ -1,0 +1,127 @@
+"""On a CUDA GPU (skipped without one): the paper recipes run with their own trainer settings
+(gpu, DDP, bf16-mixed) shrunk to one device and a tiny model; FSDP (recipes/trainer/fsdp.yaml)
+trains, checkpoints and resumes the methods with a momentum encoder / teacher; bf16 autocast and the
+fused attention kernels agree with fp32 and the explicit attention path; the benchmark runs on
+CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ssl_vit.cli import main as cli_main
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_RECIPES = sorted((ROOT / "recipes" / "imagenet").glob("*.yaml"))
+FSDP = ROOT / "recipes" / "trainer" / "fsdp.yaml"
+TINY_BACKBONE = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2}
+SMALL_HEADS = {
+    "ssl_vit.pretext.DINO": {"out_dim": 256, "hidden_dim": 64, "bottleneck_dim": 32},
+    "ssl_vit.pretext.MoCoV3": {"proj_hidden_dim": 64, "pred_hidden_dim": 64, "proj_output_dim": 32},
+    "ssl_vit.pretext.MPP": {},
+    "ssl_vit.pretext.Supervised": {},
+}
+VIEW_SIZES = {
+    "ssl_vit.data.MultiCrop": {"global_size": 32, "local_size": 16, "n_local": 2},
+    "ssl_vit.data.TwoViews": {"size": 32},
+    "ssl_vit.data.SingleView": {"size": 32},
+}
+
+
+def _shrink(recipe: Path, tmp_path: Path, steps: int) -> list[str]:
+    """Keep the recipe's accelerator, strategy and precision; one GPU, a tiny model, synthetic data."""
+    cfg = yaml.safe_load(recipe.read_text())
+    method = cfg["model"]["class_path"]
+    views = cfg["data"]["init_args"]["views"]["class_path"]
+    kwargs = {**cfg["model"]["init_args"].get("backbone_kwargs", {}), **TINY_BACKBONE, "in_chans": 3}
+    args = [
+        "--trainer.devices", "1", "--trainer.num_nodes", "1", "--trainer.max_steps", str(steps), "--trainer.max_epochs", "5",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(tmp_path / "run"), "--global_batch_size", "16", "--checkpoint.every_n_train_steps", "2",
+        "--model.init_args.backbone", "vit", "--model.init_args.backbone_kwargs", yaml.safe_dump(kwargs, default_flow_style=True).strip(),
+        "--data", "ssl_vit.data.SyntheticDataModule", "--data.init_args.num_samples", "64", "--data.init_args.num_test_samples", "16",
+        "--data.init_args.img_size", "32", "--data.init_args.num_workers", "2", "--data.init_args.views", views,
+    ]
+    for key, value in SMALL_HEADS[method].items():
+        args += [f"--model.init_args.{key}", str(value)]
+    for key, value in VIEW_SIZES[views].items():
+        args += [f"--data.init_args.views.init_args.{key}", str(value)]
+    return args
+
+
+def _last(tmp_path: Path) -> dict:
+    return torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def _all_finite(state: dict) -> bool:
+    return all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v) and v.is_floating_point())
+
+
+@pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=[p.stem for p in PAPER_RECIPES])
+def test_paper_recipe_trains_on_one_gpu_in_bf16(recipe: Path, tmp_path: Path) -> None:
+    cfg = yaml.safe_load(recipe.read_text())
+    assert cfg["trainer"]["accelerator"] == "gpu" and cfg["trainer"]["precision"] == "bf16-mixed"
+    assert cli_main(["fit", "--config", str(recipe), *_shrink(recipe, tmp_path, steps=3)]) == 0
+    ckpt = _last(tmp_path)
+    assert ckpt["global_step"] == 3 and _all_finite(ckpt["state_dict"])
+    assert ckpt["ssl_vit"]["pretrain_flops"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["dino_vit_small16", "mocov3_vit_small16"])
+def test_fsdp_trains_checkpoints_and_resumes(recipe: str, tmp_path: Path) -> None:
+    path = ROOT / "recipes" / "imagenet" / f"{recipe}.yaml"
+    args = ["fit", "--config", str(path), "--config", str(FSDP), *_shrink(path, tmp_path, steps=2)]
+    assert cli_main(args) == 0
+    first = _last(tmp_path)
+    assert first["global_step"] == 2 and _all_finite(first["state_dict"])
+    assert cli_main([*args, "--trainer.max_steps", "4", "--resume"]) == 0
+    ckpt = _last(tmp_path)
+    assert ckpt["global_step"] == 4 and _all_finite(ckpt["state_dict"])
+    state = ckpt["state_dict"]
+    # The full (unsharded) state dict: every block of the backbone, the EMA copy moved towards it.
+    student = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+    target_prefix = "teacher_backbone." if recipe.startswith("dino") else "momentum_backbone."
+    target = {k[len(target_prefix):]: v for k, v in state.items() if k.startswith(target_prefix)}
+    assert set(student) == set(target) and "blocks.1.mlp.fc2.weight" in student
+    moved = [k for k in student if not torch.equal(first["state_dict"][target_prefix + k], target[k])]
+    assert moved, "the EMA target did not change between steps 2 and 4"
+
+
+def test_bf16_autocast_and_fused_attention_agree_with_fp32() -> None:
+    from ssl_vit.backbones import create_backbone
+
+    torch.manual_seed(0)
+    model = create_backbone("vit_small", img_size=224, patch_size=16).cuda().eval()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        ref = model.double()(x.double()).float()
+        model.float()
+        fp32 = model(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            bf16 = model(x).float()
+            maps = model.get_attention_maps(x)  # the explicit path, in bf16 too
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(fp32, ref) < 1e-3  # TF32 matmuls at most
+    assert rel(bf16, ref) < 3e-2
+    assert len(maps) == 12 and all(torch.isfinite(m).all() for m in maps)
+    rows = maps[-1].float().sum(-1)
+    assert torch.allclose(rows, torch.ones_like(rows), atol=2e-2)
+
+
+def test_benchmark_runs_on_cuda(tmp_path: Path) -> None:
+    from ssl_vit.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--preset", "tiny", "--device", "cuda", "--precision", "bf16-mixed", "--methods", "dino", "--no-data", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["matmul"]["dtype"] == "bfloat16" and result["environment"]["gpu"]
+    for row in result["rows"]:
+        for impl in ("ours", "peer"):
+            assert "error" not in row[impl], row[impl].get("traceback")
+            assert row[impl]["peak_mem_bytes"] > 0 and row[impl]["images_per_s"] > 0
