@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.probe import OnlineLinearProbe
+from ssl_vit.training.optimizer_state import materialize_adam_state
 from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
 Batch = tuple[list[Tensor], Tensor]
@@ -272,8 +273,12 @@ class PretextModule(L.LightningModule):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
-            return
-        self.cancel_gradients()
+        else:
+            self.cancel_gradients()
+        # Parameters without a gradient this step get Adam's initial state now rather than at
+        # their first gradient: numerically the same, and FSDP can then gather the optimizer
+        # state for a checkpoint (see ssl_vit.training.optimizer_state).
+        materialize_adam_state(optimizer)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)

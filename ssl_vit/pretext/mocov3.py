@@ -85,9 +85,9 @@ class MoCoV3(PretextModule):
         # given a bare BN layer, but the pairs are rebuilt rather than assumed).
         self.ema.pairs = [(self.backbone, self.momentum_backbone), (self.projector, self.momentum_projector)]
 
-    def _encode(self, encoder: nn.Module, projector: nn.Module, x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _encode(self, encoder: nn.Module, projector: nn.Module, x1: Tensor, x2: Tensor, concat: bool) -> tuple[Tensor, Tensor, Tensor]:
         b = x1.shape[0]
-        if self._concat_views:
+        if concat and self._concat_views:
             h1, h2 = encoder(torch.cat([x1, x2])).split(b)  # one pass for both views, [B, D] each
         else:
             h1, h2 = encoder(x1), encoder(x2)
@@ -98,10 +98,12 @@ class MoCoV3(PretextModule):
         if len(views) != 2:
             raise ValueError(f"MoCo v3 needs two views per image, got {len(views)} (use TwoViews)")
         x1, x2 = views
-        z1, z2, h1 = self._encode(self.backbone, self.projector, x1, x2)
+        z1, z2, h1 = self._encode(self.backbone, self.projector, x1, x2, concat=True)
         q1, q2 = self.predictor(z1), self.predictor(z2)  # [B, C]
         with torch.no_grad():
-            k1, k2, _ = self._encode(self.momentum_backbone, self.momentum_projector, x1, x2)  # [B, C]
+            # One view at a time, as the reference does: without a graph to keep, a pass over
+            # both views at once only doubles the transient activations at the memory peak.
+            k1, k2, _ = self._encode(self.momentum_backbone, self.momentum_projector, x1, x2, concat=False)  # [B, C]
         loss = self.criterion(q1, q2, k1, k2)
         return {
             "loss": loss,

@@ -1,0 +1,56 @@
+"""Adam state made ahead of a parameter's first gradient changes nothing: the same updates, the
+same moments, as an optimizer that made it lazily (compared step by step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssl_vit.training.optimizer_state import materialize_adam_state
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05, amsgrad=True),
+    lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=False),
+], ids=["adamw", "adamw-amsgrad", "adam-for-loop"])
+def test_state_made_ahead_gives_the_same_steps(make) -> None:
+    lazy_params, eager_params = _params(), _params()
+    lazy, eager = make(lazy_params), make(eager_params)
+    g = torch.Generator().manual_seed(1)
+    # The second parameter has no gradient in the first two steps (a frozen layer), then has one.
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=g) for p in lazy_params]
+        for params in (lazy_params, eager_params):
+            for p, grad in zip(params, grads):
+                p.grad = None if (p is params[1] and step < 2) else grad.clone()
+        assert materialize_adam_state(eager) == (2 if step == 0 else 0)
+        lazy.step()
+        eager.step()
+        for a, b in zip(lazy_params, eager_params):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(lazy_params, eager_params):
+        sa, sb = lazy.state[a], eager.state[b]
+        assert set(sa) == set(sb)
+        for key in sa:
+            torch.testing.assert_close(sa[key], sb[key], rtol=0, atol=0)
+            assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device
+
+
+def test_a_parameter_without_gradients_is_left_alone_but_has_state() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5)
+    materialize_adam_state(opt)
+    opt.step()  # no gradient: no update, weight decay included
+    assert torch.equal(p, torch.ones(3)) and float(opt.state[p]["step"]) == 0.0
+
+
+def test_other_optimizers_are_not_touched() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    assert materialize_adam_state(opt) == 0 and len(opt.state) == 0
