@@ -150,7 +150,7 @@ def method_step_flops(
     """FLOPs per image of one training step of a pretext module on views of these shapes
     (each ``[B, C, H, W]``; the per-device batch B matters only for MoCo v3's logits).
 
-    - MPP: the backbone trained on one view, the linear head on every patch token.
+    - MPP: the backbone trained on one view, the linear head on the corrupted patch tokens.
     - Supervised: the backbone trained on one view, the linear classifier.
     - MoCo v3: 2 views through backbone + projector + predictor (trained), 2 through the momentum
       backbone + projector (forward), and the logits ``q kᵀ`` of ``ctr`` against the keys of all
@@ -197,8 +197,11 @@ def method_step_flops(
         total += 2 * (2.0 * g * len(shapes) * out_dim)
     elif isinstance(module, MPP):
         s = shapes[0]
+        from ssl_vit.masking import num_corrupted
+
         n = (s[-2] // backbone.patch_size) * (s[-1] // backbone.patch_size)
-        total = backbone_train_flops(backbone, s[-2:]) + 3.0 * n * linear_flops(module.head)
+        k = num_corrupted(n, module.corruption_ratio)  # the head reads the corrupted tokens only
+        total = backbone_train_flops(backbone, s[-2:]) + 3.0 * k * linear_flops(module.head)
     else:  # Supervised
         total = backbone_train_flops(backbone, shapes[0][-2:]) + 3.0 * linear_flops(module.classifier)
     probe = getattr(module, "probe", None)

@@ -70,7 +70,7 @@ class BenchConfig:
     Speed: ours and the peer of a row are built in one fresh process and, after ``warmup``
     untimed steps each, timed over ``steps`` interleaved rounds (ABBA); medians count, rounds in
     which another job took cores away are repeated. Memory: each implementation alone in a fresh
-    process, over ``memory_steps`` steps.
+    process, over ``memory_steps`` steps; the least peak of ``memory_repeats`` such processes.
     """
 
     backbone_model: ModelSpec = VIT_S16
@@ -88,9 +88,12 @@ class BenchConfig:
     dino_out_dim: int = 65536
     dino_hidden_dim: int = 2048
     dino_bottleneck_dim: int = 256
-    warmup: int = 2
-    steps: int = 7
+    warmup: int = 3
+    steps: int = 11
     memory_steps: int = 2
+    # Peak RSS of the same job differs by ~1 % from one process to the next (allocator and
+    # page-cache luck); the least of a few processes is the job's own need.
+    memory_repeats: int = 3
     # Matmul rate: these (m, k, n) plus the backbone row's MLP matmul [B·T, D] @ [D, 4D].
     matmul_sizes: tuple[tuple[int, int, int], ...] = ((2048, 2048, 2048),)
     matmul_repeats: int = 10
@@ -121,9 +124,10 @@ class BenchConfig:
             raise ValueError(f"precision must be '32' or 'bf16-mixed', got {self.precision!r}")
         if self.isolation not in ("auto", "forkserver", "spawn", "none"):
             raise ValueError(f"isolation must be auto, forkserver, spawn or none, got {self.isolation!r}")
-        if self.steps < 1 or self.warmup < 0 or self.memory_steps < 1:
+        if self.steps < 1 or self.warmup < 0 or self.memory_steps < 1 or self.memory_repeats < 1:
             raise ValueError(
-                f"need steps >= 1, warmup >= 0, memory_steps >= 1; got {self.steps}, {self.warmup}, {self.memory_steps}"
+                "need steps >= 1, warmup >= 0, memory_steps >= 1, memory_repeats >= 1; got "
+                f"{self.steps}, {self.warmup}, {self.memory_steps}, {self.memory_repeats}"
             )
         for name, model, size in (("backbone", self.backbone_model, self.backbone_img_size), ("method", self.method_model, self.method_img_size)):
             if size % model.patch_size:
@@ -150,6 +154,7 @@ def preset(name: str, **overrides: Any) -> BenchConfig:
             local_size=32,
             warmup=1,
             steps=3,
+            memory_repeats=1,
             matmul_repeats=5,
             data_seconds=1.0,
             data_images=4,
@@ -173,6 +178,7 @@ def preset(name: str, **overrides: Any) -> BenchConfig:
             dino_bottleneck_dim=16,
             warmup=1,
             steps=2,
+            memory_repeats=1,
             matmul_sizes=((128, 128, 128),),
             matmul_repeats=2,
             matmul_probe_size=128,

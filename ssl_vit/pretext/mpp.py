@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MPPHead
 from ssl_vit.losses import embedding_std, mpp_loss
-from ssl_vit.masking import TargetKind, make_corruption_plan, mpp_targets
+from ssl_vit.masking import TargetKind, make_corruption_plan, mpp_targets, num_corrupted
 from ssl_vit.pretext.base import PretextModule
 
 
@@ -93,15 +93,21 @@ class MPP(PretextModule):
             b, n, self.corruption_ratio, self.mask_prob, self.random_prob, device=x.device
         )
         tokens = self.backbone.forward_features(x, patch_hook=lambda t: plan.apply(t, self.mask_token))  # [B, 1+N, D]
-        pred = self.head(tokens[:, self.backbone.num_prefix_tokens :])  # [B, N, ...]
+        # Only the corrupted patches are predicted (ViT paper B.1.2), so only their tokens go
+        # through the head: every image has exactly k of them, gathered without a host sync.
+        k = num_corrupted(n, self.corruption_ratio)
+        idx = torch.argsort(plan.corrupted.to(torch.int8), dim=1, descending=True, stable=True)[:, :k]  # [B, k]
+        patches = tokens[:, self.backbone.num_prefix_tokens :]  # [B, N, D]
+        pred = self.head(torch.gather(patches, 1, idx[..., None].expand(-1, -1, patches.shape[-1])))  # [B, k, ...]
         with torch.no_grad():
             target = mpp_targets(self.raw_pixels(x), self.backbone.patch_size, self.target)  # [B, N, ...]
-        loss = mpp_loss(pred, target, plan.corrupted)
+            target = torch.gather(target, 1, idx.view(b, k, *[1] * (target.ndim - 2)).expand(b, k, *target.shape[2:]))  # [B, k, ...]
+        loss = mpp_loss(pred, target, torch.ones(b, k, dtype=torch.bool, device=x.device))
         out: dict[str, Tensor] = {"loss": loss, "features": tokens[:, 0].detach()}
         out["embedding_std"] = embedding_std(tokens[:, 0].detach())
         if self.target != "pixels":
             with torch.no_grad():
                 hit = (pred.argmax(-1) == target).float()
-                hit = hit.flatten(2).mean(-1) if hit.ndim > 2 else hit  # [B, N]
-                out["masked_acc"] = (hit * plan.corrupted).sum() / plan.corrupted.sum().clamp(min=1)
+                hit = hit.flatten(2).mean(-1) if hit.ndim > 2 else hit  # [B, k]
+                out["masked_acc"] = hit.mean()
         return out
