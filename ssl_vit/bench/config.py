@@ -92,7 +92,8 @@ class BenchConfig:
     steps: int = 11
     memory_steps: int = 2
     # Peak RSS of the same job differs by ~1 % from one process to the next (allocator and
-    # page-cache luck); the least of a few processes is the job's own need.
+    # page-cache luck); the least of a few processes is the job's own need (CPU only: a GPU's
+    # max_memory_allocated does not vary).
     memory_repeats: int = 3
     # Matmul rate: these (m, k, n) plus the backbone row's MLP matmul [B·T, D] @ [D, 4D].
     matmul_sizes: tuple[tuple[int, int, int], ...] = ((2048, 2048, 2048),)

@@ -61,7 +61,9 @@ def _train_row(row: str, cfg: BenchConfig, progress: Callable[[str], None]) -> d
     }
     for impl in impls:
         t0 = time.perf_counter()
-        runs = [run_isolated(Job("memory", cfg, row=row, impl=impl)) for _ in range(cfg.memory_repeats)]
+        # max_memory_allocated on a GPU is the same every time; RSS on a CPU is not.
+        repeats = cfg.memory_repeats if cfg.device == "cpu" else 1
+        runs = [run_isolated(Job("memory", cfg, row=row, impl=impl)) for _ in range(repeats)]
         good = [r for r in runs if "error" not in r]
         res = out[impl] = min(good, key=lambda r: r["peak_mem_bytes"]) if good else runs[0]
         if len(good) > 1:
