@@ -16,7 +16,7 @@ from ssl_vit.bench import workloads
 from ssl_vit.bench.cli import main
 from ssl_vit.bench.config import BenchConfig, ModelSpec, preset
 from ssl_vit.bench.data import views_job
-from ssl_vit.bench.measure import MemoryProbe
+from ssl_vit.bench.measure import MemoryProbe, saved_activation_bytes
 from ssl_vit.bench.report import format_report, ratio
 
 TINY = preset("tiny")
@@ -40,6 +40,33 @@ def test_ours_and_the_peer_do_the_same_work(row: str) -> None:
     counted_peer = _torch_flops(peer.step) / batch
     assert ours.flops_per_image == pytest.approx(counted_ours, rel=1e-3)
     assert counted_peer == pytest.approx(ours.flops_per_image, rel=1e-3)
+
+
+@pytest.mark.parametrize("row", workloads.ROWS)
+def test_ours_keeps_no_more_for_backward_than_the_peer(row: str) -> None:
+    # Activation memory, counted exactly: what autograd saves in one step. The same layers keep
+    # the same tensors (backbone, supervised, MoCo v3); MPP and DINO keep less than the peer.
+    device = torch.device("cpu")
+    saved = {}
+    for impl, build in (("ours", workloads.ours), ("peer", workloads.peer)):
+        work = build(row, TINY, device)
+        saved[impl] = saved_activation_bytes(work.step, list(work.model.parameters()))
+    assert saved["ours"] > 0
+    if row in ("mpp", "dino"):
+        assert saved["ours"] < saved["peer"]
+    else:
+        assert saved["ours"] == saved["peer"]
+
+
+def test_saved_activation_bytes_counts_a_known_graph() -> None:
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        h = x @ w  # saves x (4x8) and w (a parameter: not counted)
+        (h.relu() * 2).sum().backward()  # relu saves its output (4x8)
+
+    assert saved_activation_bytes(step, [w]) == 2 * 4 * 8 * 4
 
 
 def test_our_step_updates_the_momentum_encoder() -> None:
@@ -96,7 +123,7 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
         for impl in ("ours", "peer"):
             res = row[impl]
             assert "error" not in res, res.get("traceback")
-            assert res["images_per_s"] > 0 and res["peak_mem_bytes"] > 0
+            assert res["images_per_s"] > 0 and res["peak_mem_bytes"] > 0 and res["saved_activation_bytes"] > 0
             assert res["flops_per_s"] > 0 and res["matmul_fraction"] > 0
             assert res["flops_check"] == pytest.approx(1.0, rel=1e-3)  # counted == analytic
         assert row["throughput_ratio"] > 0 and row["memory_ratio"] > 0

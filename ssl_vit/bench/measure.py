@@ -154,6 +154,26 @@ class MemoryProbe:
         return out
 
 
+def saved_activation_bytes(step: Callable[[], None], params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward pass during one ``step``,
+    parameters (and views of them) left out: the activation memory of a training step, counted
+    exactly (``torch.autograd.graph.saved_tensors_hooks``), free of the allocator's noise that
+    the peak RSS carries."""
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in param_storages:
+            storages[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(storages.values())
+
+
 def matmul_rate(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 10, min_utilization: float = 0.75
 ) -> dict[str, Any]:

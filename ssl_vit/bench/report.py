@@ -47,7 +47,7 @@ def _spread(q: list[float] | None) -> str:
 
 def step_table(result: dict[str, Any], markdown: bool = False) -> str:
     header = [
-        "step", "config", "ours img/s", "peer img/s", "speed", "per-round speed", "ours MiB", "peer MiB", "memory",
+        "step", "config", "ours img/s", "peer img/s", "speed", "per-round speed", "ours MiB", "peer MiB", "memory", "saved MiB ours/peer",
         "GFLOP/img", "ours GFLOP/s", "ours/peer of matmul", "FLOPs counted/analytic",
     ]
     rows = []
@@ -59,6 +59,7 @@ def step_table(result: dict[str, Any], markdown: bool = False) -> str:
             r["name"], r["label"],
             _speed(ours), _speed(peer), ratio(r.get("throughput_ratio")), _spread((r.get("paired_ratio") or {}).get("quartiles")),
             _side(ours, "peak_mem_bytes", ".0f", 2**20), _side(peer, "peak_mem_bytes", ".0f", 2**20), ratio(r.get("memory_ratio")),
+            "/".join(_side(x, "saved_activation_bytes", ".0f", 2**20) for x in (ours, peer)),
             _num(r.get("flops_per_image"), ".2f", 1e9), _side(ours, "flops_per_s", ".1f", 1e9), fractions, checks,
         ])
     return _table(header, rows, markdown)
@@ -142,7 +143,8 @@ def format_report(result: dict[str, Any], markdown: bool = False) -> str:
         "speed, memory: ours / peer (speed from the median step times; per-round speed: quartiles of the "
         "ratio within each interleaved round, i.e. the noise). GFLOP/img: analytic model FLOPs of one "
         "training step per image (multiply-add = 2). of matmul: achieved FLOP/s / the dense matmul rate "
-        "measured in the same rounds.",
+        "measured in the same rounds. saved MiB: the tensors autograd keeps for backward in one step, "
+        "counted exactly (peak RSS on a CPU also carries the allocator's noise, about 1-3 %).",
     ]
     if any((r.get(i) or {}).get("disturbed") for r in result["rows"] for i in ("ours", "peer")):
         parts.append("* other load took cores away during most timed steps: rerun on a quiet machine")

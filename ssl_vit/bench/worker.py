@@ -62,8 +62,9 @@ def _build(row: str, impl: str, cfg: BenchConfig, device: torch.device) -> workl
 
 def _memory_job(job: Job, device: torch.device) -> dict[str, Any]:
     """Peak memory of one implementation of a row, alone in its process: model, optimiser state
-    (allocated by the first optimiser step), activations of ``memory_steps`` steps. Then one more
-    step under FlopCounterMode (after the memory reading: the counter has its own bookkeeping)."""
+    (allocated by the first optimiser step), activations of ``memory_steps`` steps. Then, after
+    the memory reading, one step that counts the tensors saved for backward exactly, and one
+    under FlopCounterMode."""
     cfg = job.config
     probe = measure.MemoryProbe(device)
     work = _build(job.row, job.impl, cfg, device)
@@ -74,6 +75,7 @@ def _memory_job(job: Job, device: torch.device) -> dict[str, Any]:
     out["params"] = sum(p.numel() for p in work.model.parameters())
     out["trainable_params"] = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
     out["flops_per_image_analytic"] = work.flops_per_image
+    out["saved_activation_bytes"] = measure.saved_activation_bytes(work.step, list(work.model.parameters()))
     if cfg.flop_check:
         from ssl_vit.flops import flop_counter
 
