@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ssl_vit.backbones.vit import as_pair
 from ssl_vit.heads import WeightNormLinear
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int])
     and plain ResNets are counted by ``FlopCounterMode`` on the meta device (shapes only, no
     memory, no compute); the hybrid's 1x1 projection and Transformer are then analytic.
     """
-    size = _pair(img_size)
+    size = as_pair(img_size)
     from ssl_vit.backbones.vit import PatchEmbed, VisionTransformer
 
     if isinstance(backbone, VisionTransformer):
@@ -131,7 +132,7 @@ def backbone_train_flops(backbone: nn.Module, img_size: int | tuple[int, int]) -
     """Forward + backward FLOPs per image of a trained backbone: 3 x forward, less the first
     layer's input gradient (the image needs none) and, when that layer is frozen (MoCo v3's
     random patch projection), its weight gradient too."""
-    size = _pair(img_size)
+    size = as_pair(img_size)
     forward = backbone_forward_flops(backbone, size)
     stem = _first_conv(backbone)
     if stem is None:
@@ -345,14 +346,6 @@ def pretrain_flops_from_checkpoint(checkpoint: dict[str, Any]) -> float | None:
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-def _pair(size: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(size, int):
-        return (size, size)
-    if len(size) != 2:
-        raise ValueError(f"expected an image size int or (h, w), got {size!r}")
-    return (int(size[0]), int(size[1]))
 
 
 def _conv_out(conv: nn.Conv2d, size: tuple[int, int]) -> tuple[int, int]:

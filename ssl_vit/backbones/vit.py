@@ -26,7 +26,8 @@ PatchHook = Callable[[Tensor], Tensor]
 replacements of the same shape: how masked patch prediction corrupts its input (ViT paper B.1.2)."""
 
 
-def _pair(x: int | Sequence[int]) -> tuple[int, int]:
+def as_pair(x: int | Sequence[int]) -> tuple[int, int]:
+    """An image or grid size as ``(h, w)``."""
     if isinstance(x, int):
         return (x, x)
     if len(x) != 2:
@@ -197,7 +198,7 @@ class VisionTransformer(nn.Module):
         self.num_heads = num_heads
         self.pos_embed_type = pos_embed
         self.global_pool = global_pool
-        self.patch_embed = patch_embed if patch_embed is not None else PatchEmbed(_pair(img_size), patch_size, in_chans, embed_dim)
+        self.patch_embed = patch_embed if patch_embed is not None else PatchEmbed(as_pair(img_size), patch_size, in_chans, embed_dim)
         self.img_size = self.patch_embed.img_size
         self.in_chans = self.patch_embed.in_chans
         self.patch_size = self.patch_embed.patch_size  # the stride of one token, in input pixels
@@ -245,7 +246,7 @@ class VisionTransformer(nn.Module):
     def set_img_size(self, img_size: int | tuple[int, int]) -> None:
         """Permanently move to another resolution (fine-tuning at higher resolution, ViT paper
         §3.2): the position embedding is resampled bicubically to the new grid."""
-        img_size = _pair(img_size)
+        img_size = as_pair(img_size)
         stride = self.patch_size
         if img_size[0] % stride or img_size[1] % stride:
             raise ValueError(f"image size {img_size[0]}x{img_size[1]} is not divisible by the patch size {stride}")
