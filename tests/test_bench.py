@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from ssl_vit.bench import workloads
 from ssl_vit.bench.cli import main
 from ssl_vit.bench.config import BenchConfig, ModelSpec, preset
 from ssl_vit.bench.data import views_job
-from ssl_vit.bench.measure import MemoryProbe, saved_activation_bytes
+from ssl_vit.bench.measure import saved_activation_bytes
 from ssl_vit.bench.report import format_report, ratio
 
 TINY = preset("tiny")
@@ -84,12 +86,22 @@ def test_data_rows_compare_like_with_like(row: str) -> None:
 
 
 def test_memory_probe_sees_an_allocation() -> None:
-    probe = MemoryProbe(torch.device("cpu"))
-    block = torch.ones(64, 2**20 // 4)  # 64 MiB, touched
-    peak = probe.peak()
-    assert block.sum() > 0
-    assert peak["peak_mem_bytes"] >= 48 * 2**20
-    assert peak["peak_abs_bytes"] >= peak["peak_rss_bytes"] > 0
+    # In a fresh process, as the benchmark runs it: a long-lived one (this test's) can serve the
+    # allocation from pages it already holds, and its resident set does not grow.
+    script = (
+        "import torch\n"
+        "from ssl_vit.bench.measure import MemoryProbe\n"
+        "probe = MemoryProbe(torch.device('cpu'))\n"
+        "block = torch.ones(64, 2**20 // 4)  # 64 MiB, touched\n"
+        "peak = probe.peak()\n"
+        "assert block.sum() > 0\n"
+        "print(peak['peak_mem_bytes'], peak['peak_rss_bytes'], peak['peak_abs_bytes'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    mem, rss, absolute = map(int, done.stdout.split())
+    assert 48 * 2**20 <= mem <= 96 * 2**20
+    assert absolute >= rss > 0
 
 
 def test_config_rejects_bad_settings() -> None:
