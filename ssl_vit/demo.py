@@ -77,15 +77,19 @@ class Budget:
     eval_train: int  # training images whose features fit the linear probe / kNN bank
     eval_test: int | None  # test images (None: all 10k)
     probe_epochs: int
+    # The linear probe's base LR per 256 examples. 0.3: on 128-d features of 20k images the
+    # ImageNet protocols' 0.01 underfits in 100 epochs (MoCo v3 backbone: 78.6 % at 0.01,
+    # 79.3 % at 0.02, 81.3 % at 0.3, 81.1 % at 1, 79.9 % at 3).
+    probe_lr: float
     batch_size: int
 
     @classmethod
     def default(cls) -> Budget:
-        return cls(epochs=None, subset=None, eval_train=20000, eval_test=None, probe_epochs=100, batch_size=128)
+        return cls(epochs=None, subset=None, eval_train=20000, eval_test=None, probe_epochs=100, probe_lr=0.3, batch_size=128)
 
     @classmethod
     def quick(cls) -> Budget:
-        return cls(epochs=None, subset=4096, eval_train=4096, eval_test=2000, probe_epochs=50, batch_size=128)
+        return cls(epochs=None, subset=4096, eval_train=4096, eval_test=2000, probe_epochs=50, probe_lr=0.3, batch_size=128)
 
 
 def pretrain(
@@ -148,7 +152,7 @@ def evaluate(
     dm = FashionMNISTDataModule(batch_size=256, num_workers=0, subset=budget.eval_train, seed=seed)
     train_ds, test_ds = dm.eval_datasets()
     test_ds = subsample(test_ds, budget.eval_test, seed)
-    protocols = {"linear": {"epochs": budget.probe_epochs, "seed": seed, "warmup_epochs": min(10, budget.probe_epochs // 5)}, "knn": {"k": 20, "temperature": 0.07}}
+    protocols = {"linear": {"epochs": budget.probe_epochs, "base_lr": budget.probe_lr, "seed": seed, "warmup_epochs": min(10, budget.probe_epochs // 5)}, "knn": {"k": 20, "temperature": 0.07}}
     return evaluate_features(
         backbone, train_ds, test_ds, protocols, method=label, data={"name": "fashion_mnist"}, num_classes=10,
         batch_size=512, num_workers=num_workers, device=device, source=source, pretrain=pretrain_record,
