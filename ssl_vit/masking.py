@@ -42,12 +42,15 @@ class CorruptionPlan:
     ``use_random`` are disjoint subsets of ``corrupted``; the rest of ``corrupted`` is kept as is
     (but still predicted, as in BERT). ``random_source`` ``[B, N]`` holds, for every patch, an index
     into the batch's flattened ``B * N`` patch embeddings; it is only read where ``use_random``.
+    ``corrupted_idx`` ``[B, k]`` lists the positions of the k corrupted patches of each image (the
+    ones ``corrupted`` marks) in ascending order, so the predictions can be gathered without searching the mask.
     """
 
     corrupted: Tensor  # [B, N] bool
     use_mask: Tensor  # [B, N] bool
     use_random: Tensor  # [B, N] bool
     random_source: Tensor  # [B, N] long, indices into the flattened [B * N] patches
+    corrupted_idx: Tensor  # [B, k] long, positions in [0, N)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,6 +62,7 @@ class CorruptionPlan:
             use_mask=self.use_mask.to(device),
             use_random=self.use_random.to(device),
             random_source=self.random_source.to(device),
+            corrupted_idx=self.corrupted_idx.to(device),
         )
 
     def apply(self, tokens: Tensor, mask_token: Tensor) -> Tensor:
@@ -150,9 +154,9 @@ def make_corruption_plan(
 
     # Exactly k positions per image: the k smallest of uniform noise (MAE's random_masking).
     noise = torch.rand(b, n, generator=generator, device=draw_device)  # [B, N]
-    order = torch.argsort(noise, dim=1)  # [B, N]
+    corrupted_idx = torch.argsort(noise, dim=1)[:, :k].sort(dim=1).values  # [B, k], row-major order
     corrupted = torch.zeros(b, n, dtype=torch.bool, device=draw_device)
-    corrupted.scatter_(1, order[:, :k], True)
+    corrupted.scatter_(1, corrupted_idx, True)
 
     # One uniform per patch splits the corrupted ones 80/10/10 independently.
     u = torch.rand(b, n, generator=generator, device=draw_device)  # [B, N]
@@ -164,7 +168,7 @@ def make_corruption_plan(
     source = torch.randint(0, max(total - 1, 1), (b, n), generator=generator, device=draw_device)
     source = source + (source >= own).long() if total > 1 else own
 
-    plan = CorruptionPlan(corrupted, use_mask, use_random, source)
+    plan = CorruptionPlan(corrupted, use_mask, use_random, source, corrupted_idx)
     out_device = torch.device(device) if device is not None else torch.device(draw_device)
     return plan if out_device == torch.device(draw_device) else plan.to(out_device)
 

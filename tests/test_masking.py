@@ -39,6 +39,10 @@ def test_exact_number_corrupted_per_image(ratio: float, n: int) -> None:
     assert num_corrupted(n, ratio) == expected
     assert plan.corrupted.shape == (7, n)
     assert plan.corrupted.sum(dim=1).tolist() == [expected] * 7
+    # The listed positions are exactly the marked ones, each once, in ascending order.
+    assert plan.corrupted_idx.shape == (7, expected)
+    for row, idx in zip(plan.corrupted, plan.corrupted_idx):
+        assert idx.tolist() == row.nonzero().flatten().tolist()
 
 
 def test_positions_are_random_and_cover_all_patches() -> None:

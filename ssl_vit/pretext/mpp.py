@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MPPHead
 from ssl_vit.losses import embedding_std, mpp_loss
-from ssl_vit.masking import TargetKind, make_corruption_plan, mpp_targets, num_corrupted
+from ssl_vit.masking import TargetKind, make_corruption_plan, mpp_targets
 from ssl_vit.pretext.base import PretextModule
 
 
@@ -95,8 +95,8 @@ class MPP(PretextModule):
         tokens = self.backbone.forward_features(x, patch_hook=lambda t: plan.apply(t, self.mask_token))  # [B, 1+N, D]
         # Only the corrupted patches are predicted (ViT paper B.1.2), so only their tokens go
         # through the head: every image has exactly k of them, gathered without a host sync.
-        k = num_corrupted(n, self.corruption_ratio)
-        idx = torch.argsort(plan.corrupted.to(torch.int8), dim=1, descending=True, stable=True)[:, :k]  # [B, k]
+        idx = plan.corrupted_idx  # [B, k]
+        k = idx.shape[1]
         patches = tokens[:, self.backbone.num_prefix_tokens :]  # [B, N, D]
         pred = self.head(torch.gather(patches, 1, idx[..., None].expand(-1, -1, patches.shape[-1])))  # [B, k, ...]
         with torch.no_grad():
