@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 # The backbone every method shares: a small ViT for 28-px grey images, 4x4 patches of 7 px. On
-# 2 CPU cores it trains at ~1500 images/s (supervised step), which is what a 15-minute budget buys.
+# 2 CPU cores the supervised run trains at ~900 images/s, which is what a 15-minute budget buys.
 DEMO_BACKBONE: dict[str, Any] = {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 128, "depth": 4, "num_heads": 4}
 DEMO_BACKBONE_NAME = "vit"
 

@@ -18,15 +18,10 @@ import torch.nn.functional as F
 from lightly.loss import DINOLoss as _LightlyDINOLoss
 from torch import Tensor, nn
 
+from ssl_vit.runtime import world_info
+
 # --------------------------------------------------------------------------------------------
 # distributed helpers
-
-
-def world_info() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group; ``(0, 1)`` when not distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 @torch.no_grad()

@@ -28,8 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.datasets import TransformedDataset
-from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, global_seed
+from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.data.views import EvalTransform, SingleView, ViewTransform
+from ssl_vit.runtime import global_seed
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ injecting its own, and calls ``set_epoch`` on it every epoch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ssl_vit.runtime import world_info
 
 
 class SeededIndex(NamedTuple):
@@ -48,12 +48,6 @@ def sample_seeds(seed: int, epoch: int, indices: Sequence[int]) -> list[int]:
     vectorised, as the main process computes one per sample."""
     key = _splitmix64(_splitmix64(np.array([seed % 2**64], dtype=np.uint64)) ^ np.uint64(epoch))  # [1]
     return _splitmix64(key ^ np.asarray(indices, dtype=np.uint64)).tolist()
-
-
-def global_seed(default: int = 0) -> int:
-    """The run's seed: what ``seed_everything`` set (``PL_GLOBAL_SEED``, the seed Lightning's own
-    distributed sampler uses), else ``default``."""
-    return int(os.environ.get("PL_GLOBAL_SEED", default))
 
 
 class ResumableSampler(DistributedSampler):
@@ -80,11 +74,9 @@ class ResumableSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        initialised = dist.is_available() and dist.is_initialized()
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if initialised else 1
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
+        default_rank, default_world = world_info()
+        num_replicas = default_world if num_replicas is None else num_replicas
+        rank = default_rank if rank is None else rank
         # Pad rather than drop (drop_last=False), as Lightning's own distributed sampler does; the
         # loader's drop_last still drops an incomplete final batch.
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.backbones import is_vit
+from ssl_vit.runtime import world_info
 
 FeatureMode = Literal["cls", "last4", "avg"]
 FEATURE_MODES: tuple[str, ...] = ("cls", "last4", "avg")
@@ -42,12 +43,13 @@ def gather_in_sampler_order(num_samples: int) -> Gather:
     """
 
     def gather(x: Tensor) -> Tensor:  # [n_local, ...] -> [num_samples, ...]
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        _, world = world_info()
+        if world == 1:
             return x[:num_samples]
         # NCCL moves only CUDA tensors; other backends (gloo) take them where they are.
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
         local = x.to(device).contiguous()
-        shares = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        shares = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(shares, local)
         ordered = torch.stack(shares, dim=1).flatten(0, 1)  # [n_local * W, ...]: item i at row i
         return ordered[:num_samples].to(x.device)

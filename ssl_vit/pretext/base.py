@@ -17,7 +17,6 @@ rank), so a resumed run continues with the randomness of an uninterrupted one.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Literal
 
 import lightning as L
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.probe import OnlineLinearProbe
+from ssl_vit.runtime import global_seed
 from ssl_vit.training.optimizer_state import materialize_adam_state
 from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
@@ -234,7 +234,7 @@ class PretextModule(L.LightningModule):
         batch, rank): the randomness is a function of the position in training, so a resumed run
         draws what the uninterrupted run drew, and each process draws its own."""
         if self._seed is None:  # seed_everything's seed, else torch's (the same on every process)
-            self._seed = int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
+            self._seed = global_seed(torch.initial_seed())
         key = [self._seed, self.current_epoch, batch_idx, self.global_rank]
         torch.manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
 

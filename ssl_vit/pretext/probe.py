@@ -8,15 +8,11 @@ data) are ignored.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssl_vit.heads import LinearProbeHead
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+from ssl_vit.runtime import world_info
 
 
 class OnlineLinearProbe(nn.Module):
@@ -32,7 +28,7 @@ class OnlineLinearProbe(nn.Module):
         labels; unlabelled rows add nothing to the loss. ``(None, None)`` when the global batch has
         a single row (BatchNorm needs two), or, on a single process, no labelled row (with several
         processes every one must take part, with a zero loss if need be)."""
-        world = _world_size()
+        _, world = world_info()
         keep = labels >= 0  # [B]
         if features.shape[0] * world < 2 or (world == 1 and not keep.any()):
             return None, None
