@@ -131,6 +131,23 @@ def test_state_dict_loads_into_timm_strict_with_same_outputs(name, patch_size, i
         assert (ours.forward_features(x) - ref.forward_features(x)).abs().max() < 1e-5
 
 
+def test_training_step_matches_timm_in_outputs_and_every_gradient():
+    # The training path differs from timm's (unbind-then-transpose attention, the GELU + fc2
+    # backward of gelu_linear); it must give timm's gradients.
+    torch.manual_seed(0)
+    ours = create_backbone("vit_tiny", img_size=32, patch_size=8).train()
+    ref = _timm_twin("vit_tiny", img_size=32, patch_size=8).train()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(3, 3, 32, 32)
+    target = torch.randn(3, 1 + 16, 192)
+    for model in (ours, ref):
+        ((model.forward_features(x) - target) ** 2).mean().backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        g, r = p.grad, ref_grads[name].grad
+        assert (g - r).abs().max() <= 1e-5 * r.abs().max() + 1e-12, name
+
+
 def test_timm_weights_load_into_ours_with_grey_input():
     torch.manual_seed(0)
     ref = _timm_twin("vit_tiny", img_size=28, patch_size=4, in_chans=1)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torchvision.ops import StochasticDepth
 
+from ssl_vit.backbones.gelu_linear import gelu_linear
 from ssl_vit.backbones.pos_embed import resample_pos_embed, sincos_2d_pos_embed
 
 PatchHook = Callable[[Tensor], Tensor]
@@ -88,8 +89,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each [B, H, N, d]
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)  # [B, N, 3, H, d]
+        # Unbind before transposing (timm permutes first): the backward pass then stacks dq, dk,
+        # dv straight into the [B, N, 3, H, d] layout of the QKV output, one copy instead of two.
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # each [B, H, N, d]
         drop = self.attn_drop if self.training else 0.0
         attn = None
         if return_attention:
@@ -114,7 +117,10 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        h = self.fc1(x)  # [B, N, hidden]
+        if self.drop1.p == 0.0 and type(self.act) is nn.GELU and self.act.approximate == "none":
+            return self.drop2(gelu_linear(h, self.fc2))  # the same function, leaner backward
+        return self.drop2(self.fc2(self.drop1(self.act(h))))
 
 
 class Block(nn.Module):

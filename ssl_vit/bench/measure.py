@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ssl_vit.runtime import allocator_note
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -242,6 +244,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "device": str(device),
         "loadavg": loadavg(),
+        "allocator": allocator_note(),
     }
     try:
         with open("/proc/meminfo") as f:

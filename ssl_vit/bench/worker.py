@@ -19,6 +19,7 @@ import torch
 
 from ssl_vit.bench import measure, workloads
 from ssl_vit.bench.config import BenchConfig
+from ssl_vit.runtime import keep_freed_memory
 
 JobKind = Literal["environment", "matmul", "memory", "timing", "views"]
 
@@ -130,6 +131,9 @@ def _matmul_probe(size: int, device: torch.device) -> tuple[float, Any]:
 
 
 def _child_main(conn: Any, job: Job) -> None:
+    # A forkserver / spawn child is a fresh interpreter: give it the heap setting of ``ssl-vit``
+    # itself (for ours and the peer alike, which share the process).
+    keep_freed_memory()
     try:
         result = run_job(job)
     except BaseException as err:  # report everything, OOM-ish errors included
