@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype | None:
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
     """The dtype autocast would run a linear layer in here, or ``None`` outside autocast."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -27,7 +27,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype | None:
 class _GELULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        dtype = _compute_dtype(h)
+        dtype = autocast_dtype(h)
         with torch.autocast(h.device.type, enabled=False):
             if dtype is not None:  # cast as autocast would: h, the weight and the bias to its dtype
                 h = h.to(dtype)

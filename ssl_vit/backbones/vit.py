@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from torchvision.ops import StochasticDepth
 
 from ssl_vit.backbones.gelu_linear import gelu_linear
+from ssl_vit.backbones.norm_linear import norm_linear
 from ssl_vit.backbones.pos_embed import resample_pos_embed, sincos_2d_pos_embed
 
 PatchHook = Callable[[Tensor], Tensor]
@@ -87,9 +88,12 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, return_attention: bool = False, norm: nn.LayerNorm | None = None) -> tuple[Tensor, Tensor | None]:
+        """``x [B, N, C]`` -> ``(output [B, N, C], weights [B, H, N, N] or None)``; with ``norm``,
+        ``x`` is normalised first (in one step with the QKV projection, see ``norm_linear``)."""
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)  # [B, N, 3, H, d]
+        qkv = norm_linear(x, norm, self.qkv) if norm is not None else self.qkv(x)  # [B, N, 3C]
+        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim)  # [B, N, 3, H, d]
         # Unbind before transposing (timm permutes first): the backward pass then stacks dq, dk,
         # dv straight into the [B, N, 3, H, d] layout of the QKV output, one copy instead of two.
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # each [B, H, N, d]
@@ -116,8 +120,9 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.fc1(x)  # [B, N, hidden]
+    def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
+        """``[B, N, D]`` -> ``[B, N, D]``; with ``norm``, ``x`` is normalised first (see ``norm_linear``)."""
+        h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)  # [B, N, hidden]
         if self.drop1.p == 0.0 and type(self.act) is nn.GELU and self.act.approximate == "none":
             return self.drop2(gelu_linear(h, self.fc2))  # the same function, leaner backward
         return self.drop2(self.fc2(self.drop1(self.act(h))))
@@ -145,9 +150,11 @@ class Block(nn.Module):
         self.drop_path = StochasticDepth(drop_path, "row") if drop_path > 0 else nn.Identity()
 
     def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-        y, attn = self.attn(self.norm1(x), return_attention)
+        # LN -> MHSA -> residual; LN -> MLP -> residual. Each LN runs inside the projection after it
+        # (norm_linear: the same values, less kept for the backward pass).
+        y, attn = self.attn(x, return_attention, norm=self.norm1)
         x = x + self.drop_path(y)
-        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        x = x + self.drop_path(self.mlp(x, norm=self.norm2))
         return x, attn
 
 
