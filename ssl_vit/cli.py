@@ -48,11 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     # another process on the same cores, spinning threads slow a CPU run down several times over
     # (measured 10x on 2 cores); on an idle machine the cost is within noise. Must precede torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Reuse freed activation memory instead of faulting it in again every step (7 % of a CPU
-    # training step; see ssl_vit.runtime.keep_freed_memory; SSL_VIT_MALLOC=system turns it off).
+    # SSL_VIT_MALLOC=keep: reuse freed activation memory instead of faulting it in again every
+    # step (5-7 % of a CPU training step, for some peak RSS; see ssl_vit.runtime.keep_freed_memory).
     from ssl_vit.runtime import keep_freed_memory
 
-    keep_freed_memory()
+    try:
+        keep_freed_memory()
+    except ValueError as err:
+        print(f"ssl-vit: error: {err}", file=sys.stderr)
+        return 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -71,3 +71,32 @@ def test_compare_tabulates_eval_outputs(tmp_path, capsys):
     assert cli_main(["compare", str(tmp_path / "res"), "--out", str(tmp_path / "report.md")]) == 0
     assert "random" in capsys.readouterr().out
     assert (tmp_path / "report.md").read_text().count("|") > 4
+
+
+def _heap_setting(value: str | None) -> str:
+    """What keep_freed_memory reports in a fresh interpreter (mallopt changes the whole process)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "SSL_VIT_MALLOC"}
+    if value is not None:
+        env["SSL_VIT_MALLOC"] = value
+    code = "from ssl_vit.runtime import keep_freed_memory, allocator_note; keep_freed_memory(); print(allocator_note())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    return run.stdout.strip() or run.stderr.strip().splitlines()[-1]
+
+
+def test_the_c_heap_is_left_alone_unless_asked():
+    import platform
+
+    assert _heap_setting(None) == "system default"
+    assert _heap_setting("system") == "system default"
+    kept = _heap_setting("keep")
+    if platform.libc_ver()[0] == "glibc":
+        assert kept.startswith("glibc, freed memory kept for reuse")
+    assert "SSL_VIT_MALLOC must be 'system' or 'keep', got 'fast'" in _heap_setting("fast")
+
+
+def test_a_bad_heap_setting_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("SSL_VIT_MALLOC", "fast")
+    assert cli_main(["backbones"]) == 2
+    assert "ssl-vit: error: SSL_VIT_MALLOC must be 'system' or 'keep'" in capsys.readouterr().err

@@ -216,6 +216,29 @@ def test_torchscript_and_onnx_match_eager(dino_ckpt, tmp_path):
     assert files["model.onnx"]["max_abs_diff"] < 1e-4 and "sha256" in files["model.torchscript.pt"]
 
 
+def test_hybrid_exports_reloads_and_traces(tmp_path):
+    # The hybrid (ResNet stem -> ViT) through every format: safetensors + config.json rebuild it,
+    # TorchScript and ONNX compute what the eager model computes.
+    import onnxruntime as ort
+
+    torch.manual_seed(4)
+    kwargs = {"img_size": 16, "in_chans": 1, "small_input": True, "num_stages": 3}
+    result = export_backbone("random:hybrid_r18_vit_tiny", tmp_path / "exp", backbone_kwargs=kwargs, formats=["torchscript", "onnx"])
+    out, x = result.out_dir, _x(b=2)
+    eager, info = load_any_backbone(out)
+    assert info["name"] == "hybrid_r18_vit_tiny" and eager.grid_size == (4, 4)
+    rebuilt = create_backbone("hybrid_r18_vit_tiny", **kwargs).eval()
+    rebuilt.load_state_dict(load_file(out / "model.safetensors"), strict=True)
+    scripted = torch.jit.load(str(out / "model.torchscript.pt"))
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    onnx_out = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+    with torch.no_grad():
+        ref = eager(x)
+        torch.testing.assert_close(rebuilt(x), ref, atol=0, rtol=0)
+        torch.testing.assert_close(scripted(x), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(onnx_out, ref, atol=1e-4, rtol=0)
+
+
 def test_a_trace_that_disagrees_is_an_error_and_leaves_no_file(monkeypatch, tmp_path):
     model = create_backbone("vit", **TINY_VIT).eval()
     other = create_backbone("vit", **TINY_VIT).eval()  # different random weights

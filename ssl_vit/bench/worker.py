@@ -131,8 +131,8 @@ def _matmul_probe(size: int, device: torch.device) -> tuple[float, Any]:
 
 
 def _child_main(conn: Any, job: Job) -> None:
-    # A forkserver / spawn child is a fresh interpreter: give it the heap setting of ``ssl-vit``
-    # itself (for ours and the peer alike, which share the process).
+    # A forkserver / spawn child is a fresh interpreter: give it the heap setting ``ssl-vit``
+    # itself was given (SSL_VIT_MALLOC; for ours and the peer alike, which share the process).
     keep_freed_memory()
     try:
         result = run_job(job)
