@@ -131,11 +131,12 @@ def test_state_dict_loads_into_timm_strict_with_same_outputs(name, patch_size, i
         assert (ours.forward_features(x) - ref.forward_features(x)).abs().max() < 1e-5
 
 
-def test_training_step_matches_timm_in_outputs_and_every_gradient():
-    # The training path differs from timm's (unbind-then-transpose attention, the GELU + fc2
-    # backward of gelu_linear); it must give timm's gradients.
+@pytest.mark.parametrize("lean_backward", [True, False])
+def test_training_step_matches_timm_in_outputs_and_every_gradient(lean_backward):
+    # The training path differs from timm's (unbind-then-transpose attention; with lean_backward
+    # norm_linear and gelu_linear); it must give timm's gradients.
     torch.manual_seed(0)
-    ours = create_backbone("vit_tiny", img_size=32, patch_size=8).train()
+    ours = create_backbone("vit_tiny", img_size=32, patch_size=8, lean_backward=lean_backward).train()
     ref = _timm_twin("vit_tiny", img_size=32, patch_size=8).train()
     ref.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(3, 3, 32, 32)
@@ -146,6 +147,18 @@ def test_training_step_matches_timm_in_outputs_and_every_gradient():
     for name, p in ours.named_parameters():
         g, r = p.grad, ref_grads[name].grad
         assert (g - r).abs().max() <= 1e-5 * r.abs().max() + 1e-12, name
+
+
+def test_lean_backward_keeps_two_slices_per_block_fewer():
+    from ssl_vit.bench.measure import saved_activation_bytes
+
+    x = torch.randn(2, 3, 32, 32)
+    saved = {}
+    for lean in (True, False):
+        torch.manual_seed(0)
+        model = create_backbone("vit_tiny", img_size=32, patch_size=8, lean_backward=lean).train()
+        saved[lean] = saved_activation_bytes(lambda m=model: m(x).sum().backward(), list(model.parameters()))
+    assert saved[False] - saved[True] == 2 * 12 * (2 * 17) * 192 * 4  # QKV's and fc1's inputs, per block
 
 
 def test_timm_weights_load_into_ours_with_grey_input():

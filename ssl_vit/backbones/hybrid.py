@@ -63,6 +63,7 @@ def hybrid_vit(
     attn_drop_rate: float = 0.0,
     pos_embed: Literal["learn", "sincos"] = "learn",
     global_pool: Literal["token", "avg"] = "token",
+    lean_backward: bool = True,
 ) -> VisionTransformer:
     """Build a hybrid: ``VisionTransformer`` composed with a ``HybridEmbed``."""
     embed = HybridEmbed(resnet, (img_size, img_size), in_chans, embed_dim, num_stages, small_input)
@@ -75,5 +76,6 @@ def hybrid_vit(
         attn_drop_rate=attn_drop_rate,
         pos_embed=pos_embed,
         global_pool=global_pool,
+        lean_backward=lean_backward,
         patch_embed=embed,
     )

@@ -112,8 +112,9 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     """Two linear layers with a GELU between (ViT paper eq. 3)."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, lean_backward: bool = True) -> None:
         super().__init__()
+        self.lean_backward = lean_backward
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = nn.GELU()
         self.drop1 = nn.Dropout(drop)
@@ -123,7 +124,7 @@ class Mlp(nn.Module):
     def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
         """``[B, N, D]`` -> ``[B, N, D]``; with ``norm``, ``x`` is normalised first (see ``norm_linear``)."""
         h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)  # [B, N, hidden]
-        if self.drop1.p == 0.0 and type(self.act) is nn.GELU and self.act.approximate == "none":
+        if self.lean_backward and self.drop1.p == 0.0 and type(self.act) is nn.GELU and self.act.approximate == "none":
             return self.drop2(gelu_linear(h, self.fc2))  # the same function, leaner backward
         return self.drop2(self.fc2(self.drop1(self.act(h))))
 
@@ -140,21 +141,27 @@ class Block(nn.Module):
         drop: float,
         attn_drop: float,
         drop_path: float,
+        lean_backward: bool = True,
     ) -> None:
         super().__init__()
+        self.lean_backward = lean_backward
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, lean_backward=lean_backward)
         # "row" mode drops the whole residual branch per sample (Huang et al. 2016, as in DeiT/timm).
         self.drop_path = StochasticDepth(drop_path, "row") if drop_path > 0 else nn.Identity()
 
     def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-        # LN -> MHSA -> residual; LN -> MLP -> residual. Each LN runs inside the projection after it
-        # (norm_linear: the same values, less kept for the backward pass).
-        y, attn = self.attn(x, return_attention, norm=self.norm1)
+        # LN -> MHSA -> residual; LN -> MLP -> residual. With lean_backward each LN runs inside the
+        # projection after it (norm_linear: the same values, less kept for the backward pass).
+        if self.lean_backward:
+            y, attn = self.attn(x, return_attention, norm=self.norm1)
+            x = x + self.drop_path(y)
+            return x + self.drop_path(self.mlp(x, norm=self.norm2)), attn
+        y, attn = self.attn(self.norm1(x), return_attention)
         x = x + self.drop_path(y)
-        x = x + self.drop_path(self.mlp(x, norm=self.norm2))
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
         return x, attn
 
 
@@ -177,6 +184,12 @@ class VisionTransformer(nn.Module):
             ``"avg"``: mean of the patch tokens after the final LayerNorm.
         patch_embed: a replacement for the P×P patch projection that maps images to
             ``([B, N, D], (h, w))``, e.g. the ResNet stem of the hybrid (ViT paper §3.1 "Hybrid").
+        lean_backward: in training, compute each LayerNorm inside the projection after it and
+            recompute it in the backward pass (``norm_linear``: an eighth less activation memory,
+            about 1 % more compute), and give GELU's backward fc2's gradient buffer
+            (``gelu_linear``). The same function and gradients either way; ``False`` runs the plain
+            modules (two autograd nodes fewer per block in Python, which a launch-bound GPU run
+            with a small model may prefer).
     """
 
     num_prefix_tokens = 1
@@ -197,6 +210,7 @@ class VisionTransformer(nn.Module):
         pos_embed: Literal["learn", "sincos"] = "learn",
         global_pool: Literal["token", "avg"] = "token",
         patch_embed: nn.Module | None = None,
+        lean_backward: bool = True,
     ) -> None:
         super().__init__()
         if pos_embed not in ("learn", "sincos"):
@@ -224,7 +238,7 @@ class VisionTransformer(nn.Module):
         # stochastic depth grows linearly with depth (as torch.linspace(0, rate, depth) in DeiT/timm)
         dpr = [drop_path_rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i]) for i in range(depth)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], lean_backward) for i in range(depth)
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.grad_checkpointing = False
