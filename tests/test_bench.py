@@ -4,6 +4,7 @@ JSON carry what they promise."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -60,6 +61,9 @@ def test_ours_keeps_no_more_for_backward_than_the_peer(row: str) -> None:
         model = TINY.backbone_model if row == "backbone" else TINY.method_model
         tokens = sum(b * (1 + (h // model.patch_size) * (w // model.patch_size)) for b, _, h, w in workloads.row_views(row, TINY))
         assert saved["peer"] - saved["ours"] == 2 * model.depth * tokens * model.embed_dim * 4
+        # --no-lean-backward: the plain modules keep exactly what timm's keep
+        plain = workloads.ours(row, dataclasses.replace(TINY, lean_backward=False), device)
+        assert saved_activation_bytes(plain.step, list(plain.model.parameters())) == saved["peer"]
 
 
 def test_saved_activation_bytes_counts_a_known_graph() -> None:
@@ -125,7 +129,7 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     # Every configuration in a process of its own; two methods keep the test short (all four
     # run in-process above); one thread per job keeps it short on a busy machine too.
-    assert main(["--preset", "tiny", "--methods", "mocov3", "dino", "--threads", "1", "--json", str(out)]) == 0
+    assert main(["--preset", "tiny", "--methods", "mocov3", "dino", "--threads", "1", "--no-lean-backward", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"\d+\.\d\dx", printed)  # ratios printed like 1.07x
     result = json.loads(out.read_text())
@@ -149,3 +153,4 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     assert all(isinstance(t["pass"], bool) for t in result["targets"].values())
     # The report renders from the JSON alone (RESULTS.md is made from it).
     assert "mocov3" in format_report(result, markdown=True)
+    assert result["config"]["lean_backward"] is False and "lean_backward=False" in printed

@@ -16,26 +16,15 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 
-def autocast_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a linear layer in here, or ``None`` outside autocast."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
 class _GELULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        dtype = autocast_dtype(h)
-        with torch.autocast(h.device.type, enabled=False):
-            if dtype is not None:  # cast as autocast would: h, the weight and the bias to its dtype
-                h = h.to(dtype)
-                weight = weight.to(dtype)
-                bias = bias.to(dtype) if bias is not None else None
-            a = F.gelu(h)  # [T, 4D]
-            y = F.linear(a, weight, bias)  # [T, D]
-        ctx.save_for_backward(h, a, weight)
+        # Under autocast these run exactly as in the plain modules (the same ops, the same casts).
+        a = F.gelu(h)  # [T, 4D]
+        y = F.linear(a, weight, bias)  # [T, D]
+        # The linear layer's input in its compute dtype, as autograd keeps it; the weight itself
+        # (cast again in backward, rather than kept as a second copy).
+        ctx.save_for_backward(h, a if a.dtype == y.dtype else a.to(y.dtype), weight)
         ctx.has_bias = bias is not None
         return y
 
@@ -43,12 +32,16 @@ class _GELULinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:  # type: ignore[override]
         h, a, weight = ctx.saved_tensors
-        grad_y = grad_y.to(weight.dtype)
-        shape = h.shape
+        if grad_y.dtype != a.dtype:
+            grad_y = grad_y.to(a.dtype)
+        if weight.dtype != a.dtype:
+            weight = weight.to(a.dtype)  # autocast's cast, again
         gy = grad_y.reshape(-1, grad_y.shape[-1])  # [T, D]
         grad_w = gy.t() @ a.reshape(-1, a.shape[-1])  # [D, 4D]
         grad_b = gy.sum(0) if ctx.has_bias else None  # [D]
-        grad = (gy @ weight).reshape(shape)  # ∂L/∂a, [.., 4D]
+        grad = (gy @ weight).view(h.shape)  # ∂L/∂a, [.., 4D]
+        if grad.dtype != h.dtype:
+            grad = grad.to(h.dtype)
         # ∂L/∂h = gelu'(h) ⊙ ∂L/∂a, written over ∂L/∂a (a buffer made just above, so no one else holds it)
         torch.ops.aten.gelu_backward.grad_input(grad, h, grad_input=grad)
         return grad, grad_w, grad_b

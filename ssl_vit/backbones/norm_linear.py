@@ -15,8 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from ssl_vit.backbones.gelu_linear import autocast_dtype
-
 
 class _NormLinear(torch.autograd.Function):
     @staticmethod
@@ -29,17 +27,13 @@ class _NormLinear(torch.autograd.Function):
         bias: Tensor | None,
         eps: float,
     ) -> Tensor:
-        dtype = autocast_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
-            if dtype is not None:  # as autocast: LayerNorm in fp32, the linear layer in its dtype
-                x = x.float()
-            shape = (x.shape[-1],)
-            y, mean, rstd = torch.native_layer_norm(x, shape, norm_weight, norm_bias, eps)  # [.., D]
-            if dtype is not None:
-                y, weight = y.to(dtype), weight.to(dtype)
-                bias = bias.to(dtype) if bias is not None else None
-            out = F.linear(y, weight, bias)  # [.., D_out]
+        if x.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
+            x = x.float()  # autocast runs LayerNorm in fp32
+        shape = (x.shape[-1],)
+        y, mean, rstd = torch.native_layer_norm(x, shape, norm_weight, norm_bias, eps)  # [.., D]
+        out = F.linear(y, weight, bias)  # [.., D_out]; under autocast, cast as in the plain module
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, weight)
+        ctx.compute_dtype = out.dtype  # the linear layer's (autocast's) dtype
         ctx.eps = eps
         ctx.has_bias = bias is not None
         return out
@@ -48,19 +42,28 @@ class _NormLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
-        shape = (x.shape[-1],)
-        y, _, _ = torch.native_layer_norm(x, shape, norm_weight, norm_bias, ctx.eps)  # recomputed
-        y = y.to(weight.dtype).reshape(-1, shape[0])  # [T, D]
-        g = grad_out.to(weight.dtype).reshape(-1, grad_out.shape[-1])  # [T, D_out]
-        grad_w = g.t() @ y  # [D_out, D]
+        d = x.shape[-1]
+        dtype = ctx.compute_dtype
+        if weight.dtype != dtype:
+            weight = weight.to(dtype)  # autocast's cast, again (not kept as a second copy)
+        y = torch.native_layer_norm(x, (d,), norm_weight, norm_bias, ctx.eps)[0]  # recomputed, [.., D]
+        if y.dtype != dtype:
+            y = y.to(dtype)
+        if grad_out.dtype != dtype:
+            grad_out = grad_out.to(dtype)
+        g = grad_out.reshape(-1, grad_out.shape[-1])  # [T, D_out]
+        grad_w = g.t() @ y.view(-1, d)  # [D_out, D]
         grad_b = g.sum(0) if ctx.has_bias else None
         del y
-        grad_y = (g @ weight).reshape(x.shape).to(x.dtype)  # [.., D]
+        grad_y = (g @ weight).view(x.shape)  # [.., D]
+        if grad_y.dtype != x.dtype:
+            grad_y = grad_y.to(x.dtype)
         mask = [True, norm_weight is not None, norm_bias is not None]
-        grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
-            grad_y, x, shape, mean, rstd, norm_weight, norm_bias, mask
-        )
+        grad_x, grad_nw, grad_nb = _LN_BACKWARD(grad_y, x, (d,), mean, rstd, norm_weight, norm_bias, mask)
         return grad_x, grad_nw, grad_nb, grad_w, grad_b, None
+
+
+_LN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 
 
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:

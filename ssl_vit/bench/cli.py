@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-data", action="store_true", help="skip the data-pipeline rows")
     p.add_argument("--no-peers", action="store_true", help="measure ours only")
     p.add_argument("--no-flop-check", action="store_true", help="skip the FlopCounterMode cross-check step")
+    p.add_argument(
+        "--no-lean-backward", action="store_true", help="build our ViT with lean_backward=False (the plain LayerNorm / GELU modules)"
+    )
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--json", type=Path, default=None, help="also write the full results as JSON here")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="print the report of an earlier --json result instead of measuring")
@@ -69,6 +72,8 @@ def main(argv: list[str]) -> int:
         overrides["peers"] = False
     if args.no_flop_check:
         overrides["flop_check"] = False
+    if args.no_lean_backward:
+        overrides["lean_backward"] = False
     cfg = preset(name, **overrides)
     if cfg.device.startswith("cuda"):
         import torch

@@ -116,6 +116,8 @@ class BenchConfig:
     seed: int = 0
     peers: bool = True
     flop_check: bool = True
+    # Our ViT's lean_backward (norm_linear + gelu_linear); False measures the plain modules.
+    lean_backward: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.methods) - set(METHOD_NAMES))

@@ -74,9 +74,10 @@ def our_module(row: str, cfg: BenchConfig) -> nn.Module:
     """Our pretext module (or bare backbone) for a row."""
     from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
 
+    lean = {"lean_backward": cfg.lean_backward}
     if row == "backbone":
-        return create_backbone("vit", **cfg.backbone_model.backbone_kwargs(cfg.backbone_img_size))
-    common = {"backbone": "vit", "backbone_kwargs": cfg.method_model.backbone_kwargs(cfg.method_img_size)}
+        return create_backbone("vit", **cfg.backbone_model.backbone_kwargs(cfg.backbone_img_size), **lean)
+    common = {"backbone": "vit", "backbone_kwargs": {**cfg.method_model.backbone_kwargs(cfg.method_img_size), **lean}}
     if row == "supervised":
         return Supervised(num_classes=cfg.num_classes, **common)
     if row == "mpp":
