@@ -47,16 +47,21 @@ class _GELULinear(torch.autograd.Function):
         return grad, grad_w, grad_b
 
 
+def lean_path_applies(x: Tensor, weight: Tensor, *modules: tuple[nn.Module, type[nn.Module]]) -> bool:
+    """Whether a lean autograd function may stand in for ``modules`` (each ``(module, its bare
+    type)``) on input ``x``: a gradient is needed, no TorchScript / tracing (exports see plain
+    modules), a device with autocast (not ``meta``), and every module of exactly its bare type
+    without hooks (not an FSDP unit of its own, a quantised or parametrised layer)."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return False
+    if torch.jit.is_scripting() or torch.jit.is_tracing() or not torch.amp.is_autocast_available(x.device.type):
+        return False
+    return all(type(m) is t and not (m._forward_hooks or m._forward_pre_hooks) for m, t in modules)
+
+
 def gelu_linear(h: Tensor, linear: nn.Linear) -> Tensor:
     """``linear(gelu(h))`` (exact, erf GELU) with the leaner backward pass; ``h`` is ``[.., 4D]``.
-
-    Falls back to the two modules where the shortcut would bypass something: no gradient needed,
-    TorchScript / tracing (exports see plain modules), a device without autocast (``meta``), or a
-    ``linear`` that is not a bare ``nn.Linear`` without hooks (an FSDP unit of its own, a
-    quantised or parametrised layer)."""
-    bare = type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
-    needs_grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
-    real = torch.amp.is_autocast_available(h.device.type)  # not "meta" (shape inference)
-    if not (bare and needs_grad and real) or torch.jit.is_scripting() or torch.jit.is_tracing():
+    Falls back to the two modules where :func:`lean_path_applies` says no."""
+    if not lean_path_applies(h, linear.weight, (linear, nn.Linear)):
         return linear(F.gelu(h))
     return _GELULinear.apply(h, linear.weight, linear.bias)

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from ssl_vit.backbones.gelu_linear import lean_path_applies
+
 
 class _NormLinear(torch.autograd.Function):
     @staticmethod
@@ -68,16 +70,9 @@ _LN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))`` over the last dimension, saving only ``x`` for the backward pass.
-
-    Falls back to the two modules where the shortcut would bypass something (see
-    :func:`ssl_vit.backbones.gelu_linear.gelu_linear`: no gradient, TorchScript / tracing, a
-    ``meta`` device, modules that are not bare or carry hooks) and for a LayerNorm over more than
-    the last dimension."""
-    bare = all(
-        type(m) is t and not (m._forward_hooks or m._forward_pre_hooks) for m, t in ((norm, nn.LayerNorm), (linear, nn.Linear))
-    )
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad)
-    real = torch.amp.is_autocast_available(x.device.type)
-    if not (bare and needs_grad and real and len(norm.normalized_shape) == 1) or torch.jit.is_scripting() or torch.jit.is_tracing():
+    Falls back to the two modules where :func:`~ssl_vit.backbones.gelu_linear.lean_path_applies`
+    says no, and for a LayerNorm over more than the last dimension."""
+    modules = ((norm, nn.LayerNorm), (linear, nn.Linear))
+    if len(norm.normalized_shape) != 1 or not lean_path_applies(x, linear.weight, *modules):
         return linear(norm(x))
     return _NormLinear.apply(x, norm.weight, norm.bias, linear.weight, linear.bias, norm.eps)
