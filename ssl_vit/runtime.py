@@ -36,7 +36,7 @@ def keep_freed_memory() -> str:
     fault in again the pages of its large activations and gradients: about 200 000 minor page
     faults per ViT-S/16 step at 224 px, batch 32, some 5-7 % of the step on 2 cores. With
     ``mmap`` off and a high trim threshold, later steps reuse the first step's pages. The price
-    is fragmentation: peak RSS measured 0-9 % higher, depending on the step's allocation pattern
+    is fragmentation: peak RSS measured up to 10 % higher, depending on the step's allocation pattern
     (MoCo v3 the worst), which is why it is an opt-in. PyTorch's CPU tuning guide gets the same
     by preloading jemalloc or tcmalloc.
 
