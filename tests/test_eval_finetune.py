@@ -86,6 +86,7 @@ def test_two_steps_change_weights_and_lr_groups_follow_the_decay():
     assert "blocks.0.attn.qkv.weight" in changed and "patch_embed.proj.weight" in changed
     # peak LR 1e-2 * 8 / 256 for the head; the scheduler (LambdaLR) multiplies each group's own
     # initial LR by one factor, so the groups keep the ratios decay ** (3 - id)
+    assert trainer.optimizers[0].defaults["fused"]  # torch's fused AdamW kernel on CPU
     groups = trainer.optimizers[0].param_groups
     assert {g["layer_id"] for g in groups} == {0, 1, 2, 3}
     for g in groups:

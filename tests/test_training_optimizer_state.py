@@ -18,7 +18,8 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05),
     lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05, amsgrad=True),
     lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=False),
-], ids=["adamw", "adamw-amsgrad", "adam-for-loop"])
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05, fused=True),
+], ids=["adamw", "adamw-amsgrad", "adam-for-loop", "adamw-fused"])
 def test_state_made_ahead_gives_the_same_steps(make) -> None:
     lazy_params, eager_params = _params(), _params()
     lazy, eager = make(lazy_params), make(eager_params)

@@ -33,6 +33,7 @@ from torchvision.ops import StochasticDepth
 from torchvision.transforms import v2
 
 from ssl_vit.backbones import is_vit
+from ssl_vit.training.fused import fused_kwargs
 
 
 # ----------------------------------------------------------------------------- layer-wise decay
@@ -135,7 +136,8 @@ class FineTuneModule(L.LightningModule):
         mixup_alpha, cutmix_alpha: Beta parameters of MixUp / CutMix (MAE: 0.8 / 1.0); 0 turns
             each off; with both on, one of the two is chosen per batch (timm's switch prob 0.5).
         img_size: fine-tune at this resolution (ViTs interpolate the position embedding).
-        betas: AdamW betas.
+        betas: AdamW betas (torch's fused AdamW kernel where the parameters allow it:
+            ``ssl_vit.training.fused``).
     """
 
     def __init__(
@@ -207,7 +209,7 @@ class FineTuneModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = param_groups_layer_decay(self.backbone, self.head, self.lr, hp.weight_decay, hp.layer_decay)
-        opt = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(hp.betas))
+        opt = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(hp.betas), **fused_kwargs(groups))
         total = int(self.trainer.estimated_stepping_batches)
         per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
         warmup = min(int(hp.warmup_epochs * per_epoch), total)

@@ -1,0 +1,62 @@
+"""torch's fused AdamW / SGD kernels run the pretext and fine-tune optimisers where the parameters
+allow it, and update to the same parameters as torch's per-tensor loop (up to float rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_BACKBONE
+
+from ssl_vit.pretext import MoCoV3, Supervised
+from ssl_vit.training.fused import fused_kwargs, fused_supported
+
+
+def test_fused_support_follows_device_and_dtype() -> None:
+    f32 = torch.nn.Parameter(torch.zeros(3))
+    assert fused_supported([f32, torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    assert not fused_supported([])
+    assert not fused_supported([torch.zeros(3, dtype=torch.long)])
+    assert not fused_supported([f32, torch.zeros(3, device="meta")])  # one device type only
+    assert not fused_supported([torch.zeros(3, device="meta")])
+    assert fused_kwargs([{"params": [f32]}]) == {"fused": True}
+    assert fused_kwargs([{"params": [f32]}], enabled=False) == {}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lars"])
+def test_pretext_optimisers_are_fused_unless_switched_off(optimizer: str) -> None:
+    model = Supervised(**TINY_BACKBONE, num_classes=4, optimizer=optimizer)
+    fused = model.configure_optimizers().defaults.get("fused")
+    assert bool(fused) == (optimizer != "lars")  # lightly's LARS has no fused kernel
+    off = Supervised(**TINY_BACKBONE, num_classes=4, optimizer=optimizer, fused_optimizer=False)
+    assert not off.configure_optimizers().defaults.get("fused")
+
+
+def test_fused_updates_match_the_per_tensor_loop() -> None:
+    """MoCo v3's optimiser (AdamW over its groups: scheduled weight decay, no decay for norms and
+    biases, the probe's fixed LR) fed the same gradients for several steps, with the LR and weight
+    decay changed between steps as training does: fused and the loop end at the same weights."""
+    torch.manual_seed(0)
+    kwargs = {**TINY_BACKBONE, "num_classes": 4, "warmup_epochs": 0.0, "base_lr": 0.05, "weight_decay": 0.1,
+              "proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16}
+    fused, loop = MoCoV3(**kwargs), MoCoV3(**kwargs, fused_optimizer=False)
+    loop.load_state_dict(fused.state_dict())
+    opts = fused.configure_optimizers(), loop.configure_optimizers()
+    assert opts[0].defaults["fused"] and not opts[1].defaults.get("fused")
+    start = {n: p.detach().clone() for n, p in fused.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in fused.named_parameters() if p.requires_grad}
+        for model, opt in zip((fused, loop), opts):
+            for n, p in model.named_parameters():
+                p.grad = grads[n].clone() if n in grads else None
+            for group in opt.param_groups:  # as PretextModule.on_train_batch_start
+                if "fixed_lr" not in group:
+                    group["lr"] = 0.05 / (1 + step)
+                if group.get("scheduled_wd"):
+                    group["weight_decay"] = 0.1 + 0.1 * step
+            opt.step()
+    moved = 0
+    for (name, a), b in zip(fused.named_parameters(), loop.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        moved += int(not torch.equal(a, start[name]))
+    assert moved == len(grads)  # every trainable parameter was updated, and nothing else
