@@ -66,6 +66,13 @@ def test_ours_keeps_no_more_for_backward_than_the_peer(row: str) -> None:
         assert saved_activation_bytes(plain.step, list(plain.model.parameters())) == saved["peer"]
 
 
+def test_our_method_rows_use_the_fused_optimizer_unless_asked_not_to() -> None:
+    device = torch.device("cpu")
+    assert workloads.ours("supervised", TINY, device).model.hparams.fused_optimizer is True
+    plain = workloads.ours("supervised", dataclasses.replace(TINY, fused_optimizer=False), device)
+    assert plain.model.hparams.fused_optimizer is False
+
+
 def test_saved_activation_bytes_counts_a_known_graph() -> None:
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)
@@ -129,7 +136,8 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     # Every configuration in a process of its own; two methods keep the test short (all four
     # run in-process above); one thread per job keeps it short on a busy machine too.
-    assert main(["--preset", "tiny", "--methods", "mocov3", "dino", "--threads", "1", "--no-lean-backward", "--json", str(out)]) == 0
+    assert main(["--preset", "tiny", "--methods", "mocov3", "dino", "--threads", "1", "--no-lean-backward", "--no-fused-optimizer",
+                 "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"\d+\.\d\dx", printed)  # ratios printed like 1.07x
     result = json.loads(out.read_text())
@@ -154,3 +162,4 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     # The report renders from the JSON alone (RESULTS.md is made from it).
     assert "mocov3" in format_report(result, markdown=True)
     assert result["config"]["lean_backward"] is False and "lean_backward=False" in printed
+    assert result["config"]["fused_optimizer"] is False and "AdamW: ours torch default, peers torch default" in printed

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-lean-backward", action="store_true", help="build our ViT with lean_backward=False (the plain LayerNorm / GELU modules)"
     )
+    p.add_argument(
+        "--no-fused-optimizer", action="store_true", help="our modules with fused_optimizer=False (torch's default AdamW, as the peers)"
+    )
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--json", type=Path, default=None, help="also write the full results as JSON here")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="print the report of an earlier --json result instead of measuring")
@@ -74,6 +77,8 @@ def main(argv: list[str]) -> int:
         overrides["flop_check"] = False
     if args.no_lean_backward:
         overrides["lean_backward"] = False
+    if args.no_fused_optimizer:
+        overrides["fused_optimizer"] = False
     cfg = preset(name, **overrides)
     if cfg.device.startswith("cuda"):
         import torch

@@ -118,6 +118,9 @@ class BenchConfig:
     flop_check: bool = True
     # Our ViT's lean_backward (norm_linear + gelu_linear); False measures the plain modules.
     lean_backward: bool = True
+    # Our modules' fused_optimizer (torch's fused AdamW kernel); False: torch's default
+    # implementation, as the peers use it (a per-tensor loop on CPU, foreach lists on CUDA).
+    fused_optimizer: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.methods) - set(METHOD_NAMES))
