@@ -55,3 +55,16 @@ def test_other_optimizers_are_not_touched() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     assert materialize_adam_state(opt) == 0 and len(opt.state) == 0
+
+
+def test_pretext_adamw_has_its_state_before_the_first_step() -> None:
+    from helpers import TINY_BACKBONE
+
+    from ssl_vit.pretext import MoCoV3
+
+    model = MoCoV3(**TINY_BACKBONE, proj_hidden_dim=32, pred_hidden_dim=32, proj_output_dim=16)
+    opt = model.configure_optimizers()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(opt.state) == len(trainable) > 0
+    for p in trainable:
+        assert float(opt.state[p]["step"]) == 0.0 and not opt.state[p]["exp_avg_sq"].any()
