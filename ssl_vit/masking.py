@@ -206,35 +206,40 @@ def target_shape(kind: TargetKind, in_chans: int, patch_size: int) -> tuple[int,
     return (classes,)
 
 
-def mpp_targets(images: Tensor, patch_size: int, kind: TargetKind) -> Tensor:
-    """Targets of every patch for ``kind`` (see the three functions below)."""
+def mpp_targets(images: Tensor, patch_size: int, kind: TargetKind, *, check_range: bool = True) -> Tensor:
+    """Targets of every patch for ``kind`` (see the three functions below).
+
+    ``check_range`` verifies that the pixels lie in [0, 1] (normalised images would give targets
+    that are silently wrong): two reductions over the images and, on a GPU, a wait for the device
+    every call. A caller whose pixels are in range by construction (MPP clamps them) skips it.
+    """
     _check_kind(kind)
     if kind == "mean_color":
-        return mean_color_targets(images, patch_size)
+        return mean_color_targets(images, patch_size, check_range=check_range)
     if kind == "downsized":
-        return downsized_color_targets(images, patch_size)
-    return pixel_targets(images, patch_size)
+        return downsized_color_targets(images, patch_size, check_range=check_range)
+    return pixel_targets(images, patch_size, check_range=check_range)
 
 
-def mean_color_targets(images: Tensor, patch_size: int) -> Tensor:
+def mean_color_targets(images: Tensor, patch_size: int, *, check_range: bool = True) -> Tensor:
     """Images ``[B, C, H, W]`` in [0, 1] -> 3-bit mean-colour class ids ``[B, N]`` (long).
 
     Per patch and channel the mean value ``m`` becomes the level ``min(floor(8 m), 7)``; the class
     id reads the levels as base-8 digits, first channel most significant: ``r * 64 + g * 8 + b``.
     """
-    patches = _patch_grid(images, patch_size)  # [B, C, h, P, w, P]
+    patches = _patch_grid(images, patch_size, check_range)  # [B, C, h, P, w, P]
     means = patches.mean(dim=(3, 5))  # [B, C, h, w]
     return _color_ids(means.flatten(2).transpose(1, 2))  # [B, N]
 
 
-def downsized_color_targets(images: Tensor, patch_size: int) -> Tensor:
+def downsized_color_targets(images: Tensor, patch_size: int, *, check_range: bool = True) -> Tensor:
     """Images ``[B, C, H, W]`` in [0, 1] -> 4x4 downsized 3-bit colours ``[B, N, 16]`` (long).
 
     Each patch is average-pooled to a 4x4 grid (``P`` must be divisible by 4); the 16 cells are in
     row-major order within the patch, each a class id as in :func:`mean_color_targets`.
     """
     _check_downsizable(patch_size)
-    x = _checked_images(images, patch_size)
+    x = _checked_images(images, patch_size, check_range)
     b, c, height, width = x.shape
     g, s = DOWNSIZED_GRID, patch_size // DOWNSIZED_GRID
     h, w = height // patch_size, width // patch_size
@@ -243,13 +248,13 @@ def downsized_color_targets(images: Tensor, patch_size: int) -> Tensor:
     return _color_ids(cells)  # [B, N, 16]
 
 
-def pixel_targets(images: Tensor, patch_size: int) -> Tensor:
+def pixel_targets(images: Tensor, patch_size: int, *, check_range: bool = True) -> Tensor:
     """Images ``[B, C, H, W]`` in [0, 1] -> patch pixels ``[B, N, P * P * C]`` (float).
 
     Each patch is flattened in ``(row, column, channel)`` order, channel fastest (MAE's
     ``patchify``), so ``target[b, n].reshape(P, P, C)`` is the patch as an HWC image.
     """
-    patches = _patch_grid(images, patch_size)  # [B, C, h, P, w, P]
+    patches = _patch_grid(images, patch_size, check_range)  # [B, C, h, P, w, P]
     b, c, h, p, w, _ = patches.shape
     patches = patches.permute(0, 2, 4, 3, 5, 1)  # [B, h, w, P, P, C]
     return patches.reshape(b, h * w, p * p * c)  # [B, N, P*P*C]
@@ -272,7 +277,7 @@ def _check_downsizable(patch_size: int) -> None:
         )
 
 
-def _checked_images(images: Tensor, patch_size: int) -> Tensor:
+def _checked_images(images: Tensor, patch_size: int, check_range: bool = True) -> Tensor:
     if images.ndim != 4:
         raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images.shape)}")
     if patch_size < 1:
@@ -286,7 +291,7 @@ def _checked_images(images: Tensor, patch_size: int) -> Tensor:
         raise ValueError(f"images must be floating point in [0, 1], got dtype {images.dtype}")
     # Targets are defined on raw pixels; normalised inputs (mean/std) would silently give garbage.
     tol = 1e-3
-    if images.numel() and (images.min() < -tol or images.max() > 1 + tol):
+    if check_range and images.numel() and (images.min() < -tol or images.max() > 1 + tol):
         raise ValueError(
             "MPP targets need un-normalised pixels in [0, 1]; got values in "
             f"[{images.min().item():.3f}, {images.max().item():.3f}] (normalised images?)"
@@ -295,9 +300,9 @@ def _checked_images(images: Tensor, patch_size: int) -> Tensor:
     return images.float()
 
 
-def _patch_grid(images: Tensor, patch_size: int) -> Tensor:
+def _patch_grid(images: Tensor, patch_size: int, check_range: bool = True) -> Tensor:
     """``[B, C, H, W]`` -> ``[B, C, h, P, w, P]`` (patch rows h, patch columns w)."""
-    x = _checked_images(images, patch_size)
+    x = _checked_images(images, patch_size, check_range)
     b, c, height, width = x.shape
     p = patch_size
     return x.reshape(b, c, height // p, p, width // p, p)

@@ -297,6 +297,11 @@ def test_target_bad_arguments() -> None:
         mean_color_targets((img - 0.5) / 0.25, 4)
     with pytest.raises(ValueError, match=r"\[B, C, H, W\]"):
         pixel_targets(img[0], 4)
+    # check_range=False (callers that clamp, as MPP does) skips only the range check
+    for kind in ("mean_color", "downsized", "pixels"):
+        assert mpp_targets((img - 0.5) / 0.25, 4, kind, check_range=False).shape[:2] == (1, 9)
+        with pytest.raises(ValueError, match="divisible"):  # by the patch size (or by 4, downsized)
+            mpp_targets(img, 5, kind, check_range=False)
     with pytest.raises(ValueError, match="unknown MPP target"):
         mpp_targets(img, 4, "colour")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no classes"):

@@ -100,7 +100,8 @@ class MPP(PretextModule):
         patches = tokens[:, self.backbone.num_prefix_tokens :]  # [B, N, D]
         pred = self.head(torch.gather(patches, 1, idx[..., None].expand(-1, -1, patches.shape[-1])))  # [B, k, ...]
         with torch.no_grad():
-            target = mpp_targets(self.raw_pixels(x), self.backbone.patch_size, self.target)  # [B, N, ...]
+            # raw_pixels clamps to [0, 1]: no range check (it would wait for a GPU every step)
+            target = mpp_targets(self.raw_pixels(x), self.backbone.patch_size, self.target, check_range=False)  # [B, N, ...]
             target = torch.gather(target, 1, idx.view(b, k, *[1] * (target.ndim - 2)).expand(b, k, *target.shape[2:]))  # [B, k, ...]
         loss = mpp_loss(pred, target, torch.ones(b, k, dtype=torch.bool, device=x.device))
         out: dict[str, Tensor] = {"loss": loss, "features": tokens[:, 0].detach()}
