@@ -3,6 +3,8 @@ allow it, and update to the same parameters as torch's per-tensor loop (up to fl
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import TINY_BACKBONE
@@ -60,3 +62,38 @@ def test_fused_updates_match_the_per_tensor_loop() -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         moved += int(not torch.equal(a, start[name]))
     assert moved == len(grads)  # every trainable parameter was updated, and nothing else
+
+
+def test_a_checkpoint_of_the_loop_resumes_as_it_was_written() -> None:
+    """Optimiser state written by torch's default AdamW (checkpoints from before the fused
+    default) loads into the optimiser training now builds, and the run continues with the updates
+    it would have made: the checkpoint's param groups (``fused`` included) are restored, as torch
+    restores every group setting."""
+    kwargs = {**TINY_BACKBONE, "num_classes": 4, "weight_decay": 0.1}
+    torch.manual_seed(0)
+    old = Supervised(**kwargs, fused_optimizer=False)
+    old_opt = old.configure_optimizers()
+    g = torch.Generator().manual_seed(2)
+
+    def step(model, opt, grads):
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+
+    def grads_for(model):
+        return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+    step(old, old_opt, grads_for(old))
+    new = Supervised(**kwargs)
+    new.load_state_dict(old.state_dict())
+    new_opt = new.configure_optimizers()
+    assert new_opt.defaults["fused"]
+    new_opt.load_state_dict(copy.deepcopy(old_opt.state_dict()))  # as read back from a file
+    assert not any(group.get("fused") for group in new_opt.param_groups)
+    for _ in range(2):
+        grads = grads_for(old)
+        step(old, old_opt, grads)
+        step(new, new_opt, grads)
+    for a, b in zip(old.parameters(), new.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(float(s["step"]) == 3.0 for s in new_opt.state.values())

@@ -72,7 +72,9 @@ class PretextModule(L.LightningModule):
         max_skipped_batches: how many non-finite batches ``skip`` tolerates before it raises.
         fused_optimizer: AdamW and SGD run torch's fused kernel (one pass over each parameter and
             its moments; CPU and CUDA) where the parameters allow it; the same update to float
-            rounding, several times faster than the per-tensor loop. False: torch's default.
+            rounding, several times faster than the per-tensor loop. False: torch's default. A
+            resumed run keeps the implementation its checkpoint was written with (torch restores
+            every param-group setting, ``fused`` included).
     """
 
     def __init__(
