@@ -33,6 +33,15 @@ def test_pretext_optimisers_are_fused_unless_switched_off(optimizer: str) -> Non
     assert not off.configure_optimizers().defaults.get("fused")
 
 
+def _random_grads(model: torch.nn.Module, g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _set_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone() if n in grads else None
+
+
 def test_fused_updates_match_the_per_tensor_loop() -> None:
     """MoCo v3's optimiser (AdamW over its groups: scheduled weight decay, no decay for norms and
     biases, the probe's fixed LR) fed the same gradients for several steps, with the LR and weight
@@ -47,10 +56,9 @@ def test_fused_updates_match_the_per_tensor_loop() -> None:
     start = {n: p.detach().clone() for n, p in fused.named_parameters()}
     g = torch.Generator().manual_seed(1)
     for step in range(4):
-        grads = {n: torch.randn(p.shape, generator=g) for n, p in fused.named_parameters() if p.requires_grad}
+        grads = _random_grads(fused, g)
         for model, opt in zip((fused, loop), opts):
-            for n, p in model.named_parameters():
-                p.grad = grads[n].clone() if n in grads else None
+            _set_grads(model, grads)
             for group in opt.param_groups:  # as PretextModule.on_train_batch_start
                 if "fixed_lr" not in group:
                     group["lr"] = 0.05 / (1 + step)
@@ -74,16 +82,8 @@ def test_a_checkpoint_of_the_loop_resumes_as_it_was_written() -> None:
     old = Supervised(**kwargs, fused_optimizer=False)
     old_opt = old.configure_optimizers()
     g = torch.Generator().manual_seed(2)
-
-    def step(model, opt, grads):
-        for n, p in model.named_parameters():
-            p.grad = grads[n].clone()
-        opt.step()
-
-    def grads_for(model):
-        return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
-
-    step(old, old_opt, grads_for(old))
+    _set_grads(old, _random_grads(old, g))
+    old_opt.step()
     new = Supervised(**kwargs)
     new.load_state_dict(old.state_dict())
     new_opt = new.configure_optimizers()
@@ -91,9 +91,10 @@ def test_a_checkpoint_of_the_loop_resumes_as_it_was_written() -> None:
     new_opt.load_state_dict(copy.deepcopy(old_opt.state_dict()))  # as read back from a file
     assert not any(group.get("fused") for group in new_opt.param_groups)
     for _ in range(2):
-        grads = grads_for(old)
-        step(old, old_opt, grads)
-        step(new, new_opt, grads)
+        grads = _random_grads(old, g)
+        for model, opt in ((old, old_opt), (new, new_opt)):
+            _set_grads(model, grads)
+            opt.step()
     for a, b in zip(old.parameters(), new.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(float(s["step"]) == 3.0 for s in new_opt.state.values())
