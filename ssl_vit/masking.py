@@ -43,7 +43,8 @@ class CorruptionPlan:
     (but still predicted, as in BERT). ``random_source`` ``[B, N]`` holds, for every patch, an index
     into the batch's flattened ``B * N`` patch embeddings; it is only read where ``use_random``.
     ``corrupted_idx`` ``[B, k]`` lists the positions of the k corrupted patches of each image (the
-    ones ``corrupted`` marks) in ascending order, so the predictions can be gathered without searching the mask.
+    ones ``corrupted`` marks) in ascending order, so the predictions can be gathered without
+    searching the mask.
     """
 
     corrupted: Tensor  # [B, N] bool

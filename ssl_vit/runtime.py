@@ -1,5 +1,6 @@
 """What the running job is, as code outside Lightning's hooks sees it: its process layout
-(``torch.distributed``'s default group) and its seed (``seed_everything``'s)."""
+(``torch.distributed``'s default group), its seed (``seed_everything``'s) and its C heap setting
+(``SSL_VIT_MALLOC``)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 Ours: the method's ``step(views, labels)``, backward, the optimiser it configures (AdamW with its
 parameter groups; torch's fused kernel unless ``fused_optimizer`` is off), ``zero_grad``, and the
 EMA update of its momentum encoder / teacher (``module.ema.update``), which is what
-``PretextModule.training_step`` and ``optimizer_step`` do inside Lightning. The Trainer's own overhead (logging, callbacks, the progress bar) is left out,
-for the peers too; so are gradient clipping and DINO's first-epoch freezing of the head's last
-layer (the steady state after epoch 1), which lightly's examples do not do either.
+``PretextModule.training_step`` and ``optimizer_step`` do inside Lightning. The Trainer's own
+overhead (logging, callbacks, the progress bar) is left out, for the peers too; so are gradient
+clipping and DINO's first-epoch freezing of the head's last layer (the steady state after epoch
+1), which lightly's examples do not do either.
 
 Peers: the ``PeerModel`` compositions of :mod:`ssl_vit.bench.peers`, with AdamW on the same
 learning rate and weight decay, created as lightly's examples create it (torch's default

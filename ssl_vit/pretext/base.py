@@ -199,7 +199,7 @@ class PretextModule(L.LightningModule):
             opt = torch.optim.AdamW(groups, lr=hp.base_lr, betas=tuple(hp.betas), **fused)
             # The moments now rather than at the first step (Adam's own zeros, the same numbers):
             # long-lived memory is allocated before the first step's activations, not in the
-            # holes they leave, which on a CPU keeps the C heap 1-2 % smaller (benchmarks/RESULTS.md).
+            # holes they leave, which on a CPU keeps the C heap a few per cent smaller (benchmarks/RESULTS.md).
             materialize_adam_state(opt)
             return opt
         if hp.optimizer == "sgd":

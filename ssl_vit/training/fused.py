@@ -19,8 +19,8 @@ FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 
 
 def fused_supported(params: Iterable[torch.Tensor]) -> bool:
-    """True when ``params`` (tensors or param-group dicts' tensors) can be updated by a fused
-    kernel: floating point, all on one device type from :data:`FUSED_DEVICE_TYPES`."""
+    """True when the tensors ``params`` can be updated by a fused kernel: floating point, all on
+    one device type from :data:`FUSED_DEVICE_TYPES`."""
     params = list(params)
     if not params:
         return False
@@ -29,8 +29,8 @@ def fused_supported(params: Iterable[torch.Tensor]) -> bool:
 
 
 def fused_kwargs(groups: Iterable[dict] | Iterable[torch.Tensor], enabled: bool = True) -> dict[str, bool]:
-    """``{"fused": True}`` for an optimizer over ``groups`` when ``enabled`` and supported,
-    else ``{}`` (torch's default implementation)."""
+    """``{"fused": True}`` for an optimizer over ``groups`` (param-group dicts or tensors) when
+    ``enabled`` and supported, else ``{}`` (torch's default implementation)."""
     params: list[torch.Tensor] = []
     for g in groups:
         params.extend(g["params"] if isinstance(g, dict) else [g])
