@@ -102,7 +102,7 @@ def pretrain(
     from ssl_vit.data import FashionMNISTDataModule
     from ssl_vit.flops import PretrainFlopsCounter
     from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
-    from ssl_vit.training.cli import StepCheckpoint
+    from ssl_vit.training.step_checkpoint import StepCheckpoint
 
     L.seed_everything(seed, workers=True, verbose=False)
     views = _import(recipe.views_class)(**recipe.views_args)

@@ -71,6 +71,35 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path):
     assert ckpt["ssl_vit"]["pretrain_flops"] == pytest.approx(2.5 * first["ssl_vit"]["pretrain_flops"])
 
 
+def checkpoint_names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+
+
+def test_resume_with_a_logger_and_a_relative_run_directory(tmp_path, monkeypatch):
+    """A recipe as users write it: the default TensorBoard logger on (Lightning would look for
+    checkpoints in its new version directory) and a run directory relative to the working one."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config(tmp_path, logger=True)
+    common = ["fit", "--config", str(cfg), "--trainer.default_root_dir", "run", "--checkpoint.keep_last", "1"]
+    assert cli_main(common) == 0
+    assert checkpoint_names(tmp_path / "run") == ["last.ckpt", "step00000002.ckpt"]
+    assert cli_main([*common, "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--resume"]) == 0
+    # Resumed (not restarted), last.ckpt refreshed in place (no last-v1.ckpt), keep_last pruned step 2.
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+    assert checkpoint_names(tmp_path / "run") == ["last.ckpt", "step00000004.ckpt"]
+
+
+def test_resume_after_the_run_directory_moved(tmp_path):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--checkpoint.keep_last", "1"]) == 0
+    (tmp_path / "run").rename(tmp_path / "moved")
+    resume = ["fit", "--config", str(cfg), "--trainer.default_root_dir", str(tmp_path / "moved"), "--checkpoint.keep_last", "1"]
+    assert cli_main([*resume, "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--resume"]) == 0
+    # The recorded checkpoint paths follow the directory: step 2 (in the new place) is pruned.
+    assert torch.load(tmp_path / "moved" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+    assert checkpoint_names(tmp_path / "moved") == ["last.ckpt", "step00000004.ckpt"]
+
+
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1

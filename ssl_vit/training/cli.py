@@ -37,50 +37,15 @@ from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.pretext.base import PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.step_checkpoint import (
+    StepCheckpoint,
+    default_checkpoint_dir,
+    newest_checkpoint,
+)
 
 
 class ConfigError(ValueError):
     """A recipe that cannot run; raised before training starts."""
-
-
-class StepCheckpoint(ModelCheckpoint):
-    """Checkpoint every ``every_n_train_steps`` optimiser steps and at the end, keep the newest
-    ``keep_last``, and always refresh ``last.ckpt`` (what ``--resume`` loads).
-
-    Args:
-        dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` so that a
-            rerun of the same recipe finds them (Lightning's default is inside a new logger version).
-        every_n_train_steps: checkpoint interval in optimiser steps.
-        keep_last: how many step checkpoints to keep besides ``last.ckpt``.
-    """
-
-    def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 500, keep_last: int = 3) -> None:
-        super().__init__(
-            dirpath=dirpath,
-            filename="step{step:08d}",
-            monitor="step",
-            mode="max",
-            save_top_k=keep_last,
-            save_last=True,
-            every_n_train_steps=every_n_train_steps,
-            auto_insert_metric_name=False,
-        )
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.dirpath is None:
-            self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        super().setup(trainer, pl_module, stage)
-
-    def save_last_checkpoint(self, trainer: L.Trainer) -> Path:
-        """Write ``last.ckpt`` now (a preemption), recorded as this step's save."""
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        return Path(self.last_model_path)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The final weights, whatever the interval: the run's result lives in last.ckpt.
-        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        super().on_train_end(trainer, pl_module)
 
 
 class SSLViTCLI(LightningCLI):
@@ -165,12 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     # The resolved recipe travels inside every checkpoint (export writes it into config.json).
     cli.model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)
     validate_run(cli.model, cli.datamodule, cli.trainer, cfg.get("global_batch_size"))
+    # The checkpoint directory is fixed before anything is restored: the restored bookkeeping must
+    # match it (else last.ckpt would get a last-v1.ckpt sibling and keep_last would not prune).
+    ckpt_dir = _checkpoint_dir(cli.trainer)
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path == "last" and not _has_last_checkpoint(cli.trainer):
-        raise ConfigError(f"--resume: no checkpoint to resume from in {_checkpoint_dir(cli.trainer)}")
+    if ckpt_path == "last":
+        newest = newest_checkpoint(ckpt_dir)
+        if newest is None:
+            raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir}")
+        ckpt_path = str(newest)
+        print(f"ssl-vit fit: resuming from {ckpt_path}", file=sys.stderr)
     stopped_by = None
     try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+        with warnings.catch_warnings():
+            if ckpt_path is not None:  # resuming: the checkpoint directory holds this run's own files
+                warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:
         stopped_by = "SIGTERM"  # Lightning stopped after the current step; PreemptionCheckpoint saved it
     stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
@@ -181,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _checkpoint_dir(trainer: L.Trainer) -> Path:
+    """Where this run's checkpoints go (and ``--resume`` looks), fixed on the run's callback."""
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, StepCheckpoint):
+            return Path(cb.resolve_dirpath(trainer))
     cb = trainer.checkpoint_callback
-    return Path(cb.dirpath) if isinstance(cb, ModelCheckpoint) and cb.dirpath else Path(trainer.default_root_dir) / "checkpoints"
-
-
-def _has_last_checkpoint(trainer: L.Trainer) -> bool:
-    return any(_checkpoint_dir(trainer).glob("*.ckpt"))
+    return Path(cb.dirpath) if isinstance(cb, ModelCheckpoint) and cb.dirpath else Path(default_checkpoint_dir(trainer))
 
 
 _NOISE = (

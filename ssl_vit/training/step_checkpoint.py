@@ -1,0 +1,104 @@
+"""Periodic checkpoints of a run, in one directory that a rerun of the same recipe finds again.
+
+Lightning's ``ModelCheckpoint`` puts its files under the first logger's version directory
+(``lightning_logs/version_N/checkpoints``), a new one per process, so a rerun never sees the
+previous run's files: ``ckpt_path="last"`` finds nothing, and a ``last.ckpt`` that exists already
+gets a sibling ``last-v1.ckpt``. :class:`StepCheckpoint` keeps every run of a recipe in
+``<default_root_dir>/checkpoints``, and :func:`newest_checkpoint` is what ``--resume`` loads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+def default_checkpoint_dir(trainer: L.Trainer) -> str:
+    """``<default_root_dir>/checkpoints`` as an absolute path (Lightning resolves a given
+    ``dirpath`` the same way), so that a run resumed from another working directory is the same run."""
+    return os.path.realpath(os.path.join(os.path.expanduser(str(trainer.default_root_dir)), "checkpoints"))
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Checkpoint every ``every_n_train_steps`` optimiser steps and at the end, keep the newest
+    ``keep_last``, and always refresh ``last.ckpt`` (what ``--resume`` loads).
+
+    Args:
+        dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` so that a
+            rerun of the same recipe finds them (Lightning's default is inside a new logger version).
+        every_n_train_steps: checkpoint interval in optimiser steps.
+        keep_last: how many step checkpoints to keep besides ``last.ckpt``.
+    """
+
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 500, keep_last: int = 3) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename="step{step:08d}",
+            monitor="step",
+            mode="max",
+            save_top_k=keep_last,
+            save_last=True,
+            every_n_train_steps=every_n_train_steps,
+            auto_insert_metric_name=False,
+            # The directory is the recipe's run: last.ckpt is its newest state, never last-v1.ckpt.
+            enable_version_counter=False,
+        )
+
+    def resolve_dirpath(self, trainer: L.Trainer) -> str:
+        """Fix the directory now (it must be known before a checkpoint is restored, which happens
+        before ``setup`` would choose it)."""
+        if self.dirpath is None:
+            self.dirpath = default_checkpoint_dir(trainer)
+        return str(self.dirpath)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.resolve_dirpath(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the bookkeeping (which step checkpoints exist, where ``last.ckpt`` is) also when
+        the run's directory is reached by another path than when it was written: a relative
+        ``default_root_dir`` from another working directory, or the run directory moved or copied.
+        The recorded paths are re-based on this directory, keeping those whose file exists here, so
+        that ``last.ckpt`` is overwritten (not versioned) and ``keep_last`` prunes the old files."""
+        saved = state_dict.get("dirpath")
+        if saved is not None and self.dirpath is not None and saved != self.dirpath:
+            state_dict = _rebased(state_dict, str(self.dirpath))
+        super().load_state_dict(state_dict)
+
+    def save_last_checkpoint(self, trainer: L.Trainer) -> Path:
+        """Write ``last.ckpt`` now (a preemption), recorded as this step's save."""
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        return Path(self.last_model_path)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The final weights, whatever the interval: the run's result lives in last.ckpt.
+        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        super().on_train_end(trainer, pl_module)
+
+
+def _rebased(state_dict: dict[str, Any], dirpath: str) -> dict[str, Any]:
+    def here(path: str) -> str:
+        if not path:
+            return path
+        moved = os.path.join(dirpath, os.path.basename(path))
+        return moved if os.path.exists(moved) else ""
+
+    state = dict(state_dict, dirpath=dirpath)
+    state["best_k_models"] = {here(p): v for p, v in state_dict.get("best_k_models", {}).items() if here(p)}
+    for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+        if key in state_dict:
+            state[key] = here(state_dict[key])
+    return state
+
+
+def newest_checkpoint(dirpath: str | Path) -> Path | None:
+    """The newest ``*.ckpt`` in ``dirpath`` (by modification time: checkpoints are written to a
+    temporary file and renamed, so that is when each was completed), or None."""
+    files = [p for p in Path(dirpath).glob("*.ckpt") if p.is_file()]
+    return max(files, key=lambda p: (p.stat().st_mtime_ns, p.name)) if files else None
