@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ssl-vit: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, FileNotFoundError, KeyError, NotImplementedError, RuntimeError) as err:
+    except (ValueError, TypeError, OSError, KeyError, NotImplementedError, RuntimeError) as err:
         # Bad input gets one clear line; --debug shows where it came from.
         if debug:
             raise

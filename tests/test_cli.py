@@ -73,6 +73,23 @@ def test_compare_tabulates_eval_outputs(tmp_path, capsys):
     assert (tmp_path / "report.md").read_text().count("|") > 4
 
 
+def test_eval_out_may_name_the_record_file_and_compare_reads_it(tmp_path, capsys):
+    record = tmp_path / "res" / "knn.json"
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(record), "--k", "5"]) == 0
+    assert record.is_file() and json.loads(record.read_text())["protocol"] == "knn"
+    (tmp_path / "res" / "old.json").mkdir()  # a folder named like a record is not one
+    assert cli_main(["compare", str(tmp_path / "res"), "--out", str(tmp_path / "report.md")]) == 0
+    assert "random" in capsys.readouterr().out
+
+
+def test_an_unwritable_output_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    args = ["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "file" / "res"), "--k", "5"]
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "file" in err[0], err
+
+
 def _heap_setting(value: str | None) -> str:
     """What keep_freed_memory reports in a fresh interpreter (mallopt changes the whole process)."""
     import os

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default="results", help="directory for the result JSON")
+    g.add_argument("--out", default="results", help="folder for the result JSON (named after method, backbone, data and protocol), or a file name ending in .json")
 
     p = sub.add_parser("linear", parents=[common], help="linear probe on frozen features (BN + linear, SGD)")
     p.add_argument("--epochs", type=int, default=100)

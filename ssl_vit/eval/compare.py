@@ -32,6 +32,8 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
     for p in map(Path, paths):
         if p.is_dir():
             for f in sorted(p.rglob("*.json")):
+                if not f.is_file():  # a folder named *.json
+                    continue
                 try:
                     d = json.loads(f.read_text(encoding="utf-8"))
                 except (json.JSONDecodeError, UnicodeDecodeError):

@@ -34,9 +34,13 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
     return Subset(dataset, idx.tolist())
 
 
-def result_path(out_dir: str | Path, result: EvalResult) -> Path:
+def result_path(out: str | Path, result: EvalResult) -> Path:
+    """Where a result record goes: ``out`` itself when it names a ``.json`` file, else a file in
+    the folder ``out`` named after the method, backbone, data and protocol."""
+    if Path(out).suffix.lower() == ".json":
+        return Path(out)
     label = result.backbone_label.replace("/", "-")
-    return Path(out_dir) / f"{result.method}_{label}_{result.data['name']}_{result.protocol}.json"
+    return Path(out) / f"{result.method}_{label}_{result.data['name']}_{result.protocol}.json"
 
 
 def evaluate_features(
@@ -64,6 +68,8 @@ def evaluate_features(
     unknown = sorted(set(protocols) - set(FEATURE_PROTOCOLS))
     if unknown:
         raise ValueError(f"unknown feature protocol(s) {unknown}; known: {', '.join(FEATURE_PROTOCOLS)}")
+    if out_dir is not None and len(protocols) > 1 and Path(out_dir).suffix.lower() == ".json":
+        raise ValueError(f"{len(protocols)} protocols write {len(protocols)} records: out_dir must be a folder, not the file {out_dir}")
     if device is not None:
         backbone = backbone.to(device)
     common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device}
