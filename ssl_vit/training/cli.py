@@ -31,6 +31,7 @@ from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ssl_vit.flops import PretrainFlopsCounter
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         if newest is None:
             raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir}")
         ckpt_path = str(newest)
-        print(f"ssl-vit fit: resuming from {ckpt_path}", file=sys.stderr)
+        if rank_zero_only.rank == 0:
+            print(f"ssl-vit fit: resuming from {ckpt_path}", file=sys.stderr)
     stopped_by = None
     try:
         with warnings.catch_warnings():
