@@ -82,6 +82,19 @@ def test_eval_out_may_name_the_record_file_and_compare_reads_it(tmp_path, capsys
     assert "random" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "data_args,message",
+    [
+        (["--data", "imagefolder"], "--data imagefolder needs --data-arg train_dir=..."),
+        ([*SYNTH, "--data-arg", "num_sample=8"], "--data synthetic takes no argument num_sample; its arguments: num_samples,"),
+    ],
+)
+def test_a_bad_data_argument_is_one_line_naming_the_fix(capsys, data_args, message):
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data_args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_an_unwritable_output_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     args = ["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "file" / "res"), "--k", "5"]

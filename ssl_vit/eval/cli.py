@@ -15,6 +15,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from typing import Any
 
@@ -93,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _init_params(cls: type) -> dict[str, inspect.Parameter]:
+    """The named arguments ``cls(...)`` accepts, following ``**kwargs`` up to the base classes."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        forwards = False
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                params.setdefault(p.name, p)
+        if not forwards:
+            break
+    return params
+
+
 def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], train_subset: int | None, img_size: int | None = None) -> Any:
     """The named datamodule at the backbone's resolution and channels, normalised as in pretraining."""
     import ssl_vit.data as data
@@ -102,6 +120,13 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     if info.get("normalization_source") not in (None, "default") and info.get("mean") is not None:
         kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
     kwargs.update(extra)
+    params = _init_params(cls)
+    unknown = sorted(set(extra) - set(params))
+    if unknown:
+        raise ValueError(f"--data {name} takes no argument {', '.join(unknown)}; its arguments: {', '.join(p for p in params if p != 'views')}")
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
+    if missing:
+        raise ValueError(f"--data {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))
     return cls(**kwargs)
 
 
