@@ -119,12 +119,12 @@ def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int])
             n = (size[0] // p) * (size[1] // p)
             return vit_forward_flops(d, backbone.depth, backbone.num_heads, mlp_hidden / d, n, p, embed.in_chans, backbone.num_prefix_tokens)
         # Hybrid (or any other patch embedding): count the embedding on the meta device.
-        embed_flops, out = _meta_forward_flops(embed, (1, backbone.in_chans, *size))
+        embed_flops, out = _meta_forward_flops(embed, (2, backbone.in_chans, *size))
         n = out[0].shape[1]
         return embed_flops + backbone.depth * vit_block_flops(d, mlp_hidden, n + backbone.num_prefix_tokens)
     if not hasattr(backbone, "forward_features"):
         raise TypeError(f"backbone_forward_flops needs a backbone from the registry, got {type(backbone).__name__}")
-    flops, _ = _meta_forward_flops(backbone, (1, backbone.in_chans, *size))
+    flops, _ = _meta_forward_flops(backbone, (2, backbone.in_chans, *size))
     return flops
 
 
@@ -244,7 +244,9 @@ def flop_counter() -> FlopCounterMode:
 
 
 def _meta_forward_flops(module: nn.Module, input_shape: Shape) -> tuple[float, Any]:
-    """FLOPs of ``module(x)`` for an input of this shape, on the meta device (shapes only)."""
+    """FLOPs per image of ``module(x)`` for an input of this shape, on the meta device (shapes
+    only). Give it two images at least: a module in training mode may need them (BatchNorm on a
+    1x1 feature map, e.g. a ResNet at 32 px or less)."""
     state = {n: torch.empty_like(t, device="meta") for n, t in (*module.named_parameters(), *module.named_buffers())}
     x = torch.empty(tuple(input_shape), device="meta")
     with torch.no_grad(), flop_counter() as counter:

@@ -82,6 +82,7 @@ def test_flop_counter_counts_cpu_attention_like_the_math_path() -> None:
         ("vit", TINY_VIT, 16),
         ("vit", TINY_VIT, 8),  # another resolution: fewer tokens
         ("resnet18", {"in_chans": 1, "small_input": True}, 16),
+        ("resnet18", {"in_chans": 1}, 28),  # a 1x1 last feature map (BatchNorm needs 2 images)
         ("hybrid_r18_vit_tiny", {"img_size": 16, "in_chans": 1, "small_input": True, "num_stages": 2}, 16),
     ],
 )
