@@ -60,6 +60,16 @@ def test_visualize_writes_every_figure(tmp_path):
     assert rows[0].startswith("layer,head") and len(rows) == 1 + 2 * 2  # depth 2 x 2 heads
 
 
+def test_visualize_draws_what_applies_to_a_resnet(tmp_path, capsys):
+    args = ["visualize", "random:resnet18", "--backbone-kwargs", '{"in_chans": 3, "small_input": true}', "--images", "synthetic",
+            "--data-arg", "num_test_samples=8", "--data-arg", "img_size=16", "--out", str(tmp_path), "--num-images", "8", "--show", "2"]
+    assert cli_main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["filters.png"]
+    assert "not pos_embed, attention_distance" in capsys.readouterr().err
+    assert cli_main([*args, "--figures", "pos_embed"]) == 1  # asked for explicitly: an error naming why
+    assert "needs a ViT or hybrid backbone" in capsys.readouterr().err
+
+
 def test_visualize_rejects_unknown_images(tmp_path, capsys):
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "no_such_data", "--out", str(tmp_path)]) == 1
     assert "neither a folder nor a dataset" in capsys.readouterr().err

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ssl_vit.eval.cli import DATASETS, _json_dict, _kv
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="registry name for a bare state dict")
     p.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts)")
     p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument, e.g. root=/data")
-    p.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES))
+    p.add_argument("--figures", nargs="+", choices=FIGURES, default=None, help="default: every figure that applies to the backbone (a ResNet: filters)")
     p.add_argument("--num-images", type=int, default=128, help="images averaged for the mean attention distance")
     p.add_argument("--show", type=int, default=8, help="images drawn in the attention-map figures")
     p.add_argument("--seed", type=int, default=0, help="which images (a seeded random draw)")
@@ -45,7 +46,8 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.utils.data import DataLoader
 
-    from ssl_vit.analysis.render import render_all
+    from ssl_vit.analysis.inputs import has_tokens
+    from ssl_vit.analysis.render import FIGURES, TOKEN_FIGURES, render_all
     from ssl_vit.eval.cli import build_datamodule
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
@@ -58,12 +60,18 @@ def main(argv: list[str]) -> int:
         name = args.images
     else:
         raise FileNotFoundError(f"--images {args.images!r} is neither a folder nor a dataset ({', '.join(sorted(DATASETS))})")
+    figures = args.figures
+    if figures is None:
+        figures = [f for f in FIGURES if has_tokens(backbone) or f not in TOKEN_FIGURES]
+        skipped = [f for f in FIGURES if f not in figures]
+        if skipped:
+            print(f"visualize: {type(backbone).__name__} has no attention or position embedding: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)
     dm = build_datamodule(name, backbone, info, extra, train_subset=None)
     train, test = dm.eval_datasets()
     pool = subsample(test if test is not None else train, max(args.num_images, args.show), args.seed)
     shown = torch.stack([pool[i][0] for i in range(min(args.show, len(pool)))])  # [S, C, H, W]
     result = render_all(
-        backbone, shown, args.out, mean=dm.mean, std=dm.std, figures=args.figures, max_images=args.show,
+        backbone, shown, args.out, mean=dm.mean, std=dm.std, figures=figures, max_images=args.show,
         distance_images=DataLoader(pool, batch_size=64), num_distance_images=args.num_images,
     )
     for fig, path in result.paths.items():

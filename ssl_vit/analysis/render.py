@@ -42,6 +42,8 @@ from ssl_vit.analysis.pos_embed import position_similarity
 
 FIGURES: tuple[str, ...] = ("filters", "pos_embed", "attention_distance", "attention_rollout", "attention_dino")
 """Names of the figures (``figures=`` selects a subset); also the PNG file stems."""
+TOKEN_FIGURES: tuple[str, ...] = ("pos_embed", "attention_distance", "attention_rollout", "attention_dino")
+"""The figures that need a token sequence (ViT, hybrid); a ResNet has the filters only."""
 
 
 @dataclass
