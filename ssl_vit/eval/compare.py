@@ -208,6 +208,7 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
     with_flops = [r for r in results if r.pretrain.get("flops") and r.main_metric is not None]
     if not with_flops:
         return None
+    from matplotlib.ticker import NullFormatter
     protocols = [p for p in PROTOCOLS if any(r.protocol == p for r in with_flops)]
     fig, axes = _figure(4.0 * len(protocols), 3.6, ncols=len(protocols))
     markers = "osD^v<>P*X"
@@ -224,6 +225,11 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
                 ax.annotate(label, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
         ax.set_xscale("log")
         ax.margins(0.15)
+        lo, hi = ax.get_xlim()
+        if hi > 10 * lo:
+            # A power of ten is in view: label those only. matplotlib also labels the minor ticks
+            # of an axis that spans one to two decades, and those labels run into each other.
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("pre-training compute (FLOPs)")
         ax.set_ylabel(f"{protocol} {MAIN_METRIC[protocol]} (%)")
         ax.set_title(protocol)
