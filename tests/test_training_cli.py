@@ -100,6 +100,22 @@ def test_resume_after_the_run_directory_moved(tmp_path):
     assert checkpoint_names(tmp_path / "moved") == ["last.ckpt", "step00000004.ckpt"]
 
 
+def test_continuing_from_another_runs_checkpoint_leaves_this_directory_s_files_alone(tmp_path):
+    """--ckpt_path of a checkpoint in another run's folder: that run's bookkeeping is not applied to
+    this folder (whose files of the same names are not its own)."""
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--checkpoint.keep_last", "1"]) == 0  # the other run: steps 2, 3
+    other = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    mine = ["fit", "--config", str(cfg), "--trainer.default_root_dir", str(tmp_path / "mine"), "--checkpoint.keep_last", "1"]
+    assert cli_main(mine) == 0  # this folder's own run
+    before = (tmp_path / "mine" / "checkpoints" / "step00000002.ckpt").read_bytes()
+    assert cli_main([*mine, "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--ckpt_path", str(other)]) == 0
+    assert torch.load(tmp_path / "mine" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+    assert checkpoint_names(tmp_path / "mine") == ["last.ckpt", "step00000002.ckpt", "step00000004.ckpt"]
+    assert (tmp_path / "mine" / "checkpoints" / "step00000002.ckpt").read_bytes() == before
+    assert checkpoint_names(tmp_path / "run") == ["last.ckpt", "step00000002.ckpt"]  # the other run untouched
+
+
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1

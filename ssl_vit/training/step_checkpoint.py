@@ -10,6 +10,7 @@ gets a sibling ``last-v1.ckpt``. :class:`StepCheckpoint` keeps every run of a re
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class StepCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.resolve_dirpath(trainer)
+        self._trainer = weakref.ref(trainer)  # load_state_dict (after setup) asks it what is resumed
         super().setup(trainer, pl_module, stage)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -64,11 +66,21 @@ class StepCheckpoint(ModelCheckpoint):
         the run's directory is reached by another path than when it was written: a relative
         ``default_root_dir`` from another working directory, or the run directory moved or copied.
         The recorded paths are re-based on this directory, keeping those whose file exists here, so
-        that ``last.ckpt`` is overwritten (not versioned) and ``keep_last`` prunes the old files."""
+        that ``last.ckpt`` is overwritten (not versioned) and ``keep_last`` prunes the old files.
+        A checkpoint from another directory (training continued from someone else's run) starts
+        the bookkeeping afresh: the files here are not that run's."""
         saved = state_dict.get("dirpath")
         if saved is not None and self.dirpath is not None and saved != self.dirpath:
-            state_dict = _rebased(state_dict, str(self.dirpath))
+            if self._resumed_from_here():
+                state_dict = _rebased(state_dict, str(self.dirpath))
+            else:
+                state_dict = {"dirpath": self.dirpath, "best_model_score": None, "best_model_path": ""}
         super().load_state_dict(state_dict)
+
+    def _resumed_from_here(self) -> bool:
+        ref = getattr(self, "_trainer", None)
+        path = getattr(ref() if ref is not None else None, "ckpt_path", None)
+        return path is not None and os.path.realpath(os.path.dirname(str(path))) == os.path.realpath(str(self.dirpath))
 
     def save_last_checkpoint(self, trainer: L.Trainer) -> Path:
         """Write ``last.ckpt`` now (a preemption), recorded as this step's save."""
