@@ -66,6 +66,29 @@ def test_a_fourth_method_is_one_subclass():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("method,optimizer", [("mocov3", "lars"), ("dino", "sgd")])
+def test_sgd_momentum_is_not_the_ema_momentum(method, optimizer):
+    model = make(method, optimizer=optimizer, momentum=0.99, fused_optimizer=False)
+    assert model.ema.start == 0.99
+    assert all(g["momentum"] == 0.9 for g in model.configure_optimizers().param_groups)
+    model = make(method, optimizer=optimizer, sgd_momentum=0.8)
+    assert all(g["momentum"] == 0.8 for g in model.configure_optimizers().param_groups)
+
+
+def test_a_method_argument_that_shadows_a_base_argument_is_an_error():
+    class Shadows(PretextModule):
+        def __init__(self, weight_decay: float = 0.5, **kwargs):  # meant for something else
+            super().__init__(**kwargs)
+
+    class Forwards(PretextModule):
+        def __init__(self, weight_decay: float = 0.5, **kwargs):  # a new default: fine
+            super().__init__(weight_decay=weight_decay, **kwargs)
+
+    with pytest.raises(TypeError, match="Shadows.__init__ has its own argument.s. weight_decay"):
+        Shadows(**TINY_BACKBONE)
+    assert Forwards(**TINY_BACKBONE).hparams.weight_decay == 0.5
+
+
 # ----------------------------------------------------------------------------- MoCo v3
 
 

@@ -17,6 +17,7 @@ rank), so a resumed run continues with the randomness of an uninterrupted one.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning as L
@@ -59,7 +60,8 @@ class PretextModule(L.LightningModule):
         weight_decay_end: weight decay at the end, reached by a cosine (DINO: 0.04 -> 0.4);
             ``None`` keeps it constant.
         betas: AdamW betas.
-        momentum: SGD / LARS momentum.
+        sgd_momentum: the momentum of SGD / LARS (not the EMA momentum of MoCo v3's momentum
+            encoder or DINO's teacher, which those methods call ``momentum``).
         grad_clip: clip gradients to this norm; ``None`` disables clipping.
         grad_clip_mode: ``global`` (one norm over all parameters) or ``per_param`` (DINO's
             ``clip_gradients``: each tensor's norm separately).
@@ -89,7 +91,7 @@ class PretextModule(L.LightningModule):
         weight_decay: float = 0.05,
         weight_decay_end: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
-        momentum: float = 0.9,
+        sgd_momentum: float = 0.9,
         grad_clip: float | None = None,
         grad_clip_mode: Literal["global", "per_param"] = "global",
         num_classes: int | None = None,
@@ -98,8 +100,10 @@ class PretextModule(L.LightningModule):
         max_skipped_batches: int = 10,
         fused_optimizer: bool = True,
     ) -> None:
+        received = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         self.save_hyperparameters()
+        _check_not_shadowed(type(self), received, self.hparams)
         if optimizer not in ("adamw", "sgd", "lars"):
             raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'lars', got {optimizer!r}")
         if base_lr <= 0 or warmup_epochs < 0 or weight_decay < 0:
@@ -203,8 +207,8 @@ class PretextModule(L.LightningModule):
             materialize_adam_state(opt)
             return opt
         if hp.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=hp.base_lr, momentum=hp.momentum, **fused)
-        return LARS(groups, lr=hp.base_lr, momentum=hp.momentum)
+            return torch.optim.SGD(groups, lr=hp.base_lr, momentum=hp.sgd_momentum, **fused)
+        return LARS(groups, lr=hp.base_lr, momentum=hp.sgd_momentum)
 
     def on_train_start(self) -> None:
         trainer = self.trainer
@@ -425,3 +429,24 @@ class PretextModule(L.LightningModule):
         if meta.get("seed") is not None:
             self._seed = int(meta["seed"])
         self._skipped_batches = int(meta.get("skipped_batches", 0))
+
+
+def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[str, Any]) -> None:
+    """``save_hyperparameters`` records a method's own argument over a base argument of the same
+    name, so the base would then read the method's value from ``hparams`` (a momentum encoder's
+    0.99 as the SGD momentum, say). A method that forwards the argument (to change its default)
+    is fine: the recorded value is then the one the base received."""
+    shadowed = []
+    for name, value in received.items():
+        recorded = hparams.get(name, value)
+        try:
+            same = recorded is value or bool(recorded == value)
+        except Exception:  # values without a plain ==
+            same = False
+        if not same:
+            shadowed.append(name)
+    if shadowed:
+        raise TypeError(
+            f"{cls.__name__}.__init__ has its own argument(s) {', '.join(shadowed)} with the name of a PretextModule "
+            "argument it does not pass on; rename it (or pass it to super().__init__)"
+        )
