@@ -116,6 +116,22 @@ def test_continuing_from_another_runs_checkpoint_leaves_this_directory_s_files_a
     assert checkpoint_names(tmp_path / "run") == ["last.ckpt", "step00000002.ckpt"]  # the other run untouched
 
 
+def test_resume_picks_the_newest_checkpoint_a_slurm_requeue_one_included(tmp_path):
+    import os
+
+    from ssl_vit.training.step_checkpoint import newest_checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    assert newest_checkpoint(ckpts, tmp_path) is None
+    for age, path in enumerate([tmp_path / "hpc_ckpt_1.ckpt", ckpts / "last.ckpt", ckpts / "step00000004.ckpt", tmp_path / "other.ckpt"]):
+        path.write_text("")
+        os.utime(path, ns=(10**18 - age * 10**9,) * 2)  # the first is the newest
+    (ckpts / "notes.txt").write_text("")
+    assert newest_checkpoint(ckpts, tmp_path) == tmp_path / "hpc_ckpt_1.ckpt"
+    assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
+
+
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1

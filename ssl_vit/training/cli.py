@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = _checkpoint_dir(cli.trainer)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path == "last":
-        newest = newest_checkpoint(ckpt_dir)
+        newest = newest_checkpoint(ckpt_dir, cli.trainer.default_root_dir)
         if newest is None:
             raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir}")
         ckpt_path = str(newest)

@@ -109,8 +109,13 @@ def _rebased(state_dict: dict[str, Any], dirpath: str) -> dict[str, Any]:
     return state
 
 
-def newest_checkpoint(dirpath: str | Path) -> Path | None:
-    """The newest ``*.ckpt`` in ``dirpath`` (by modification time: checkpoints are written to a
-    temporary file and renamed, so that is when each was completed), or None."""
-    files = [p for p in Path(dirpath).glob("*.ckpt") if p.is_file()]
+def newest_checkpoint(dirpath: str | Path, root_dir: str | Path | None = None) -> Path | None:
+    """The newest ``*.ckpt`` in ``dirpath``, or a SLURM requeue checkpoint
+    (``<root_dir>/hpc_ckpt_<n>.ckpt``, Lightning's) if that is newer; None when there is none.
+    Newest by modification time: checkpoints are written to a temporary file and renamed, so
+    that is when each was completed."""
+    files = list(Path(dirpath).glob("*.ckpt"))
+    if root_dir is not None:
+        files += Path(root_dir).glob("hpc_ckpt_*.ckpt")
+    files = [p for p in files if p.is_file()]
     return max(files, key=lambda p: (p.stat().st_mtime_ns, p.name)) if files else None
