@@ -439,8 +439,8 @@ def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[st
     shadowed = []
     for name, value in received.items():
         recorded = hparams.get(name, value)
-        try:
-            same = recorded is value or bool(recorded == value)
+        try:  # a recipe gives lists where the signature says tuple
+            same = recorded is value or bool(_plain(recorded) == _plain(value))
         except Exception:  # values without a plain ==
             same = False
         if not same:
@@ -450,3 +450,11 @@ def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[st
             f"{cls.__name__}.__init__ has its own argument(s) {', '.join(shadowed)} with the name of a PretextModule "
             "argument it does not pass on; rename it (or pass it to super().__init__)"
         )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
