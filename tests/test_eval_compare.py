@@ -49,6 +49,23 @@ def test_delta_values(results_dir):
     assert [r[0] for r in cmp.rows] == ["dino", "mocov3", "supervised", "random"]
 
 
+def test_another_representation_is_another_row_and_another_file(tmp_path):
+    from ssl_vit.eval.run import result_path
+
+    def linear(method, features, top1):
+        return EvalResult(method, BACKBONE, DATA, "linear", {"top1": top1}, protocol_args={"features": features})
+
+    records = [linear("dino", "cls", 0.80), linear("dino", "last4", 0.83), linear("supervised", "last4", 0.85)]
+    cmp = build_comparison(records)
+    assert cmp.get(("dino", "vit_tiny/4", "fashion_mnist"), "linear", "top1") == pytest.approx(0.80)
+    last4 = ("dino", "vit_tiny/4 [last4]", "fashion_mnist")
+    assert cmp.get(last4, "linear", "Δ sup") == pytest.approx(0.83 - 0.85)  # against supervised on last4
+    assert cmp.get(("dino", "vit_tiny/4", "fashion_mnist"), "linear", "Δ sup") is None  # no supervised [CLS] record
+    paths = {result_path(tmp_path, r).name for r in records}
+    assert paths == {"dino_vit_tiny-4_fashion_mnist_linear.json", "dino_vit_tiny-4_fashion_mnist_linear-last4.json",
+                     "supervised_vit_tiny-4_fashion_mnist_linear-last4.json"}
+
+
 def test_main_writes_report_and_figures(results_dir, tmp_path, capsys):
     out = tmp_path / "report" / "report.md"
     assert main([str(results_dir), "--out", str(out)]) == 0

@@ -3,7 +3,8 @@ methods against the supervised baseline and random initialisation (specs §5 "SS
 supervised"), printed as text and written as a Markdown report with two figures: the main metric
 per method and protocol, and accuracy against pre-training compute (ViT paper Fig. 5 style).
 
-Rows are (method, backbone[, dataset]); columns are the metrics of each protocol, followed by
+Rows are (method, backbone[, dataset]), the backbone with the representation evaluated when it
+is not [CLS] (``vit/16 [last4]``); columns are the metrics of each protocol, followed by
 "Δ sup" and "Δ rand": the protocol's main metric minus that of the ``supervised`` / ``random``
 row with the same backbone and dataset, in percentage points.
 """
@@ -87,7 +88,7 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
     once, the newest record (``created``) wins and a note goes to stderr."""
     latest: dict[tuple[RowKey, str], EvalResult] = {}
     for r in results:
-        key = ((r.method, r.backbone_label, r.data["name"]), r.protocol)
+        key = ((r.method, r.label, r.data["name"]), r.protocol)
         if key in latest:
             print(f"compare: several {r.protocol} results for {key[0]}; keeping the newest", file=sys.stderr)
             if r.created < latest[key].created:
@@ -215,7 +216,7 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
     methods = sorted({r.method for r in with_flops}, key=_method_order)
     for ax, protocol in zip(axes, protocols):
         for i, method in enumerate(methods):
-            pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.backbone_label)
+            pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label)
                          for r in with_flops if r.protocol == protocol and r.method == method)
             if not pts:
                 continue

@@ -98,6 +98,18 @@ class EvalResult:
         return f"{self.backbone['name']}/{patch}" if patch is not None else self.backbone["name"]
 
     @property
+    def features(self) -> str | None:
+        """The representation evaluated when it is not the default [CLS] token (``last4``,
+        ``avg``), else None: results on different representations are different rows."""
+        mode = self.protocol_args.get("features")
+        return None if mode in (None, "cls") else str(mode)
+
+    @property
+    def label(self) -> str:
+        """The backbone label with the representation when not [CLS]: ``vit_tiny/4 [last4]``."""
+        return self.backbone_label + (f" [{self.features}]" if self.features else "")
+
+    @property
     def main_metric(self) -> float | None:
         """The protocol's headline number (``MAIN_METRIC``), or ``None`` when absent."""
         return self.metrics.get(MAIN_METRIC[self.protocol])
@@ -105,7 +117,7 @@ class EvalResult:
     def summary_line(self) -> str:
         """e.g. ``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%``."""
         shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
-        return f"{self.protocol:<9} {self.method}  {self.backbone_label}  {self.data['name']}  {' '.join(shown)}"
+        return f"{self.protocol:<9} {self.method}  {self.label}  {self.data['name']}  {' '.join(shown)}"
 
     # ------------------------------------------------------------------------ I/O
     def to_dict(self) -> dict[str, Any]:

@@ -36,11 +36,13 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
 
 def result_path(out: str | Path, result: EvalResult) -> Path:
     """Where a result record goes: ``out`` itself when it names a ``.json`` file, else a file in
-    the folder ``out`` named after the method, backbone, data and protocol."""
+    the folder ``out`` named after the method, backbone, data and protocol (and the
+    representation when it is not [CLS]: ``..._linear-last4.json``)."""
     if Path(out).suffix.lower() == ".json":
         return Path(out)
     label = result.backbone_label.replace("/", "-")
-    return Path(out) / f"{result.method}_{label}_{result.data['name']}_{result.protocol}.json"
+    protocol = result.protocol + (f"-{result.features}" if result.features else "")
+    return Path(out) / f"{result.method}_{label}_{result.data['name']}_{protocol}.json"
 
 
 def evaluate_features(
