@@ -13,6 +13,7 @@ keeps the two in step); ``--epochs`` and ``--subset`` scale the budget, ``--quic
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=0, help="data-loading worker processes (0: in the main process, best on 2 cores)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars (hidden anyway when the output is not a terminal)")
     return p
 
 
@@ -204,7 +205,7 @@ def main(argv: list[str]) -> int:
     for name in args.methods:
         t0 = time.perf_counter()
         print(f"[demo] pretraining {name} ...", flush=True)
-        model, record = pretrain(RECIPES[name], budget, out, args.num_workers, accelerator, not args.no_progress, args.seed)
+        model, record = pretrain(RECIPES[name], budget, out, args.num_workers, accelerator, not args.no_progress and sys.stderr.isatty(), args.seed)
         ckpt = out / "runs" / name / "checkpoints" / "last.ckpt"
         print(f"[demo] {name}: {record['steps']} steps in {record['wall_time_s']:.0f} s; evaluating ...", flush=True)
         backbone = model.backbone if name != "dino" else model.teacher_backbone  # DINO evaluates its teacher
