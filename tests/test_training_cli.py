@@ -132,6 +132,17 @@ def test_resume_picks_the_newest_checkpoint_a_slurm_requeue_one_included(tmp_pat
     assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
 
 
+def test_a_rerun_without_resume_does_not_overwrite_the_run(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()}
+    capsys.readouterr()
+    assert cli_main(["fit", "--config", str(cfg)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "already holds a run's checkpoints (newest: last.ckpt): continue it with --resume" in err[-1]  # one line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()} == before
+
+
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1

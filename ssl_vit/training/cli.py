@@ -30,6 +30,7 @@ import lightning as L
 from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -142,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_path = str(newest)
         if rank_zero_only.rank == 0:
             print(f"ssl-vit fit: resuming from {ckpt_path}", file=sys.stderr)
+    elif ckpt_path is None and not _slurm_requeued(cli.trainer):
+        # A rerun without --resume would overwrite the run's checkpoints from its first save on.
+        earlier = newest_checkpoint(ckpt_dir)
+        if earlier is not None:
+            raise ConfigError(
+                f"{ckpt_dir} already holds a run's checkpoints (newest: {earlier.name}): continue it with --resume, "
+                "or start anew in another --trainer.default_root_dir (or --checkpoint.dirpath), or remove that folder first"
+            )
     stopped_by = None
     try:
         with warnings.catch_warnings():
@@ -155,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     return 0
+
+
+def _slurm_requeued(trainer: L.Trainer) -> bool:
+    """A SLURM job requeued by Lightning: it resumes from its ``hpc_ckpt_<n>.ckpt`` by itself."""
+    return SLURMEnvironment.detect() and any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
 
 
 def _checkpoint_dir(trainer: L.Trainer) -> Path:

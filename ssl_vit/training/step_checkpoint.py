@@ -26,7 +26,7 @@ def default_checkpoint_dir(trainer: L.Trainer) -> str:
 
 class StepCheckpoint(ModelCheckpoint):
     """Checkpoint every ``every_n_train_steps`` optimiser steps and at the end, keep the newest
-    ``keep_last``, and always refresh ``last.ckpt`` (what ``--resume`` loads).
+    ``keep_last``, and always refresh ``last.ckpt`` (in place: the newest state of the run).
 
     Args:
         dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` so that a
