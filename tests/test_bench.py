@@ -117,6 +117,18 @@ def test_memory_probe_sees_an_allocation() -> None:
     assert absolute >= rss > 0
 
 
+def test_a_round_counts_unless_a_step_lost_cores_relative_to_its_own_best(monkeypatch) -> None:
+    """A small step that never keeps every core busy (utilisation 0.6 on a quiet machine) is not
+    'disturbed'; a round in which it drops to half of that is timed but not counted."""
+    from ssl_vit.bench import measure
+
+    threads = torch.get_num_threads()
+    utilisation = iter([0.9, 0.6, 0.6] + [0.6, 0.62, 0.3, 0.61, 0.6, 0.6] * 3)  # warm-up, then rounds
+    monkeypatch.setattr(measure, "_timed", lambda step, device: (1.0, next(utilisation) * threads))
+    out = measure.time_interleaved({"small": lambda: None}, warmup=3, rounds=4, device=torch.device("cpu"))
+    assert out["counted"] == [0, 1, 3, 4] and not out["small"]["disturbed"]
+
+
 def test_config_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="unknown method"):
         BenchConfig(methods=("simclr",))
