@@ -143,6 +143,13 @@ def test_a_rerun_without_resume_does_not_overwrite_the_run(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()} == before
 
 
+def test_ckpt_path_auto_starts_a_run_then_resumes_it(tmp_path):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", "auto"]) == 0  # nothing yet: a new run
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--ckpt_path", "auto"]) == 0
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+
+
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1

@@ -9,7 +9,8 @@ between the data and the backbone.
 
 Extra top-level options:
     --global_batch_size N   the paper's batch size; split evenly over devices x nodes x accumulation
-    --ckpt_path PATH|last   resume from a checkpoint (``last``: the newest in the run's directory)
+    --ckpt_path PATH|last|auto  resume from a checkpoint (``last``: the newest in the run's
+                            directory; ``auto``: that if there is one, else start a new run)
     --resume                shorthand for ``--ckpt_path last``
 
 A resumed run continues exactly where the checkpoint was written: weights, EMA/teacher, DINO's
@@ -54,7 +55,7 @@ class SSLViTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.add_argument("--global_batch_size", type=int | None, default=None, help="total batch over all devices, nodes and accumulation steps (the papers' batch size)")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from; 'last' resumes the newest in the run directory")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from; 'last' (--resume) resumes the newest in the run directory; 'auto' does that when there is one and starts a new run otherwise (job scripts)")
         # The datamodule knows whether labels exist (and how many classes): the online probe and
         # the supervised head follow it, so a recipe never states the class count twice.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
@@ -136,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     # match it (else last.ckpt would get a last-v1.ckpt sibling and keep_last would not prune).
     ckpt_dir = _checkpoint_dir(cli.trainer)
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path == "last":
+    if ckpt_path in ("last", "auto"):
         newest = newest_checkpoint(ckpt_dir, cli.trainer.default_root_dir)
-        if newest is None:
-            raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir}")
-        ckpt_path = str(newest)
+        if newest is None and ckpt_path == "last":
+            raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir} (--ckpt_path auto starts a new run then)")
+        ckpt_path = str(newest) if newest is not None else None
         if rank_zero_only.rank == 0:
-            print(f"ssl-vit fit: resuming from {ckpt_path}", file=sys.stderr)
+            print(f"ssl-vit fit: resuming from {ckpt_path}" if ckpt_path else f"ssl-vit fit: no checkpoint in {ckpt_dir}; starting a new run", file=sys.stderr)
     elif ckpt_path is None and not _slurm_requeued(cli.trainer):
         # A rerun without --resume would overwrite the run's checkpoints from its first save on.
         earlier = newest_checkpoint(ckpt_dir)
