@@ -282,6 +282,32 @@ def test_the_fsdp_recipe_composes_with_a_method_recipe(tmp_path, capsys):
     assert "ssl-vit fit: error: The strategy `fsdp` requires a GPU accelerator" in capsys.readouterr().err
 
 
+def test_sigterm_to_a_two_process_run_stops_both_after_one_step_and_checkpoints(tmp_path):
+    """A scheduler's SIGTERM to one process of a DDP run (2 CPU processes) while the other waits
+    in a collective: both stop after that step, ``last.ckpt`` holds it, the command exits with 143.
+    (Lightning's own handler broadcast from inside the signal handler: with the other process
+    waiting in the step's all-gather, both hung.)"""
+    import signal
+
+    from test_training_cli import tiny_config
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    # MoCo v3: each step all-gathers the keys and synchronises BatchNorm across the processes.
+    cfg = tiny_config(tmp_path, "ssl_vit.pretext.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
+                      num_sanity_val_steps=0, callbacks=[{"class_path": "test_faults.SignalWhileOthersWait", "init_args": {"step": 3}}])
+    cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(root / "recipes/trainer/ddp_cpu2.yaml")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:  # hung: take the whole process group down
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4  # the signalled step
+    assert output.count("stopped by SIGTERM at step 4") == 1, output[-3000:]  # said once, by rank 0
+
+
 @pytest.mark.slow
 def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
     """``ssl-vit fit --config <recipe> --config recipes/trainer/ddp_cpu2.yaml`` (Lightning starts

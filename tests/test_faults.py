@@ -105,6 +105,19 @@ class Interrupt(L.Callback):
         os.kill(os.getpid(), getattr(signal, self.how))
 
 
+class SignalWhileOthersWait(L.Callback):
+    """Process ``rank`` sends itself ``how`` at the start of step ``step``, a second after the other
+    processes went on into that step's first collective (where they wait for it)."""
+
+    def __init__(self, step: int, how: str = "SIGTERM", rank: int = 0) -> None:
+        self.step, self.how, self.rank = step, how, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            time.sleep(1.0)
+            os.kill(os.getpid(), getattr(signal, self.how))
+
+
 class NaNAtStep(DINO):
     """DINO whose loss turns NaN at one step; it notes the bytes of the last checkpoint then."""
 

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         stopped_by = "SIGTERM"  # Lightning stopped after the current step; PreemptionCheckpoint saved it
     stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
     if stopped_by is not None:
-        print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
+        if rank_zero_only.rank == 0:
+            print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     return 0
 

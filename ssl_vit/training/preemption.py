@@ -2,11 +2,14 @@
 signal when ``--signal=USR1@90`` is set) writes ``last.ckpt`` before the process exits, so
 ``--resume`` loses at most the current step.
 
-On SIGTERM Lightning's own handler flags the trainer (and, with several processes, tells them all)
-and ends the run with ``SIGTERMException`` after the current batch; we save in ``on_exception``.
-SIGUSR1 is ours unless Lightning's SLURM auto-requeue handles it (then Lightning saves an
-``hpc_ckpt`` and requeues the job, and the requeued run resumes from it); the processes agree on it
-at the end of each batch, so all stop after the same step. A signal that arrives before the run has
+Both signals are ours: the handler only notes the signal, and at the end of each training batch
+the processes agree on it (one small all-reduce, at the same point in every process), so all save
+and stop after the same step. Lightning's own SIGTERM handler is replaced once training starts:
+with several processes it broadcasts from inside the signal handler, at whatever point each
+process was interrupted, and the collectives of the step then mismatch and hang (seen with DDP on
+2 CPU processes). Under Lightning's SLURM auto-requeue its handlers stay in charge (it saves an
+``hpc_ckpt`` on the requeue signal and requeues the job; the requeued run resumes from it); a
+``SIGTERMException`` it raises is saved in ``on_exception``. A signal that arrives before the run has
 taken a step writes nothing: the checkpoint already on disk (the one a resumed run started from) is
 as new, and stays untouched. ``stopped_by`` names the signal, so the CLI can exit with status
 128 + its number, as a shell reports a process killed by it: wrapper scripts and schedulers see
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
@@ -44,14 +48,18 @@ class PreemptionCheckpoint(Callback):
     def _handler(self, signum: int, frame: Any) -> None:
         self._requested = signal.Signals(signum).name
 
+    @staticmethod
+    def _requeue_signal(trainer: L.Trainer) -> int | None:
+        env = getattr(trainer._accelerator_connector, "cluster_environment", None)
+        return env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self.stopped_by = None
         # SLURM auto-requeue: Lightning installs its own handler for the requeue signal later (it
         # saves an hpc checkpoint and requeues the job), but only where no handler is set yet.
-        env = getattr(trainer._accelerator_connector, "cluster_environment", None)
-        requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
+        requeue = self._requeue_signal(trainer)
         for name in self.signals:
             sig = getattr(signal, name, None)
             if sig is None or sig == requeue:
@@ -64,6 +72,17 @@ class PreemptionCheckpoint(Callback):
                 continue
             self._previous[sig] = signal.SIG_DFL if stale else current
             signal.signal(sig, self._handler)
+
+    def _take_sigterm(self, trainer: L.Trainer) -> None:
+        """Replace the SIGTERM handler Lightning registered when the run started (see the module
+        docstring), unless SLURM auto-requeue relies on it."""
+        if self._requeue_signal(trainer) is not None or signal.SIGTERM in self._previous:
+            return
+        self._previous[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_sigterm(trainer)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for sig, handler in self._previous.items():
@@ -78,6 +97,7 @@ class PreemptionCheckpoint(Callback):
         return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_sigterm(trainer)
         self._start_step = trainer.global_step  # after a resume: the checkpoint's step
 
     def _save(self, trainer: L.Trainer, signal_name: str) -> None:
@@ -95,12 +115,12 @@ class PreemptionCheckpoint(Callback):
         rank_zero_info(f"[ssl_vit] received {signal_name}: checkpoint written to {path} at step {trainer.global_step}; resume with --resume")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        requested = self._requested is not None
+        signum = int(signal.Signals[self._requested]) if self._requested is not None else 0
         if trainer.world_size > 1:  # stop together: a signal may reach the processes a step apart
-            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
-        if requested:
-            # (When only another process got it, the name is one of ours: it only sets the exit status.)
-            self._save(trainer, self._requested or self.signals[0])
+            code = torch.tensor(signum, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(code, reduce_op="max"))
+        if signum:
+            self._save(trainer, signal.Signals(signum).name)
             self._requested = None
             trainer.should_stop = True
 
