@@ -31,6 +31,12 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def one_line(message: str) -> str:
+    """An error message on one line (a library's may span several: a URL error, a traceback-like
+    explanation), so that logs and wrapper scripts see one ``ssl-vit <command>: error: ...``."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input gets one clear line; --debug shows where it came from.
         if debug:
             raise
-        print(f"ssl-vit {command}: error: {err}", file=sys.stderr)
+        print(f"ssl-vit {command}: error: {one_line(str(err))}", file=sys.stderr)
         return 1
 
 

@@ -105,6 +105,17 @@ def test_a_bad_data_argument_is_one_line_naming_the_fix(capsys, data_args, messa
     assert len(err) == 1 and message in err[0], err
 
 
+def test_a_multi_line_library_error_is_printed_on_one_line(monkeypatch, capsys):
+    import ssl_vit.eval.cli as eval_cli
+
+    def fail(argv):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried http://host/, got:\n<urlopen error>\n")
+
+    monkeypatch.setattr(eval_cli, "main", fail)
+    assert cli_main(["eval", "knn"]) == 1
+    assert capsys.readouterr().err == "ssl-vit eval: error: Error downloading train-images-idx3-ubyte.gz: Tried http://host/, got: <urlopen error>\n"
+
+
 def test_an_unwritable_output_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     args = ["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "file" / "res"), "--k", "5"]
