@@ -92,17 +92,26 @@ class Crash(Exception):
 
 
 class Interrupt(L.Callback):
-    """At the end of step ``step``: raise (a crash) or send this process a real signal."""
+    """At the end of step ``step`` (or, with ``mid_step``, between its backward pass and its
+    optimiser step): raise (a crash) or send this process a real signal."""
 
-    def __init__(self, step: int, how: str = "crash") -> None:
-        self.step, self.how = step, how
+    def __init__(self, step: int, how: str = "crash", mid_step: bool = False) -> None:
+        self.step, self.how, self.mid_step = step, how, mid_step
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step != self.step:
+    def _fire(self, trainer: L.Trainer, global_step: int) -> None:
+        if global_step != self.step:
             return
         if self.how == "crash":
             raise Crash
         os.kill(os.getpid(), getattr(signal, self.how))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self.mid_step:
+            self._fire(trainer, trainer.global_step)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.mid_step:
+            self._fire(trainer, trainer.global_step + 1)  # the step being taken
 
 
 class SignalWhileOthersWait(L.Callback):
@@ -238,6 +247,36 @@ def test_ckpt_path_last_in_the_recipe_resumes_too(tmp_path, uninterrupted):
     cfg["ckpt_path"] = "last"
     (tmp_path / "resume.yaml").write_text(yaml.safe_dump(cfg))
     assert fit("--config", str(tmp_path / "resume.yaml")) == 0
+    assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
+
+
+def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_resumes_exactly(tmp_path, uninterrupted):
+    """``recipes/trainer/slurm.yaml`` in a SLURM job (its environment and ``scontrol`` faked): the
+    requeue signal, arriving between a step's backward pass and its optimiser step, saves the hpc
+    checkpoint after that step, requeues the job and stops; the requeued job (the same command)
+    resumes from it to the uninterrupted run's weights. (Lightning's own handler saved inside the
+    signal handler, mid-step, and let the run go on.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+
+    def job(callbacks: list[dict[str, Any]] | None = None) -> subprocess.CompletedProcess:
+        cfg = recipe(tmp_path, callbacks=callbacks)
+        cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(ROOT / "recipes/trainer/slurm.yaml")]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = job([{"class_path": "test_faults.Interrupt", "init_args": {"step": 5, "how": "SIGUSR1", "mid_step": True}}])
+    assert first.returncode == 128 + signal.SIGUSR1, first.stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert load(tmp_path / "run" / "hpc_ckpt_1.ckpt")["global_step"] == 5  # after the signalled step, whole
+    requeued = job()
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 

@@ -2,14 +2,16 @@
 signal when ``--signal=USR1@90`` is set) writes ``last.ckpt`` before the process exits, so
 ``--resume`` loses at most the current step.
 
-Both signals are ours: the handler only notes the signal, and at the end of each training batch
+The signals are ours: the handler only notes the signal, and at the end of each training batch
 the processes agree on it (one small all-reduce, at the same point in every process), so all save
-and stop after the same step. Lightning's own SIGTERM handler is replaced once training starts:
-with several processes it broadcasts from inside the signal handler, at whatever point each
-process was interrupted, and the collectives of the step then mismatch and hang (seen with DDP on
-2 CPU processes). Under Lightning's SLURM auto-requeue its handlers stay in charge (it saves an
-``hpc_ckpt`` on the requeue signal and requeues the job; the requeued run resumes from it); a
-``SIGTERMException`` it raises is saved in ``on_exception``. A signal that arrives before the run has
+and stop after the same step. Lightning's own handlers would act inside the signal handler, at
+whatever point each process was interrupted: its SIGTERM handler broadcasts (with several
+processes the step's collectives then mismatch: gloo aborts or the run hangs, seen with DDP on 2
+CPU processes), its SLURM requeue handler saves a checkpoint (a collective, and possibly mid-step).
+So its SIGTERM handler is replaced once training starts, and with SLURM auto-requeue the requeue
+signal is ours as well: at the agreed batch end Lightning's requeue runs (it saves an
+``hpc_ckpt_<n>.ckpt`` and requeues the job; the requeued run resumes from it) and the run stops.
+A ``SIGTERMException`` Lightning still raises is saved in ``on_exception``. A signal that arrives before the run has
 taken a step writes nothing: the checkpoint already on disk (the one a resumed run started from) is
 as new, and stays untouched. ``stopped_by`` names the signal, so the CLI can exit with status
 128 + its number, as a shell reports a process killed by it: wrapper scripts and schedulers see
@@ -59,11 +61,11 @@ class PreemptionCheckpoint(Callback):
         self.stopped_by = None
         # SLURM auto-requeue: Lightning installs its own handler for the requeue signal later (it
         # saves an hpc checkpoint and requeues the job), but only where no handler is set yet.
+        # SLURM auto-requeue: its signal is ours too (Lightning then installs no handler of its
+        # own for it); at the agreed batch end we let Lightning save the hpc checkpoint and requeue.
         requeue = self._requeue_signal(trainer)
-        for name in self.signals:
-            sig = getattr(signal, name, None)
-            if sig is None or sig == requeue:
-                continue
+        wanted = [getattr(signal, name, None) for name in self.signals] + [requeue]
+        for sig in dict.fromkeys(s for s in wanted if s is not None):
             current = signal.getsignal(sig)
             # A handler left by an earlier run of this callback (Lightning re-installs the handlers
             # it found when a run ends in an exception) is replaced; anyone else's stays in charge.
@@ -76,7 +78,7 @@ class PreemptionCheckpoint(Callback):
     def _take_sigterm(self, trainer: L.Trainer) -> None:
         """Replace the SIGTERM handler Lightning registered when the run started (see the module
         docstring), unless SLURM auto-requeue relies on it."""
-        if self._requeue_signal(trainer) is not None or signal.SIGTERM in self._previous:
+        if signal.SIGTERM in self._previous:
             return
         self._previous[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, self._handler)
@@ -120,9 +122,19 @@ class PreemptionCheckpoint(Callback):
             code = torch.tensor(signum, device=trainer.strategy.root_device)
             signum = int(trainer.strategy.reduce(code, reduce_op="max"))
         if signum:
-            self._save(trainer, signal.Signals(signum).name)
+            if signum == self._requeue_signal(trainer):
+                self._requeue(trainer, signal.Signals(signum).name)
+            else:
+                self._save(trainer, signal.Signals(signum).name)
             self._requested = None
             trainer.should_stop = True
+
+    def _requeue(self, trainer: L.Trainer, signal_name: str) -> None:
+        """Lightning's SLURM requeue (save ``hpc_ckpt_<n>.ckpt``, ``scontrol requeue`` from rank 0),
+        run here at a batch end in every process instead of inside its signal handler."""
+        self.stopped_by = signal_name
+        trainer._signal_connector._slurm_sigusr_handler_fn(signal.Signals[signal_name], None)
+        rank_zero_info(f"[ssl_vit] received {signal_name}: SLURM requeue checkpoint written at step {trainer.global_step}; the requeued job resumes from it")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Only on a preemption: after a NaN loss the last good checkpoint must stay as it is.
