@@ -114,6 +114,17 @@ class Interrupt(L.Callback):
             self._fire(trainer, trainer.global_step + 1)  # the step being taken
 
 
+class SignalDuringValidation(L.Callback):
+    """Send this process ``how`` at the first validation batch of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, how: str = "SIGTERM") -> None:
+        self.epoch, self.how = epoch, how
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, *args: Any) -> None:
+        if not trainer.sanity_checking and trainer.current_epoch == self.epoch and batch_idx == 0:
+            os.kill(os.getpid(), getattr(signal, self.how))
+
+
 class SignalWhileOthersWait(L.Callback):
     """Process ``rank`` sends itself ``how`` at the start of step ``step``, a second after the other
     processes went on into that step's first collective (where they wait for it)."""
@@ -237,6 +248,16 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, unint
     resumed = recipe(tmp_path, data={"num_workers": 1} if how == "SIGTERM" else None)
     assert fit("--config", str(resumed), "--resume") == 0
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_during_validation_stops_it_and_the_run_resumes_exactly(tmp_path, uninterrupted, how):
+    with_validation = {"data": {"num_test_samples": 16}, "limit_val_batches": 2}
+    signal_it = [{"class_path": "test_faults.SignalDuringValidation", "init_args": {"epoch": 1, "how": how}}]
+    assert fit("--config", str(recipe(tmp_path, callbacks=signal_it, **with_validation))) == 128 + getattr(signal, how)
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 2 * STEPS_PER_EPOCH  # the step before validation
+    assert fit("--config", str(recipe(tmp_path, **with_validation)), "--resume") == 0
+    assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)  # validation changes no weights
 
 
 def test_ckpt_path_last_in_the_recipe_resumes_too(tmp_path, uninterrupted):

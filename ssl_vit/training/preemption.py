@@ -116,18 +116,37 @@ class PreemptionCheckpoint(Callback):
             trainer.save_checkpoint(path)
         rank_zero_info(f"[ssl_vit] received {signal_name}: checkpoint written to {path} at step {trainer.global_step}; resume with --resume")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def _agreed_signal(self, trainer: L.Trainer) -> int:
+        """The signal any process got (its number; 0 for none): the same answer in every process."""
         signum = int(signal.Signals[self._requested]) if self._requested is not None else 0
         if trainer.world_size > 1:  # stop together: a signal may reach the processes a step apart
             code = torch.tensor(signum, device=trainer.strategy.root_device)
             signum = int(trainer.strategy.reduce(code, reduce_op="max"))
+        return signum
+
+    def _act(self, trainer: L.Trainer, signum: int) -> None:
+        if signum == self._requeue_signal(trainer):
+            self._requeue(trainer, signal.Signals(signum).name)
+        else:
+            self._save(trainer, signal.Signals(signum).name)
+        self._requested = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        signum = self._agreed_signal(trainer)
         if signum:
-            if signum == self._requeue_signal(trainer):
-                self._requeue(trainer, signal.Signals(signum).name)
-            else:
-                self._save(trainer, signal.Signals(signum).name)
-            self._requested = None
+            self._act(trainer, signum)
             trainer.should_stop = True
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # A validation pass can outlast a scheduler's grace period: stop inside it. The training
+        # state is that of the last training step (validation changes no weights), so the
+        # checkpoint is the one a stop after that step would have written.
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        signum = self._agreed_signal(trainer)
+        if signum:
+            self._act(trainer, signum)
+            raise SIGTERMException  # leaves the validation loop; the CLI exits with 128 + signum
 
     def _requeue(self, trainer: L.Trainer, signal_name: str) -> None:
         """Lightning's SLURM requeue (save ``hpc_ckpt_<n>.ckpt``, ``scontrol requeue`` from rank 0),
@@ -138,5 +157,5 @@ class PreemptionCheckpoint(Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Only on a preemption: after a NaN loss the last good checkpoint must stay as it is.
-        if isinstance(exception, SIGTERMException):
+        if isinstance(exception, SIGTERMException) and self.stopped_by is None:  # not saved yet
             self._save(trainer, "SIGTERM")
