@@ -3,19 +3,21 @@ signal when ``--signal=USR1@90`` is set) writes ``last.ckpt`` before the process
 ``--resume`` loses at most the current step.
 
 The signals are ours: the handler only notes the signal, and at the end of each training batch
-the processes agree on it (one small all-reduce, at the same point in every process), so all save
-and stop after the same step. Lightning's own handlers would act inside the signal handler, at
-whatever point each process was interrupted: its SIGTERM handler broadcasts (with several
-processes the step's collectives then mismatch: gloo aborts or the run hangs, seen with DDP on 2
-CPU processes), its SLURM requeue handler saves a checkpoint (a collective, and possibly mid-step).
-So its SIGTERM handler is replaced once training starts, and with SLURM auto-requeue the requeue
-signal is ours as well: at the agreed batch end Lightning's requeue runs (it saves an
+(and of each validation batch, so that a long validation pass is not waited for) the processes
+agree on it with one small all-reduce, at the same point in every process, so all save and stop
+at the same step. Lightning's own handlers act inside the signal handler, at whatever point each
+process was interrupted: its SIGTERM handler broadcasts (with several processes the step's
+collectives then mismatch: gloo aborts or the run hangs, seen with DDP on 2 CPU processes), its
+SLURM requeue handler saves a checkpoint (a collective, and possibly mid-step) and lets the run go
+on. So its SIGTERM handler is replaced once training starts, and with SLURM auto-requeue the
+requeue signal is ours as well: at the agreed batch end Lightning's requeue runs (it saves an
 ``hpc_ckpt_<n>.ckpt`` and requeues the job; the requeued run resumes from it) and the run stops.
-A ``SIGTERMException`` Lightning still raises is saved in ``on_exception``. A signal that arrives before the run has
-taken a step writes nothing: the checkpoint already on disk (the one a resumed run started from) is
-as new, and stays untouched. ``stopped_by`` names the signal, so the CLI can exit with status
-128 + its number, as a shell reports a process killed by it: wrapper scripts and schedulers see
-that the run did not finish.
+A ``SIGTERMException`` that Lightning still raises is saved in ``on_exception``.
+
+A signal that arrives before the run has taken a step writes nothing: the checkpoint already on
+disk (the one a resumed run started from) is as new, and stays untouched. ``stopped_by`` names the
+signal, so the CLI can exit with status 128 + its number, as a shell reports a process killed by
+it: wrapper scripts and schedulers see that the run did not finish.
 """
 
 from __future__ import annotations
@@ -59,8 +61,6 @@ class PreemptionCheckpoint(Callback):
         if stage != "fit":
             return
         self.stopped_by = None
-        # SLURM auto-requeue: Lightning installs its own handler for the requeue signal later (it
-        # saves an hpc checkpoint and requeues the job), but only where no handler is set yet.
         # SLURM auto-requeue: its signal is ours too (Lightning then installs no handler of its
         # own for it); at the agreed batch end we let Lightning save the hpc checkpoint and requeue.
         requeue = self._requeue_signal(trainer)
@@ -77,7 +77,7 @@ class PreemptionCheckpoint(Callback):
 
     def _take_sigterm(self, trainer: L.Trainer) -> None:
         """Replace the SIGTERM handler Lightning registered when the run started (see the module
-        docstring), unless SLURM auto-requeue relies on it."""
+        docstring); the first hook after that registration calls this."""
         if signal.SIGTERM in self._previous:
             return
         self._previous[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
