@@ -34,7 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.pretext.base import PretextModule
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer_defaults={"callbacks": [PreemptionCheckpoint(), PretrainFlopsCounter()]},
             parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__},
         )
-    except (ArgumentError, ValueError, TypeError) as err:
+    except (ArgumentError, ValueError, TypeError, MisconfigurationException) as err:
+        # (MisconfigurationException: Lightning's, e.g. an accelerator this machine lacks)
         raise ConfigError(_one_line(str(err))) from None
     cfg = cli.config
     # The resolved recipe travels inside every checkpoint (export writes it into config.json).
