@@ -289,7 +289,8 @@ def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_re
 
     def job(callbacks: list[dict[str, Any]] | None = None) -> subprocess.CompletedProcess:
         cfg = recipe(tmp_path, callbacks=callbacks)
-        cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(ROOT / "recipes/trainer/slurm.yaml")]
+        # the job line README.md gives: the first run starts, the requeued one resumes
+        cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(ROOT / "recipes/trainer/slurm.yaml"), "--ckpt_path", "auto"]
         return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
     first = job([{"class_path": "test_faults.Interrupt", "init_args": {"step": 5, "how": "SIGUSR1", "mid_step": True}}])
@@ -298,6 +299,7 @@ def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_re
     assert load(tmp_path / "run" / "hpc_ckpt_1.ckpt")["global_step"] == 5  # after the signalled step, whole
     requeued = job()
     assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert "ssl-vit fit: resuming from" in requeued.stderr  # hpc_ckpt_1.ckpt or last.ckpt: both hold step 5
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 
