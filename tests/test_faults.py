@@ -260,6 +260,13 @@ def test_a_signal_during_validation_stops_it_and_the_run_resumes_exactly(tmp_pat
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)  # validation changes no weights
 
 
+def test_a_finished_run_continued_with_a_larger_budget_takes_every_remaining_batch(tmp_path):
+    assert fit("--config", str(recipe(tmp_path, max_steps=5))) == 0  # ends in epoch 2, off the checkpoint interval
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 5
+    assert fit("--config", str(recipe(tmp_path)), "--resume") == 0  # on to the end of epoch 3
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 3 * STEPS_PER_EPOCH  # no batch skipped
+
+
 def test_ckpt_path_last_in_the_recipe_resumes_too(tmp_path, uninterrupted):
     interrupt = [{"class_path": "test_faults.Interrupt", "init_args": {"step": 3, "how": "crash"}}]  # after step 2's save
     with pytest.raises(Crash):

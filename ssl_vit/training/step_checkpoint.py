@@ -87,11 +87,32 @@ class StepCheckpoint(ModelCheckpoint):
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         return Path(self.last_model_path)
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        # The final weights, whatever the interval: the run's result lives in last.ckpt. Saved at
+        # the last batch's end, where every periodic checkpoint is saved: a checkpoint written
+        # after the loop ended records its last batch twice, and a run continued from it (a larger
+        # max_steps / max_epochs) would skip a batch.
+        if self._last_global_step_saved != trainer.global_step and _ends_after_this_batch(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The final weights, whatever the interval: the run's result lives in last.ckpt.
+        # A stop decided after this callback's batch end (another callback's): better a checkpoint
+        # that may skip a batch when continued than none.
         if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         super().on_train_end(trainer, pl_module)
+
+
+def _ends_after_this_batch(trainer: L.Trainer) -> bool:
+    """Whether the fit loop stops after the batch that just ended (max_steps, the last batch of
+    the last epoch, or a stop requested)."""
+    if trainer.should_stop:
+        return True
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    last_epoch = trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+    return bool(last_epoch and trainer.is_last_batch)
 
 
 def _rebased(state_dict: dict[str, Any], dirpath: str) -> dict[str, Any]:
