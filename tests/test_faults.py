@@ -114,6 +114,17 @@ class Interrupt(L.Callback):
             self._fire(trainer, trainer.global_step + 1)  # the step being taken
 
 
+class SignalAtBatch(L.Callback):
+    """Send this process ``how`` at the end of batch ``batch_idx`` of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, batch_idx: int, how: str = "SIGTERM") -> None:
+        self.epoch, self.batch_idx, self.how = epoch, batch_idx, how
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch_idx:
+            os.kill(os.getpid(), getattr(signal, self.how))
+
+
 class SignalDuringValidation(L.Callback):
     """Send this process ``how`` at the first validation batch of epoch ``epoch``."""
 
@@ -265,6 +276,24 @@ def test_a_finished_run_continued_with_a_larger_budget_takes_every_remaining_bat
     assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 5
     assert fit("--config", str(recipe(tmp_path)), "--resume") == 0  # on to the end of epoch 3
     assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 3 * STEPS_PER_EPOCH  # no batch skipped
+
+
+def test_a_signal_between_accumulated_batches_waits_for_the_optimiser_step(tmp_path):
+    """With gradient accumulation a stop between two micro-batches would lose the gradient gathered
+    so far: the signal is acted on at the next optimiser step, and the run resumes exactly."""
+    accumulate = {"accumulate_grad_batches": 2}
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    assert fit("--config", str(recipe(whole, **accumulate))) == 0
+    signal_it = [{"class_path": "test_faults.SignalAtBatch", "init_args": {"epoch": 1, "batch_idx": 0}}]  # mid-accumulation
+    assert fit("--config", str(recipe(tmp_path, callbacks=signal_it, **accumulate))) == 128 + signal.SIGTERM
+    last = load(ckpt_dir(tmp_path) / "last.ckpt")
+    assert last["global_step"] == 3  # epoch 0: steps after batches 1 and 2; epoch 1: after batch 1
+    assert fit("--config", str(recipe(tmp_path, **accumulate)), "--resume") == 0
+    want, got = load(ckpt_dir(whole) / "last.ckpt"), load(ckpt_dir(tmp_path) / "last.ckpt")
+    assert got["global_step"] == want["global_step"] == 6
+    for key, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][key], value), key
 
 
 def test_ckpt_path_last_in_the_recipe_resumes_too(tmp_path, uninterrupted):

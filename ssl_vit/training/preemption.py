@@ -2,7 +2,7 @@
 signal when ``--signal=USR1@90`` is set) writes ``last.ckpt`` before the process exits, so
 ``--resume`` loses at most the current step.
 
-The signals are ours: the handler only notes the signal, and at the end of each training batch
+The signals are ours: the handler only notes the signal, and at the end of each optimiser step
 (and of each validation batch, so that a long validation pass is not waited for) the processes
 agree on it with one small all-reduce, at the same point in every process, so all save and stop
 at the same step. Lightning's own handlers act inside the signal handler, at whatever point each
@@ -131,7 +131,11 @@ class PreemptionCheckpoint(Callback):
             self._save(trainer, signal.Signals(signum).name)
         self._requested = None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # With gradient accumulation, only where the optimiser stepped: a stop between micro-batches
+        # would lose the gradient gathered so far (it is not in the checkpoint).
+        if (batch_idx + 1) % trainer.accumulate_grad_batches and not trainer.is_last_batch:
+            return
         signum = self._agreed_signal(trainer)
         if signum:
             self._act(trainer, signum)
