@@ -43,6 +43,7 @@ from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.step_checkpoint import (
     StepCheckpoint,
     default_checkpoint_dir,
+    hpc_checkpoints,
     newest_checkpoint,
 )
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _slurm_requeued(trainer: L.Trainer) -> bool:
     """A SLURM job requeued by Lightning: it resumes from its ``hpc_ckpt_<n>.ckpt`` by itself."""
-    return SLURMEnvironment.detect() and any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
+    return SLURMEnvironment.detect() and bool(hpc_checkpoints(trainer.default_root_dir))
 
 
 def _checkpoint_dir(trainer: L.Trainer) -> Path:

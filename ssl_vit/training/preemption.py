@@ -33,6 +33,8 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ssl_vit.training.step_checkpoint import default_checkpoint_dir
+
 
 class PreemptionCheckpoint(Callback):
     """Save ``<checkpoint dir>/last.ckpt`` when the job is told to stop.
@@ -75,7 +77,7 @@ class PreemptionCheckpoint(Callback):
             self._previous[sig] = signal.SIG_DFL if stale else current
             signal.signal(sig, self._handler)
 
-    def _take_sigterm(self, trainer: L.Trainer) -> None:
+    def _take_sigterm(self) -> None:
         """Replace the SIGTERM handler Lightning registered when the run started (see the module
         docstring); the first hook after that registration calls this."""
         if signal.SIGTERM in self._previous:
@@ -84,7 +86,7 @@ class PreemptionCheckpoint(Callback):
         signal.signal(signal.SIGTERM, self._handler)
 
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_sigterm(trainer)
+        self._take_sigterm()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for sig, handler in self._previous.items():
@@ -96,10 +98,10 @@ class PreemptionCheckpoint(Callback):
         cb = trainer.checkpoint_callback
         if isinstance(cb, ModelCheckpoint) and cb.dirpath:
             return Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
-        return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+        return Path(default_checkpoint_dir(trainer)) / "last.ckpt"
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_sigterm(trainer)
+        self._take_sigterm()
         self._start_step = trainer.global_step  # after a resume: the checkpoint's step
 
     def _save(self, trainer: L.Trainer, signal_name: str) -> None:

@@ -83,7 +83,7 @@ class StepCheckpoint(ModelCheckpoint):
         return path is not None and os.path.realpath(os.path.dirname(str(path))) == os.path.realpath(str(self.dirpath))
 
     def save_last_checkpoint(self, trainer: L.Trainer) -> Path:
-        """Write ``last.ckpt`` now (a preemption), recorded as this step's save."""
+        """Write ``last.ckpt`` now (the run's end, a preemption), recorded as this step's save."""
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         return Path(self.last_model_path)
 
@@ -94,13 +94,13 @@ class StepCheckpoint(ModelCheckpoint):
         # after the loop ended records its last batch twice, and a run continued from it (a larger
         # max_steps / max_epochs) would skip a batch.
         if self._last_global_step_saved != trainer.global_step and _ends_after_this_batch(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self.save_last_checkpoint(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A stop decided after this callback's batch end (another callback's): better a checkpoint
         # that may skip a batch when continued than none.
         if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self.save_last_checkpoint(trainer)
         super().on_train_end(trainer, pl_module)
 
 
@@ -135,8 +135,11 @@ def newest_checkpoint(dirpath: str | Path, root_dir: str | Path | None = None) -
     (``<root_dir>/hpc_ckpt_<n>.ckpt``, Lightning's) if that is newer; None when there is none.
     Newest by modification time: checkpoints are written to a temporary file and renamed, so
     that is when each was completed."""
-    files = list(Path(dirpath).glob("*.ckpt"))
-    if root_dir is not None:
-        files += Path(root_dir).glob("hpc_ckpt_*.ckpt")
+    files = list(Path(dirpath).glob("*.ckpt")) + (hpc_checkpoints(root_dir) if root_dir is not None else [])
     files = [p for p in files if p.is_file()]
     return max(files, key=lambda p: (p.stat().st_mtime_ns, p.name)) if files else None
+
+
+def hpc_checkpoints(root_dir: str | Path) -> list[Path]:
+    """Lightning's SLURM requeue checkpoints of a run: ``<default_root_dir>/hpc_ckpt_<n>.ckpt``."""
+    return list(Path(root_dir).glob("hpc_ckpt_*.ckpt"))
