@@ -15,8 +15,15 @@ from torch import Tensor
 from ssl_vit.analysis.attention_maps import DINO_THRESHOLD
 from ssl_vit.analysis.draw import SHOWN_DINO_IMAGES, SHOWN_IMAGES, figure_to_array
 from ssl_vit.analysis.filters import PAPER_NUM_FILTERS
-from ssl_vit.analysis.inputs import batch_images, has_tokens
-from ssl_vit.analysis.render import FIGURES, check_figures, compute_all, plot_all, save_all
+from ssl_vit.analysis.inputs import batch_images
+from ssl_vit.analysis.render import (
+    FIGURES,
+    applicable_figures,
+    check_figures,
+    compute_all,
+    plot_all,
+    save_all,
+)
 
 
 class AnalysisCallback(pl.Callback):
@@ -127,7 +134,7 @@ class AnalysisCallback(pl.Callback):
             raise AttributeError(
                 f"AnalysisCallback: {type(pl_module).__name__} has no attribute {self.backbone_attr!r}"
             )
-        figures = self.figures if has_tokens(backbone) else tuple(f for f in self.figures if f == "filters")
+        figures = applicable_figures(backbone, self.figures)
         if not figures:
             return {}
         datamodule = getattr(trainer, "datamodule", None)

@@ -46,8 +46,7 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.utils.data import DataLoader
 
-    from ssl_vit.analysis.inputs import has_tokens
-    from ssl_vit.analysis.render import FIGURES, TOKEN_FIGURES, render_all
+    from ssl_vit.analysis.render import FIGURES, applicable_figures, render_all
     from ssl_vit.eval.cli import build_datamodule
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
@@ -62,7 +61,7 @@ def main(argv: list[str]) -> int:
         raise FileNotFoundError(f"--images {args.images!r} is neither a folder nor a dataset ({', '.join(sorted(DATASETS))})")
     figures = args.figures
     if figures is None:
-        figures = [f for f in FIGURES if has_tokens(backbone) or f not in TOKEN_FIGURES]
+        figures = list(applicable_figures(backbone))
         skipped = [f for f in FIGURES if f not in figures]
         if skipped:
             print(f"visualize: {type(backbone).__name__} has no attention or position embedding: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)

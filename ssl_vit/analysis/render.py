@@ -37,13 +37,19 @@ from ssl_vit.analysis.draw import (
     write_attention_distance_csv,
 )
 from ssl_vit.analysis.filters import PAPER_NUM_FILTERS, FilterPCA, backbone_filters
-from ssl_vit.analysis.inputs import denormalize, eval_mode, image_grid, require_vit
+from ssl_vit.analysis.inputs import denormalize, eval_mode, has_tokens, image_grid, require_vit
 from ssl_vit.analysis.pos_embed import position_similarity
 
 FIGURES: tuple[str, ...] = ("filters", "pos_embed", "attention_distance", "attention_rollout", "attention_dino")
 """Names of the figures (``figures=`` selects a subset); also the PNG file stems."""
 TOKEN_FIGURES: tuple[str, ...] = ("pos_embed", "attention_distance", "attention_rollout", "attention_dino")
 """The figures that need a token sequence (ViT, hybrid); a ResNet has the filters only."""
+
+
+def applicable_figures(backbone: nn.Module, figures: Sequence[str] = FIGURES) -> tuple[str, ...]:
+    """The ``figures`` this backbone can be drawn in: all of them for a ViT or hybrid, the
+    filters only for a backbone without tokens (ResNet)."""
+    return tuple(f for f in figures if has_tokens(backbone) or f not in TOKEN_FIGURES)
 
 
 @dataclass
