@@ -63,7 +63,6 @@ def time_interleaved(
             w, c = _timed(steps[name], device)
             if i > 0:  # the first step carries one-time work (allocations, kernel selection)
                 best[name] = max(best[name], c / (w * threads))
-    synchronize(device)
     limit = max_rounds if max_rounds is not None else 2 * rounds + 1
     wall: dict[str, list[float]] = {n: [] for n in names}
     util: dict[str, list[float]] = {n: [] for n in names}

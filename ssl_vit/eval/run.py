@@ -34,11 +34,16 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
     return Subset(dataset, idx.tolist())
 
 
+def names_a_record(out: str | Path) -> bool:
+    """Whether ``out`` names one record file (``*.json``) rather than a folder of records."""
+    return Path(out).suffix.lower() == ".json"
+
+
 def result_path(out: str | Path, result: EvalResult) -> Path:
     """Where a result record goes: ``out`` itself when it names a ``.json`` file, else a file in
     the folder ``out`` named after the method, backbone, data and protocol (and the
     representation when it is not [CLS]: ``..._linear-last4.json``)."""
-    if Path(out).suffix.lower() == ".json":
+    if names_a_record(out):
         return Path(out)
     label = result.backbone_label.replace("/", "-")
     protocol = result.protocol + (f"-{result.features}" if result.features else "")
@@ -70,7 +75,7 @@ def evaluate_features(
     unknown = sorted(set(protocols) - set(FEATURE_PROTOCOLS))
     if unknown:
         raise ValueError(f"unknown feature protocol(s) {unknown}; known: {', '.join(FEATURE_PROTOCOLS)}")
-    if out_dir is not None and len(protocols) > 1 and Path(out_dir).suffix.lower() == ".json":
+    if out_dir is not None and len(protocols) > 1 and names_a_record(out_dir):
         raise ValueError(f"{len(protocols)} protocols write {len(protocols)} records: out_dir must be a folder, not the file {out_dir}")
     if device is not None:
         backbone = backbone.to(device)
