@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -12,6 +14,13 @@ from torch.utils.data import DataLoader, Dataset
 # A tiny ViT: 16 px grey images, 4 px patches -> 16 tokens; 2 blocks of width 32.
 TINY_VIT: dict[str, Any] = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
 TINY_BACKBONE: dict[str, Any] = {"backbone": "vit", "backbone_kwargs": TINY_VIT}
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment for a subprocess that imports the test modules (class paths such as
+    ``test_faults.Interrupt`` in a recipe), with ``extra`` variables set."""
+    tests = str(Path(__file__).resolve().parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]), **extra}
 
 
 class RepeatBatch(Dataset):

@@ -30,7 +30,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import TINY_BACKBONE
+from helpers import TINY_BACKBONE, subprocess_env
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
@@ -155,7 +155,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.manual_seed(0)
     init = {name: build(name).state_dict() for name in METHODS}
     torch.save(init, out / "init.pt")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__, str(out)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -292,7 +292,7 @@ def test_sigterm_to_a_two_process_run_stops_both_after_one_step_and_checkpoints(
     from test_training_cli import tiny_config
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     # MoCo v3: each step all-gathers the keys and synchronises BatchNorm across the processes.
     cfg = tiny_config(tmp_path, "ssl_vit.pretext.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
                       num_sanity_val_steps=0, callbacks=[{"class_path": "test_faults.SignalWhileOthersWait", "init_args": {"step": 3}}])
@@ -316,7 +316,7 @@ def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
     from test_faults import recipe
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     crash = [{"class_path": "test_faults.Interrupt", "init_args": {"step": 5, "how": "crash"}}]
 
     def run(folder: str, *extra: str, callbacks: list[dict[str, Any]] | None = None) -> int:

@@ -28,6 +28,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from helpers import subprocess_env
 from PIL import Image
 
 from ssl_vit.cli import main as ssl_vit_main
@@ -320,8 +321,7 @@ def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_re
     scontrol.chmod(0o755)
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
              "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
-    env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(**slurm, OMP_NUM_THREADS="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     def job(callbacks: list[dict[str, Any]] | None = None) -> subprocess.CompletedProcess:
         cfg = recipe(tmp_path, callbacks=callbacks)
