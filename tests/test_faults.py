@@ -28,7 +28,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import subprocess_env
+from helpers import TINY_VIT, subprocess_env
 from PIL import Image
 
 from ssl_vit.cli import main as ssl_vit_main
@@ -37,7 +37,6 @@ from ssl_vit.pretext import DINO
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_VIT = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
 STEPS_PER_EPOCH = 3  # 24 images / batch 8
 SNAPSHOT: dict[str, Any] = {}  # what the callbacks below saw, for the assertions
 

@@ -305,6 +305,11 @@ def test_nonfinite_loss_stops_with_the_step_or_skips():
 def test_supervised_needs_labels():
     with pytest.raises(ValueError, match="needs num_classes"):
         Supervised(**TINY_BACKBONE)
+    # Unlabelled samples (label -1) in training are refused, checked before the device transfer.
+    views, labels = fixed_views([16])
+    labels[3] = -1
+    with pytest.raises(ValueError, match="unlabelled samples"):
+        fit_steps(Supervised(**TINY_BACKBONE, num_classes=4), views, labels, steps=1)
 
 
 def test_methods_reject_bad_arguments():
