@@ -4,6 +4,8 @@ checkpoints land where --resume finds them."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,6 +200,22 @@ def test_print_config_resolves_the_recipe(tmp_path, capsys):
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["model"]["class_path"] == "ssl_vit.pretext.DINO"
     assert out["model"]["init_args"]["teacher_temp"] == 0.07  # defaults appear resolved
+
+
+def test_recipes_may_name_classes_by_their_short_names(tmp_path):
+    # In a fresh process (this one has every module imported already): "DINO",
+    # "SyntheticDataModule", "MultiCrop" resolve like their full class paths.
+    cfg = tiny_config(tmp_path)
+    text = cfg.read_text().replace("ssl_vit.pretext.DINO", "DINO").replace("ssl_vit.data.", "")
+    assert "ssl_vit.data" not in text
+    cfg.write_text(text)
+    code = "import sys; from ssl_vit.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "fit", "--config", str(cfg), "--print_config"],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["data"]["class_path"] == "ssl_vit.data.SyntheticDataModule"
+    assert resolved["data"]["init_args"]["views"]["class_path"] == "ssl_vit.data.MultiCrop"
 
 
 def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):

@@ -36,6 +36,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.pretext.base import PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
