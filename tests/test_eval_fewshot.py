@@ -46,3 +46,8 @@ def test_too_few_examples_per_class_is_a_clear_error():
     x, y = torch.randn(30, 4), torch.tensor([0] * 20 + [1] * 6 + [2] * 4)
     with pytest.raises(ValueError, match=r"class 1 has 6, class 2 has 4"):
         FewShotEvaluator(shots=(1, 10)).evaluate(x, y, x, y)
+    with pytest.raises(ValueError, match=r"ask for at most 4 shots \(e\.g\. shots 1\)"):
+        FewShotEvaluator(shots=(1, 10)).evaluate(x, y, x, y)
+    y[-4:] = 0  # class 2 has no training example: no shot count helps
+    with pytest.raises(ValueError, match=r"class 2 has 0$"):
+        FewShotEvaluator(shots=(1, 10)).evaluate(x, y, x, y, num_classes=3)

@@ -92,6 +92,13 @@ def _pick_l2(
     return best_l2
 
 
+def _fewer_shots_hint(shots: Sequence[int], fewest: int) -> str:
+    if fewest == 0:
+        return ""  # a class without training examples: no shot count helps
+    fitting = sorted(k for k in shots if k <= fewest) or [fewest]
+    return f"; ask for at most {fewest} shots (e.g. shots {' '.join(map(str, fitting))})"
+
+
 class FewShotEvaluator:
     """The few-shot protocol; the constructor is its configuration (module docstring).
 
@@ -156,7 +163,7 @@ class FewShotEvaluator:
             listing = ", ".join(f"class {c} has {n}" for c, n in short[:10])
             raise ValueError(
                 f"{most}-shot evaluation needs >= {most} training examples of every class; "
-                f"{listing}{' ...' if len(short) > 10 else ''}"
+                f"{listing}{' ...' if len(short) > 10 else ''}{_fewer_shots_hint(self.shots, int(counts.min()))}"
             )
 
         accs: dict[int, list[float]] = {k: [] for k in self.shots}
