@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from ssl_vit import create_backbone
 from ssl_vit.data import (
     CIFAR10DataModule,
     FashionMNISTDataModule,
@@ -24,6 +25,7 @@ from ssl_vit.data import (
     TwoViews,
 )
 from ssl_vit.data.fashion_mnist import DEBIAN_DIR
+from ssl_vit.eval.run import evaluate_features
 
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
 
@@ -198,6 +200,39 @@ def test_corrupt_files_are_skipped_and_counted(tmp_path, num_workers, caplog):
     if num_workers == 0:  # (worker processes log to their own stderr)
         logged = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
         assert len(logged) == 2 and any(str(bad) in m for m in logged)
+
+
+def test_unreadable_files_are_left_out_of_evaluation(tmp_path):
+    # Evaluated with a garbage file in each split, a backbone scores exactly as on the folders
+    # without them: no stand-in image is counted twice, and the record's sizes count readable files.
+    rng = np.random.default_rng(0)
+    for split, per_class in (("train", 6), ("val", 3)):
+        for c, name in enumerate(("ant", "bee", "cow")):
+            for i in range(per_class):
+                pixels = np.clip(rng.normal(60 + 60 * c, 40, (20, 20)), 0, 255).astype(np.uint8)
+                for root in ("clean", "dirty"):
+                    (tmp_path / root / split / name).mkdir(parents=True, exist_ok=True)
+                    Image.fromarray(pixels).save(tmp_path / root / split / name / f"{i}.png")
+        (tmp_path / "dirty" / split / "bee" / "garbage.png").write_bytes(b"not a png" * 8)
+
+    def knn(root: str):
+        dm = ImageFolderDataModule(str(tmp_path / root / "train"), val_dir=str(tmp_path / root / "val"), img_size=16,
+                                   in_chans=1, batch_size=4, num_workers=0, mean=(0.5,), std=(0.25,))
+        train, test = dm.eval_datasets()
+        backbone = create_backbone("vit", img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
+        (result,) = evaluate_features(backbone, train, test, {"knn": {"k": 3}}, method="random", data={"name": root},
+                                      num_classes=3, batch_size=5)
+        return dm, result
+
+    clean, dirty = knn("clean")[1], knn("dirty")
+    dm, dirty = dirty
+    assert dirty.data["train_size"] == clean.data["train_size"] == 18 and dirty.data["test_size"] == 9
+    assert dirty.metrics == clean.metrics
+    assert dm.num_skipped == 2
+    train, test = dm.eval_datasets()
+    bad = next(i for i, p in enumerate(test.source.paths) if p.endswith("garbage.png"))
+    assert test[bad][1] == -1  # the evaluation form: labelled -1, to be dropped
+    assert dm.eval_datasets(replace_unreadable=True)[1][bad][1] >= 0  # a stand-in, as in training
 
 
 def test_image_folder_errors(tmp_path):

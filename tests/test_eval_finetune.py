@@ -104,3 +104,19 @@ def test_run_finetune_with_mixup_cutmix_and_new_resolution():
     assert set(metrics) == {"top1"} and 0.0 <= metrics["top1"] <= 1.0
     assert vit.pos_embed.shape == (1, 1 + 36, 32) and vit.grid_size == (6, 6)
     assert torch.allclose(vit.pos_embed[:, 0], old[:, 0], atol=1e-3)  # [CLS] entry is carried over
+
+
+def test_unlabelled_items_neither_train_nor_count():
+    # An unreadable file of an evaluation split comes labelled -1 (ImageFiles.for_evaluation).
+    # Training skips such items (MixUp included), and the test accuracy is the same with or
+    # without them in the test set.
+    train = _data(n=24)
+    train.tensors[1][::5] = -1
+    test = _data(n=12)
+    x, y = test.tensors
+    padded = TensorDataset(torch.cat([x, torch.randn(5, *x.shape[1:])]), torch.cat([y, torch.full((5,), -1)]))
+    accs = [
+        run_finetune(tiny_vit(), train, t, num_classes=3, epochs=1, batch_size=8, accelerator="cpu", mixup_alpha=0.8)["top1"]
+        for t in (test, padded)
+    ]
+    assert accs[0] == accs[1]

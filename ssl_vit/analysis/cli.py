@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         if skipped:
             print(f"visualize: {type(backbone).__name__} has no attention or position embedding: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)
     dm = build_datamodule(name, backbone, info, extra, train_subset=None)
-    train, test = dm.eval_datasets()
+    train, test = dm.eval_datasets(replace_unreadable=True)  # figures need images, not labels
     pool = subsample(test if test is not None else train, max(args.num_images, args.show), args.seed)
     shown = torch.stack([pool[i][0] for i in range(min(args.show, len(pool)))])  # [S, C, H, W]
     result = render_all(

@@ -71,6 +71,12 @@ def _fit_channels(name: str, values: Sequence[float], in_chans: int) -> tuple[fl
     return values
 
 
+def _for_evaluation(source: Any) -> Any:
+    """The evaluation form of a split: files that cannot be read come back labelled -1 (dropped by
+    the evaluators) instead of replaced by another image (see ``ImageFiles.for_evaluation``)."""
+    return source.for_evaluation() if hasattr(source, "for_evaluation") else source
+
+
 class ImageDataModule(L.LightningDataModule):
     """Base class: typed common arguments, loaders, channel handling and normalisation.
 
@@ -186,13 +192,17 @@ class ImageDataModule(L.LightningDataModule):
         self._ensure_setup()
         return self._wrap(self._train_source, self.views, multi_view=True)
 
-    def eval_datasets(self) -> tuple[TransformedDataset, TransformedDataset | None]:
+    def eval_datasets(self, replace_unreadable: bool = False) -> tuple[TransformedDataset, TransformedDataset | None]:
         """(train, test) with the evaluation transform, items ``([C, H, W], label)``; the
-        evaluators' feature extraction reads these. test is None when there is no test split."""
+        evaluators' feature extraction reads these. test is None when there is no test split.
+        An unreadable image file comes back labelled -1, to be dropped (``replace_unreadable``:
+        replaced by another image, as in training, for uses that need no labels)."""
         self._ensure_setup()
-        test = self._test_source
+        train, test = self._train_source, self._test_source
+        if not replace_unreadable:
+            train, test = _for_evaluation(train), _for_evaluation(test)
         return (
-            self._wrap(self._train_source, self.eval_transform, multi_view=False),
+            self._wrap(train, self.eval_transform, multi_view=False),
             None if test is None else self._wrap(test, self.eval_transform, multi_view=False),
         )
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -79,9 +80,13 @@ class ImageFiles(Dataset):
     marked, and replaced by a random other sample, so a few bad files never stop a run. The marks
     live in a shared-memory tensor, so ``num_skipped`` / ``skipped_paths`` read in the main
     process include what the DataLoader workers found.
+
+    For evaluation a stand-in would count some image twice (and shift the accuracy), so
+    :meth:`for_evaluation` returns the same files with ``replace_unreadable=False``: an unreadable
+    file is then a 1x1 black image labelled -1, which the evaluators and the online probe drop.
     """
 
-    def __init__(self, paths: Sequence[str], labels: Sequence[int] | None = None) -> None:
+    def __init__(self, paths: Sequence[str], labels: Sequence[int] | None = None, replace_unreadable: bool = True) -> None:
         if len(paths) == 0:
             raise ValueError("ImageFiles needs at least one file")
         self.paths = list(paths)
@@ -91,6 +96,7 @@ class ImageFiles(Dataset):
             if len(labels) != len(self.paths):
                 raise ValueError(f"{len(self.paths)} files but {len(labels)} labels")
             self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.replace_unreadable = replace_unreadable
         self._bad = torch.zeros(len(self.paths), dtype=torch.uint8).share_memory_()
 
     def __len__(self) -> int:
@@ -112,6 +118,8 @@ class ImageFiles(Dataset):
                 except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
                     self._bad[index] = 1
                     log.warning("skipping unreadable image %s (%s: %s)", path, type(err).__name__, err)
+            if not self.replace_unreadable:
+                return Image.new("RGB", (1, 1)), -1
             index = random.randrange(len(self.paths))
         raise RuntimeError(
             f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row ({self.num_skipped} of "
@@ -120,7 +128,13 @@ class ImageFiles(Dataset):
 
     def subset(self, indices: torch.Tensor) -> ImageFiles:
         idx = indices.tolist()
-        return ImageFiles([self.paths[i] for i in idx], self.labels[indices].tolist())
+        return ImageFiles([self.paths[i] for i in idx], self.labels[indices].tolist(), self.replace_unreadable)
+
+    def for_evaluation(self) -> ImageFiles:
+        """These files (sharing the marks of unreadable ones) with ``replace_unreadable=False``."""
+        twin = copy.copy(self)
+        twin.replace_unreadable = False
+        return twin
 
     @property
     def num_skipped(self) -> int:

@@ -187,8 +187,17 @@ class FineTuneModule(L.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))  # [B, num_classes]
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Unreadable files of an evaluation split come labelled -1 (ImageFiles.for_evaluation):
+        # dropped here, on the host, so they neither train nor count in the accuracy.
         x, y = batch
+        keep = y >= 0  # [B]
+        return batch if bool(keep.all()) else (x[keep], y[keep])
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        x, y = batch
+        if len(y) == 0:
+            return None  # a batch of unreadable files only: skip the step
         if self.mix is not None:
             x, y = self.mix(x, y)  # y: soft labels [B, K]
         loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)
@@ -197,6 +206,8 @@ class FineTuneModule(L.LightningModule):
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> None:
         x, y = batch
+        if len(y) == 0:
+            return
         logits = self(x)
         self.log(f"{prefix}_loss", F.cross_entropy(logits, y), sync_dist=True)
         for name, metric in self.test_acc.items():

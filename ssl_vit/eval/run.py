@@ -7,12 +7,13 @@ an :class:`~ssl_vit.eval.results.EvalResult`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
 from ssl_vit.eval.features import FeatureMode, extract_features
@@ -20,6 +21,8 @@ from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.knn import KNNClassifier
 from ssl_vit.eval.linear import LinearProbe
 from ssl_vit.eval.results import EvalResult, backbone_info
+
+log = logging.getLogger(__name__)
 
 FEATURE_PROTOCOLS = {"linear": LinearProbe, "knn": KNNClassifier, "fewshot": FewShotEvaluator}
 
@@ -32,6 +35,19 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
         raise ValueError(f"a subset needs at least one item, got {size}")
     idx = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:size].sort().values
     return Subset(dataset, idx.tolist())
+
+
+def drop_unlabelled(features: Tensor, labels: Tensor, split: str) -> tuple[Tensor, Tensor]:
+    """The rows with a label: an evaluation split's unreadable files come back labelled -1
+    (``ImageFiles.for_evaluation``) and count neither in the training nor in the test set."""
+    keep = labels >= 0  # [N]
+    dropped = int((~keep).sum())
+    if dropped == 0:
+        return features, labels
+    if dropped == len(labels):
+        raise ValueError(f"no {split} image could be read or has a label")
+    log.warning("evaluating without %d unreadable or unlabelled %s images", dropped, split)
+    return features[keep], labels[keep]
 
 
 def names_a_record(out: str | Path) -> bool:
@@ -80,9 +96,9 @@ def evaluate_features(
     if device is not None:
         backbone = backbone.to(device)
     common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device}
-    train_f, train_l = extract_features(backbone, train_ds, **common)  # [N, F], [N]
-    test_f, test_l = extract_features(backbone, test_ds, **common)  # [M, F], [M]
-    data = {**data, "train_size": len(train_ds), "test_size": len(test_ds)}
+    train_f, train_l = drop_unlabelled(*extract_features(backbone, train_ds, **common), "train")  # [N, F], [N]
+    test_f, test_l = drop_unlabelled(*extract_features(backbone, test_ds, **common), "test")  # [M, F], [M]
+    data = {**data, "train_size": len(train_l), "test_size": len(test_l)}
     results = []
     for name, kwargs in protocols.items():
         metrics = FEATURE_PROTOCOLS[name](**kwargs).evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
