@@ -10,7 +10,9 @@ import lightning as L
 import pytest
 import torch
 from helpers import TINY_BACKBONE, fit_steps, fixed_views
+from PIL import Image
 
+from ssl_vit.data import ImageFolderDataModule, SingleView
 from ssl_vit.pretext import (
     DINO,
     METHODS,
@@ -302,10 +304,18 @@ def test_nonfinite_loss_stops_with_the_step_or_skips():
     assert model._skipped_batches == 1 and len(losses) == 5 and all(math.isfinite(v) for v in losses)
 
 
-def test_supervised_needs_labels():
+def test_supervised_needs_labels(tmp_path):
     with pytest.raises(ValueError, match="needs num_classes"):
         Supervised(**TINY_BACKBONE)
-    # Unlabelled samples (label -1) in training are refused, checked before the device transfer.
+    # A datamodule that says it has unlabelled training images is refused before training ...
+    for i in range(4):
+        Image.new("L", (16, 16), 40 * i).save(tmp_path / f"{i}.png")
+    flat = ImageFolderDataModule(str(tmp_path), img_size=16, in_chans=1, batch_size=2, num_workers=0,
+                                 views=SingleView(size=16))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="needs labels, but 4 training images of ImageFolderDataModule have none"):
+        trainer.fit(Supervised(**TINY_BACKBONE, num_classes=4), datamodule=flat)
+    # ... and any other data when a batch holds unlabelled samples (label -1).
     views, labels = fixed_views([16])
     labels[3] = -1
     with pytest.raises(ValueError, match="unlabelled samples"):

@@ -207,6 +207,14 @@ class ImageDataModule(L.LightningDataModule):
         )
 
     @property
+    def unlabelled_train_images(self) -> int:
+        """How many training images have no label (-1): all of a flat image folder, STL-10's
+        'unlabeled' split; the supervised baseline refuses to train on them."""
+        self._ensure_setup()
+        labels = getattr(self._train_source, "labels", None)
+        return 0 if labels is None else int((torch.as_tensor(labels) < 0).sum())
+
+    @property
     def num_skipped(self) -> int:
         """Number of unreadable image files skipped so far (train and test)."""
         return sum(getattr(s, "num_skipped", 0) for s in (self._train_source, self._test_source) if s is not None)

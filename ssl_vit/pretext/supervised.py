@@ -30,14 +30,20 @@ class Supervised(PretextModule):
         nn.init.zeros_(self.classifier.weight)  # ViT paper: zero-initialised head
         nn.init.zeros_(self.classifier.bias)
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # Checked while the labels are still in host memory: the same test after the transfer
-        # would wait for the device at every step.
-        if self.trainer.training and bool((batch[1] < 0).any()):
-            raise ValueError("the supervised baseline got unlabelled samples (label -1): train it on a labelled split")
-        return batch
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        dm = self.trainer.datamodule
+        unlabelled = getattr(dm, "unlabelled_train_images", 0)
+        if stage == "fit" and unlabelled:
+            raise ValueError(
+                f"the supervised baseline needs labels, but {unlabelled} training images of "
+                f"{type(dm).__name__} have none (label -1): train it on a labelled split"
+            )
 
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
+        # Any other data: checked per batch where it costs no device synchronisation.
+        if labels.device.type == "cpu" and bool((labels < 0).any()):
+            raise ValueError("the supervised baseline got unlabelled samples (label -1): train it on a labelled split")
         feats = self.backbone(views[0])  # [B, D]
         logits = self.classifier(feats)  # [B, C]
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
