@@ -142,6 +142,18 @@ def _worker(out: Path) -> None:
     model.load_state_dict(init["dino"])
     result["knn"] = knn_bank(model.backbone, datamodule("dino", PER_DEVICE), distributed=True)
     result["log"] = log
+    # The run's summary of unreadable files: each process found its own; rank 0 lists them all once.
+    summary: list[str] = []
+    data_log = logging.getLogger("ssl_vit.data.base")
+    data_log.addHandler(catch := logging.Handler())
+    catch.emit = lambda record: summary.append(record.getMessage())  # type: ignore[method-assign]
+
+    class Skipping(SyntheticDataModule):
+        skipped_paths = [f"bad{rank}.png", "both.png"]
+
+    Skipping(num_samples=4, img_size=16).teardown("fit")
+    data_log.removeHandler(catch)
+    result["skipped_summary"] = summary
     torch.save(result, out / f"rank{rank}.pt")
 
 
@@ -261,6 +273,10 @@ def test_a_nonfinite_loss_on_one_process_is_skipped_by_all(runs):
     moved = [k for k, v in rank0["state"].items() if v.is_floating_point() and not torch.equal(v, runs["init"]["supervised"][k])]
     assert any(k.startswith("backbone.") for k in moved)
     assert_same_update(rank1["state"], rank0["state"], runs["init"]["supervised"])
+
+
+def test_unreadable_files_are_summarised_once_for_all_processes(runs):
+    assert [r["skipped_summary"] for r in runs["ranks"]] == [["skipped 3 unreadable files: bad0.png, bad1.png, both.png"], []]
 
 
 def test_effective_batch_size_and_scaled_lr_are_printed(runs):

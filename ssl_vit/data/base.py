@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.datasets import TransformedDataset
@@ -271,8 +272,17 @@ class ImageDataModule(L.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         # The run's summary of bad input: every unreadable file, once, with its path.
-        if stage == "fit" and self.num_skipped:
-            paths = self.skipped_paths
+        if stage != "fit":
+            return
+        paths = self.skipped_paths
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Each process read its own share of the files: one summary, of all of them.
+            shares: list[list[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(shares, paths)
+            if dist.get_rank() != 0:
+                return
+            paths = sorted({p for share in shares for p in share or []})
+        if paths:
             log.warning("skipped %d unreadable files: %s", len(paths), ", ".join(paths))
 
     def describe(self) -> str:
