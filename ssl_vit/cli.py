@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 # command: (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"ssl-vit: error: {err}", file=sys.stderr)
         return 2
+    # Lightning 2.6 with this torch warns at every fit that it calls a deprecated pytree API: its
+    # internals, nothing a user of ssl-vit can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
