@@ -241,6 +241,12 @@ def test_mpp_rejects_resnet():
 # ----------------------------------------------------------------------------- shared machinery
 
 
+def test_a_run_without_a_length_is_refused():
+    views, labels = fixed_views([16])
+    with pytest.raises(ValueError, match="the schedules need the length of training"):
+        fit_steps(Supervised(**TINY_BACKBONE, num_classes=4), views, labels, steps=2, epochs=-1, max_time="00:00:01:00")
+
+
 def test_lr_warmup_cosine_and_weight_decay_schedule():
     model = make("supervised", base_lr=0.1, min_lr=0.001, warmup_epochs=2, weight_decay=0.04, weight_decay_end=0.4)
     model._total_steps, model._steps_per_epoch = 100, 10

@@ -43,6 +43,14 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/Inf loss and no skip policy was configured."""
 
 
+# The schedules (LR, weight decay, EMA momentum, DINO's teacher temperature) are functions of the
+# position in training, so a run needs a length.
+NO_LENGTH = (
+    "the schedules need the length of training: set trainer.max_steps or trainer.max_epochs "
+    "(max_time alone can stop a run but cannot size its schedules)"
+)
+
+
 class PretextModule(L.LightningModule):
     """Base of every method. Arguments shared by all methods:
 
@@ -212,6 +220,8 @@ class PretextModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         trainer = self.trainer
+        if not math.isfinite(trainer.estimated_stepping_batches):
+            raise ValueError(NO_LENGTH)
         self._total_steps = max(1, int(trainer.estimated_stepping_batches))
         batches = trainer.num_training_batches
         if not math.isfinite(batches) or batches <= 0:

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
 from ssl_vit.flops import PretrainFlopsCounter
-from ssl_vit.pretext.base import PretextModule
+from ssl_vit.pretext.base import NO_LENGTH, PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.step_checkpoint import (
@@ -88,6 +88,8 @@ def _resolved_devices(trainer: L.Trainer) -> int:
 
 def validate_run(model: PretextModule, datamodule: L.LightningDataModule, trainer: L.Trainer, global_batch_size: int | None) -> None:
     """Checks that need the instantiated objects; each failure is one clear line."""
+    if trainer.max_steps == -1 and trainer.max_epochs == -1:
+        raise ConfigError(NO_LENGTH)
     devices = _resolved_devices(trainer)
     accum = int(trainer.accumulate_grad_batches)
     if global_batch_size is not None:
