@@ -62,6 +62,13 @@ def test_fit_writes_step_and_last_checkpoints_with_the_recipe(tmp_path):
     assert at_2 > 0 and meta["pretrain_flops"] == pytest.approx(1.5 * at_2)
 
 
+def test_a_fast_dev_run_saves_nothing_and_leaves_the_folder_to_the_real_run(tmp_path):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.fast_dev_run", "true"]) == 0
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
+    assert cli_main(["fit", "--config", str(cfg)]) == 0  # no "already holds checkpoints" refusal
+
+
 def test_resume_continues_from_the_last_checkpoint(tmp_path):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg)]) == 0

@@ -93,12 +93,16 @@ class StepCheckpoint(ModelCheckpoint):
         # the last batch's end, where every periodic checkpoint is saved: a checkpoint written
         # after the loop ended records its last batch twice, and a run continued from it (a larger
         # max_steps / max_epochs) would skip a batch.
+        if trainer.fast_dev_run:  # a smoke test saves nothing (Lightning's rule for checkpoints)
+            return
         if self._last_global_step_saved != trainer.global_step and _ends_after_this_batch(trainer):
             self.save_last_checkpoint(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A stop decided after this callback's batch end (another callback's): better a checkpoint
         # that may skip a batch when continued than none.
+        if trainer.fast_dev_run:  # (Lightning 2.6's own on_train_end would save last.ckpt)
+            return
         if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
             self.save_last_checkpoint(trainer)
         super().on_train_end(trainer, pl_module)
