@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluation result JSONs (files or folders) to record in config.json, besides those found in "
         "the checkpoint's run folder",
     )
-    parser.add_argument("--backbone", default=None, help="registered backbone name, for state dicts that do not record it")
+    parser.add_argument("--arch", "--backbone", dest="backbone", default=None, help="registered backbone name, for state dicts that do not record it")
     parser.add_argument("--backbone-kwargs", type=_kwargs, default=None, metavar="JSON", help="its kwargs as a JSON object; overrides recorded ones")
     parser.add_argument(
         "--tolerance",

@@ -324,7 +324,7 @@ def _fake_lightning(path):
         ("truncate", ValueError, "truncated or corrupt"),
         (_fake_lightning, ValueError, "not of an ssl_vit pretext module.*expected a checkpoint written by `ssl-vit fit`"),
         (lambda p: torch.save([1, 2, 3], p), ValueError, "holds a list, not a checkpoint"),
-        (lambda p: torch.save(_tiny(0).state_dict(), p), ValueError, "without a record of its architecture; pass backbone="),
+        (lambda p: torch.save(_tiny(0).state_dict(), p), ValueError, "without a record of its architecture; name it: --arch NAME --backbone-kwargs JSON"),
     ],
     ids=["missing", "text", "truncated", "wrong_kind", "list", "bare_state_dict"],
 )
@@ -356,3 +356,14 @@ def test_cli_end_to_end(dino_ckpt, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "nope.ckpt"), "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ssl-vit export: error: ") and "nope.ckpt" in err and "\n" not in err
+
+
+def test_cli_exports_a_bare_state_dict_named_with_arch(tmp_path, capsys):
+    # The option the error message names (--arch, as in eval and visualize) is accepted here too.
+    bare = tmp_path / "bare.pth"
+    torch.save(_tiny(0).state_dict(), bare)
+    assert cli.main(["export", str(bare), "--out", str(tmp_path / "a")]) == 1
+    assert "--arch NAME --backbone-kwargs JSON" in capsys.readouterr().err
+    assert cli.main(["export", str(bare), "--out", str(tmp_path / "a"), "--arch", "vit", "--backbone-kwargs", json.dumps(TINY_VIT)]) == 0
+    x = _x()
+    torch.testing.assert_close(load_backbone(tmp_path / "a")(x), _tiny(0)(x), rtol=0, atol=0)

@@ -26,8 +26,9 @@ def _merged_kwargs(source: BackboneSource, backbone: str | None, backbone_kwargs
     if name is None:
         if backbone is None:
             raise ValueError(
-                f"{source.path}: a state dict without a record of its architecture; pass backbone= "
-                "(a registered name, see `ssl-vit backbones`) and backbone_kwargs="
+                f"{source.path}: a state dict without a record of its architecture; name it: "
+                "--arch NAME --backbone-kwargs JSON on the command line, backbone= and backbone_kwargs= "
+                "in Python (NAME: see `ssl-vit backbones`)"
             )
         name = backbone
     elif backbone is not None and backbone != name:
