@@ -233,6 +233,14 @@ def test_mpp_recovers_raw_pixels_from_normalised_views():
     assert torch.allclose(model.raw_pixels((raw - 0.3) / 0.2), raw, atol=1e-6)
 
 
+def test_mocov3_temperature_defaults_to_the_papers_value_for_the_backbone():
+    # §4: τ = 0.2 for ViTs, 1.0 for ResNets; an explicit value wins.
+    resnet = {"backbone": "resnet18", "backbone_kwargs": {"in_chans": 1, "small_input": True}}
+    assert make("mocov3").criterion.temperature == 0.2
+    assert make("mocov3", **resnet).criterion.temperature == 1.0
+    assert make("mocov3", **resnet, temperature=0.5).criterion.temperature == 0.5
+
+
 def test_mpp_rejects_resnet():
     with pytest.raises(ValueError, match="needs a ViT"):
         MPP(backbone="resnet18", mean=[0.5], std=[0.5])

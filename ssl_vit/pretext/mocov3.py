@@ -32,7 +32,9 @@ class MoCoV3(PretextModule):
     """MoCo v3.
 
     Args:
-        temperature: τ of the contrastive loss (0.2 for ViT, 1.0 for ResNet; §4).
+        temperature: τ of the contrastive loss. None: the paper's value for the backbone, 0.2
+            for a ViT or hybrid, 1.0 for a ResNet (§4; reference ``main_moco.py``: ``--moco-t``
+            1.0, 0.2 in its ViT commands).
         proj_hidden_dim, proj_output_dim, pred_hidden_dim: head widths (4096 / 256 / 4096).
         momentum, momentum_end: cosine schedule of the momentum encoder (0.99 -> 1).
         freeze_patch_embed: random patch projection (§4.4): the projection is re-initialised as
@@ -43,7 +45,7 @@ class MoCoV3(PretextModule):
 
     def __init__(
         self,
-        temperature: float = 0.2,
+        temperature: float | None = None,
         proj_hidden_dim: int = 4096,
         proj_output_dim: int = 256,
         pred_hidden_dim: int = 4096,
@@ -71,6 +73,8 @@ class MoCoV3(PretextModule):
         self.ema = EMAPairs(
             [(self.backbone, self.momentum_backbone), (self.projector, self.momentum_projector)], momentum, momentum_end
         )
+        if temperature is None:
+            temperature = 0.2 if is_vit(self.backbone) else 1.0
         self.criterion = MoCoV3Loss(temperature)
         # Views can share one backbone pass only if nothing in it normalises across the batch.
         self._concat_views = not has_batchnorm(self.backbone)
