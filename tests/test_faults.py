@@ -33,6 +33,7 @@ from PIL import Image
 
 from ssl_vit.cli import main as ssl_vit_main
 from ssl_vit.data import SyntheticDataModule, TwoViews
+from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.pretext import DINO
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 
@@ -219,6 +220,41 @@ def test_the_training_loader_resumes_its_epoch_at_the_next_batch():
     at_end.load_state_dict(resumed.state_dict())  # saved after the epoch's last batch
     assert same(list(at_end), epoch2)
     assert not same(list(at_end), epoch2)  # iterated again without set_epoch: the next epoch, not a repeat
+
+
+@pytest.mark.parametrize("batch, world, new_batch, new_world", [(4, 1, 2, 1), (2, 1, 4, 2), (4, 2, 4, 1), (2, 2, 3, 1)])
+def test_a_resumed_epoch_continues_after_the_images_seen_whatever_the_new_layout(batch, world, new_batch, new_world):
+    # Every process shards the same permutation of the epoch (position p, p + R, ...): after k
+    # images per process on R processes, the first k * R positions are seen. A run resumed with
+    # another batch size or number of processes starts each process after them.
+    class Ids(torch.utils.data.Dataset):  # item: the dataset index of the image
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, i):
+            return i.index
+
+    dataset = Ids()
+
+    def loader(batch_size: int, replicas: int, rank: int) -> ResumableLoader:
+        sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, seed=3)
+        return ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True, collate_fn=list)
+
+    order = [i.index for i in ResumableSampler(dataset, num_replicas=1, rank=0, seed=3)]  # the epoch's permutation
+    states = []
+    for rank in range(world):
+        interrupted = loader(batch, world, rank)
+        it = iter(interrupted)
+        next(it), next(it)
+        states.append(interrupted.state_dict())
+    seen = 2 * batch * world
+    assert all(s["samples"] == seen for s in states)
+    for rank in range(new_world):
+        resumed = loader(new_batch, new_world, rank)
+        resumed.load_state_dict(states[0])
+        got = [i for b in resumed for i in b]
+        want = order[seen + rank :: new_world]
+        assert got == want[: len(got)] and len(want) - len(got) < new_batch
 
 
 

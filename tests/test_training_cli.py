@@ -234,6 +234,15 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):
     assert "effective batch size 16 = 8 per device x 1 device(s) x 2 accumulation" in caplog.text
 
 
+
+def test_resuming_with_another_batch_size_says_so(tmp_path, caplog):
+    cfg = tiny_config(tmp_path, max_steps=2)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    with caplog.at_level(logging.INFO):
+        assert cli_main(["fit", "--config", str(cfg), "--resume", "--trainer.max_steps", "3", "--global_batch_size", "4"]) == 0
+    assert "resumed a run trained at an effective batch size of 8 with 4: from step 2 on" in caplog.text
+
+
 # ----------------------------------------------------------------------------- shipped recipes
 
 

@@ -18,6 +18,7 @@ injecting its own, and calls ``set_epoch`` on it every epoch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +26,8 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ssl_vit.runtime import world_info
+
+log = logging.getLogger(__name__)
 
 
 class SeededIndex(NamedTuple):
@@ -106,11 +109,14 @@ class ResumableSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's
-    position: ``{"seed", "epoch", "batches"}``, the batches of the epoch handed out so far.
+    position: ``{"seed", "epoch", "batches", "samples", "batch_size", "num_replicas"}``, the
+    batches of the epoch handed out so far and the images they held over all processes.
 
     The count is of batches *returned by the iterator*, not indices drawn by worker processes
     ahead of time, so a checkpoint written after step k resumes at batch k + 1. (Lightning fetches
-    no batch ahead for loaders with a length.)
+    no batch ahead for loaders with a length.) A run resumed with another per-process batch size
+    or number of processes (a requeued job on fewer GPUs, other gradient accumulation) continues
+    the epoch after the images already seen, since every process shards the same permutation.
     """
 
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, **kwargs: Any) -> None:
@@ -118,6 +124,7 @@ class ResumableLoader(DataLoader):
             raise TypeError(f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}")
         super().__init__(dataset, sampler=sampler, **kwargs)
         self._batches = 0  # batches of epoch ``_pass_epoch`` handed out
+        self._samples = 0  # and this process's samples in them (with those skipped on a resume)
         self._pass_epoch = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -125,24 +132,43 @@ class ResumableLoader(DataLoader):
 
     def _counting(self, batches: Iterator[Any]) -> Iterator[Any]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        self._batches, self._pass_epoch = 0, sampler.epoch
+        self._batches, self._samples, self._pass_epoch = 0, 0, sampler.epoch
+        batch_size = self.batch_size or 1
         for i, batch in enumerate(batches, start=1):
             # The sampler has begun its pass by now (eagerly with workers, lazily without), so it
             # knows where the pass started: 0, or the resumed position.
-            self._batches, self._pass_epoch = sampler.start // (self.batch_size or 1) + i, sampler.epoch
+            self._batches, self._pass_epoch = -(-sampler.start // batch_size) + i, sampler.epoch
+            self._samples = min(sampler.start + i * batch_size, sampler.num_samples)
             yield batch
 
     def state_dict(self) -> dict[str, int]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         # After set_epoch for a new epoch and before its first batch, nothing of it is consumed yet.
-        batches = self._batches if self._pass_epoch == sampler.epoch else 0
-        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches": batches}
+        current = self._pass_epoch == sampler.epoch
+        return {
+            "seed": sampler.seed,
+            "epoch": sampler.epoch,
+            "batches": self._batches if current else 0,
+            # Process p's share is positions p, p + R, p + 2R ... of the epoch's permutation, so
+            # s samples from each of R processes are its first s * R positions.
+            "samples": (self._samples if current else 0) * sampler.num_replicas,
+            "batch_size": self.batch_size or 1,
+            "num_replicas": sampler.num_replicas,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        epoch, batches = int(state["epoch"]), int(state["batches"])
-        if batches >= len(self):  # saved after the epoch's last batch: the next epoch starts afresh
-            epoch, batches = epoch + 1, 0
+        epoch, batch_size = int(state["epoch"]), self.batch_size or 1
+        if "samples" in state:
+            seen = int(state["samples"])
+            skip = -(-seen // sampler.num_replicas)  # this process's share of the images seen
+            if seen % sampler.num_replicas:
+                log.warning("resuming on %d processes after %d images of the epoch: each process skips %d, "
+                            "so %d images of the epoch are left out", sampler.num_replicas, seen, skip, skip * sampler.num_replicas - seen)
+        else:  # a checkpoint from before the sample count: the batch size is assumed unchanged
+            skip = int(state["batches"]) * batch_size
+        if sampler.num_samples - skip < (batch_size if self.drop_last else 1):
+            epoch, skip = epoch + 1, 0  # saved after the epoch's last batch: the next starts afresh
         # The checkpoint's seed wins, so a run seeded at random continues the same order.
         sampler.seed = int(state["seed"])
-        sampler.skip(epoch, batches * (self.batch_size or 1))
+        sampler.skip(epoch, skip)

@@ -241,6 +241,13 @@ class PretextModule(L.LightningModule):
             f"accumulation; lr = base_lr {self.hparams.base_lr:g} x {global_batch}/256 = {self.peak_lr:.4g}; "
             f"{self._total_steps} optimiser steps ({self._steps_per_epoch} per epoch)"
         )
+        resumed_at = getattr(self, "_resumed_global_batch", None)
+        if resumed_at and resumed_at != global_batch:
+            rank_zero_info(
+                f"[ssl_vit] note: resumed a run trained at an effective batch size of {resumed_at} with {global_batch}: "
+                f"from step {self.global_step} on, a step takes {global_batch} images at lr {self.peak_lr:.4g} "
+                "(set global_batch_size to keep the run's batch over another number of devices)"
+            )
         self._lr_announced = True
 
     def schedule_values(self, step: int) -> dict[str, float]:
@@ -439,6 +446,7 @@ class PretextModule(L.LightningModule):
         if meta.get("seed") is not None:
             self._seed = int(meta["seed"])
         self._skipped_batches = int(meta.get("skipped_batches", 0))
+        self._resumed_global_batch = meta.get("global_batch_size")
 
 
 def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[str, Any]) -> None:
