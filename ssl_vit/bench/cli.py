@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fused-optimizer", action="store_true", help="our modules with fused_optimizer=False (torch's default AdamW, as the peers)"
     )
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
-    p.add_argument("--json", type=Path, default=None, help="also write the full results as JSON here")
+    p.add_argument("--json", "--out", dest="json", type=Path, default=None, help="also write the full results as JSON here")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="print the report of an earlier --json result instead of measuring")
     return p
 
