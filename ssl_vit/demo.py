@@ -179,7 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    import torch
 
     from ssl_vit.eval.compare import build_comparison, format_text, write_report
     from ssl_vit.export import load_any_backbone
@@ -194,7 +193,9 @@ def main(argv: list[str]) -> int:
         budget.eval_train = args.eval_train
     if args.eval_test is not None:
         budget.eval_test = args.eval_test
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from ssl_vit.runtime import resolve_device
+
+    device = resolve_device(args.device)
     accelerator = "gpu" if device.startswith("cuda") else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

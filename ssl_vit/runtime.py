@@ -16,6 +16,26 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
+def resolve_device(name: str | None) -> str:
+    """The device a command runs on: ``name`` (``cpu``, ``cuda``, ``cuda:1`` ...) checked against
+    this machine, or CUDA when there is a GPU and CPU otherwise (``name`` None)."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device name (cpu, cuda, cuda:1 ...)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name}: this machine has no CUDA GPU that torch can use; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    return name
+
+
 def global_seed(default: int = 0) -> int:
     """The run's seed: what ``seed_everything`` set (``PL_GLOBAL_SEED``, the seed Lightning's own
     distributed sampler uses), else ``default``."""

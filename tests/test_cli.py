@@ -51,6 +51,16 @@ def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nope.ckpt" in err[0]
 
 
+@pytest.mark.parametrize("command", [["eval", "knn", "--backbone", "random:vit_tiny", *SYNTH], ["demo", "--quick"], ["benchmark", "--quick"]])
+def test_a_device_the_machine_lacks_is_one_line(monkeypatch, capsys, command):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli_main([*command, "--device", "cuda"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda: this machine has no CUDA GPU that torch can use; use --device cpu" in err[0]
+    assert cli_main([*command, "--device", "gpu"]) == 1
+    assert "--device 'gpu' is not a device name (cpu, cuda, cuda:1 ...)" in capsys.readouterr().err
+
+
 def test_visualize_writes_every_figure(tmp_path):
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "synthetic", "--data-arg", "num_test_samples=16",
                      "--out", str(tmp_path), "--num-images", "16", "--show", "2"]) == 0

@@ -61,6 +61,10 @@ def main(argv: list[str]) -> int:
         return 0
     if args.quick and args.preset not in (None, "quick"):
         raise ValueError(f"--quick contradicts --preset {args.preset}")
+    if args.device is not None:
+        from ssl_vit.runtime import resolve_device
+
+        resolve_device(args.device)  # a GPU this machine lacks: one line now, not from the workers
     name = "quick" if args.quick else (args.preset or "full")
     overrides = {
         "device": args.device, "precision": args.precision, "steps": args.steps, "warmup": args.warmup,

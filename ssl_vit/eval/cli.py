@@ -133,14 +133,14 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    import torch
 
     from ssl_vit.eval.finetune import run_finetune
     from ssl_vit.eval.results import EvalResult, backbone_info
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
     from ssl_vit.export import load_any_backbone
+    from ssl_vit.runtime import resolve_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
     dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
     train_ds, test_ds = dm.eval_datasets()
