@@ -51,7 +51,8 @@ def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nope.ckpt" in err[0]
 
 
-@pytest.mark.parametrize("command", [["eval", "knn", "--backbone", "random:vit_tiny", *SYNTH], ["demo", "--quick"], ["benchmark", "--quick"]])
+@pytest.mark.parametrize("command", [["eval", "knn", "--backbone", "random:vit_tiny", *SYNTH], ["demo", "--quick"], ["benchmark", "--quick"],
+                                     ["visualize", "random:vit_tiny", "--images", "synthetic", "--out", "figures"]])
 def test_a_device_the_machine_lacks_is_one_line(monkeypatch, capsys, command):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert cli_main([*command, "--device", "cuda"]) == 1

@@ -2,7 +2,7 @@
 (gpu, DDP, bf16-mixed) shrunk to one device and a tiny model; FSDP (recipes/trainer/fsdp.yaml)
 trains, checkpoints and resumes the methods with a momentum encoder / teacher; bf16 autocast and the
 fused attention kernels agree with fp32 and the explicit attention path; the benchmark runs on
-CUDA; the lean backward and the fused optimiser agree with the plain modules and torch's default AdamW."""
+CUDA, and so do eval and visualize; the lean backward and the fused optimiser agree with the plain modules and torch's default AdamW."""
 
 from __future__ import annotations
 
@@ -125,6 +125,16 @@ def test_benchmark_runs_on_cuda(tmp_path: Path) -> None:
         for impl in ("ours", "peer"):
             assert "error" not in row[impl], row[impl].get("traceback")
             assert row[impl]["peak_mem_bytes"] > 0 and row[impl]["images_per_s"] > 0
+
+
+def test_eval_and_visualize_run_on_cuda(tmp_path: Path) -> None:
+    backbone = ["random:vit", "--backbone-kwargs", json.dumps({**TINY_BACKBONE, "in_chans": 3}), "--device", "cuda"]
+    synth = ["--data-arg", "num_samples=64", "--data-arg", "num_test_samples=32", "--data-arg", "num_classes=4"]
+    out = tmp_path / "knn.json"
+    assert cli_main(["eval", "knn", "--backbone", *backbone, "--data", "synthetic", *synth, "--num-workers", "0", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["metrics"]["top1"] >= 0
+    assert cli_main(["visualize", *backbone[:3], "--device", "cuda", "--images", "synthetic", *synth, "--out", str(tmp_path / "fig"), "--num-images", "8"]) == 0
+    assert (tmp_path / "fig" / "attention_distance.png").is_file()
 
 
 def test_lean_backward_under_bf16_autocast_matches_the_plain_modules_with_less_memory() -> None:

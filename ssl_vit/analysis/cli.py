@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int, default=128, help="images averaged for the mean attention distance")
     p.add_argument("--show", type=int, default=8, help="images drawn in the attention-map figures")
     p.add_argument("--seed", type=int, default=0, help="which images (a seeded random draw)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     return p
 
 
@@ -50,8 +51,11 @@ def main(argv: list[str]) -> int:
     from ssl_vit.eval.cli import build_datamodule
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
+    from ssl_vit.runtime import resolve_device
 
+    device = resolve_device(args.device)
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
+    backbone = backbone.to(device)
     extra = dict(args.data_arg)
     if Path(args.images).is_dir():
         name, extra = "imagefolder", {"train_dir": args.images, **extra}
