@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from ssl_vit.eval.compare import build_comparison, load_results, main
+from ssl_vit.eval.compare import (
+    backbone_family,
+    build_comparison,
+    compute_ticks,
+    load_results,
+    main,
+)
 from ssl_vit.eval.results import EvalResult
 
 BACKBONE = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}
@@ -91,3 +97,27 @@ def test_bad_inputs(tmp_path):
     bad.write_text(json.dumps({"protocol": "knn", "metrics": {}, "method": "x"}))
     with pytest.raises(ValueError, match="missing field"):
         load_results([tmp_path])
+
+
+def test_a_list_of_records_in_one_file_is_read(results_dir, tmp_path):
+    # The demo writes its records as one JSON list (results.json).
+    records = [r.to_dict() for r in load_results([results_dir])]
+    listed = tmp_path / "results.json"
+    listed.write_text(json.dumps(records))
+    assert [r.to_dict() for r in load_results([listed])] == records
+    listed.write_text(json.dumps([records[0], {"protocol": "knn"}]))
+    with pytest.raises(ValueError, match=r"results\.json\[1\]: missing field"):
+        load_results([listed])
+
+
+@pytest.mark.parametrize("lo, hi, want", [
+    (1.27e11, 1.9e11, [1.4e11, 1.6e11, 1.8e11]),  # within a decade: no minor labels to collide
+    (5e9, 3e11, [5e9, 1e10, 2e10, 5e10, 1e11, 2e11]),
+    (1e9, 1e18, [1e9, 1e11, 1e13, 1e15, 1e17]),
+])
+def test_compute_axis_ticks_are_few_and_round(lo, hi, want):
+    assert compute_ticks(lo, hi) == pytest.approx(want)
+
+
+def test_backbone_families_of_figure_5():
+    assert [backbone_family(n) for n in ("vit_small", "vit", "resnet50", "hybrid_r50_vit_base")] == ["ViT", "ViT", "ResNet", "hybrid"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,9 +27,10 @@ RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
 
 # ------------------------------------------------------------------------------------ loading
 def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
-    """Result records from files and folders (searched recursively for ``*.json``). In folders,
-    JSON files that are not result records (no ``protocol``/``metrics``, e.g. an export's
-    ``config.json``) are skipped; a malformed record is an error naming its file."""
+    """Result records from files (one record, or a list of them as the demo's ``results.json``)
+    and folders (searched recursively for ``*.json`` records). In folders, JSON files that are not
+    result records (no ``protocol``/``metrics``, e.g. an export's ``config.json``) are skipped; a
+    malformed record is an error naming its file."""
     results: list[EvalResult] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -44,7 +46,13 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
                     continue
                 results.append(EvalResult.from_dict(d, where=str(f)))
         elif p.is_file():
-            results.append(EvalResult.from_json(p))
+            try:
+                d = json.loads(p.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{p}: not valid JSON ({err})") from None
+            # A list of records (the demo's results.json) or one record.
+            records = d if isinstance(d, list) else [d]
+            results += [EvalResult.from_dict(r, where=f"{p}[{i}]" if isinstance(d, list) else str(p)) for i, r in enumerate(records)]
         else:
             raise FileNotFoundError(f"no result file or folder at {p}")
     if not results:
@@ -203,35 +211,66 @@ def plot_bars(cmp: Comparison, path: str | Path) -> Path:
     return path
 
 
+def backbone_family(name: str) -> str:
+    """``ViT``, ``ResNet`` or ``hybrid``: the model families of the ViT paper's Figure 5."""
+    if name.startswith("hybrid"):
+        return "hybrid"
+    if name.startswith("resnet"):
+        return "ResNet"
+    return "ViT"
+
+
+def compute_ticks(lo: float, hi: float) -> list[float]:
+    """Tick positions for a log axis over ``[lo, hi]``: the finest of m x 10^k with m on steps of
+    0.1, 0.2, 0.5, 1, then m in (1, 2, 5), then powers of ten, that puts two to six ticks in view
+    (every n-th power of ten over many decades)."""
+    k0, k1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    levels = [[round(1 + step * i, 1) for i in range(round(9 / step))] for step in (0.1, 0.2, 0.5, 1.0)]
+    levels += [[1, 2, 5], [1]]
+    for mantissas in levels:
+        ticks = [m * 10.0**k for k in range(k0, k1 + 1) for m in mantissas if lo <= m * 10.0**k <= hi]
+        if 2 <= len(ticks) <= 6:
+            return ticks
+    return ticks[:: math.ceil(len(ticks) / 6)] if len(ticks) > 6 else [lo, hi]
+
+
 def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None:
-    """Main metric against pre-training FLOPs (log x), one panel per protocol, one marker series
-    per method (ViT paper Fig. 5). ``None`` (and no file) when no record has ``pretrain.flops``."""
+    """Main metric against pre-training FLOPs (log x), one panel per protocol (ViT paper Fig. 5):
+    one colour per method, one marker per backbone family (ViT, ResNet, hybrid), a line through
+    the sizes of one family trained by one method. ``None`` (and no file) when no record has
+    ``pretrain.flops``."""
     with_flops = [r for r in results if r.pretrain.get("flops") and r.main_metric is not None]
     if not with_flops:
         return None
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import EngFormatter, FixedLocator, NullFormatter, NullLocator
+
     protocols = [p for p in PROTOCOLS if any(r.protocol == p for r in with_flops)]
-    fig, axes = _figure(4.0 * len(protocols), 3.6, ncols=len(protocols))
-    markers = "osD^v<>P*X"
+    fig, axes = _figure(4.2 * len(protocols), 3.8, ncols=len(protocols))
+    markers = {"ViT": "o", "ResNet": "s", "hybrid": "D"}
     methods = sorted({r.method for r in with_flops}, key=_method_order)
+    families = sorted({backbone_family(r.backbone.get("name", "")) for r in with_flops}, key=list(markers).index)
     for ax, protocol in zip(axes, protocols):
         for i, method in enumerate(methods):
-            pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label)
-                         for r in with_flops if r.protocol == protocol and r.method == method)
-            if not pts:
-                continue
-            # one colour and marker per method in every panel
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], color=f"C{i % 10}", label=method)
-            for x, y, label in pts:
-                ax.annotate(label, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
+            for family in families:
+                pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label) for r in with_flops
+                             if r.protocol == protocol and r.method == method and backbone_family(r.backbone.get("name", "")) == family)
+                if not pts:
+                    continue
+                label = method if len(families) == 1 else f"{method}, {family}"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[family], color=f"C{i % 10}", label=label)
+                for x, y, name in pts:
+                    ax.annotate(name, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
         ax.set_xscale("log")
         ax.margins(0.15)
+        # Ticks chosen here: matplotlib labels the minor ticks of a log axis that spans less than
+        # about two decades, and those labels run into each other.
         lo, hi = ax.get_xlim()
-        if hi > 10 * lo:
-            # A power of ten is in view: label those only. matplotlib also labels the minor ticks
-            # of an axis that spans one to two decades, and those labels run into each other.
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("pre-training compute (FLOPs)")
+        ax.xaxis.set_major_locator(FixedLocator(compute_ticks(lo, hi)))
+        ax.xaxis.set_major_formatter(EngFormatter(unit="FLOP"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(lo, hi)
+        ax.set_xlabel("pre-training compute")
         ax.set_ylabel(f"{protocol} {MAIN_METRIC[protocol]} (%)")
         ax.set_title(protocol)
         ax.legend(fontsize="small")
