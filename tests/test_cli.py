@@ -32,7 +32,7 @@ def test_unknown_command_is_an_error(capsys):
         ("knn", ["--k", "5"], "top1"),
         ("linear", ["--epochs", "3"], "top1"),
         ("fewshot", ["--shots", "1", "2", "--seeds", "2"], "2shot"),
-        ("finetune", ["--epochs", "1", "--max-steps", "2", "--batch-size", "16"], "top1"),
+        ("finetune", ["--epochs", "1", "--max-steps", "2", "--batch-size", "16", "--mixup", "0.8"], "top1"),
     ],
 )
 def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
@@ -43,6 +43,8 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert record["protocol"] == protocol and record["method"] == "random" and record["data"]["name"] == "synthetic"
     assert 0.0 <= record["metrics"][metric] <= 1.0 and record["backbone"]["name"] == "vit"
     assert f"{protocol}" in capsys.readouterr().out
+    if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
+        assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
 
 
 def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):

@@ -235,6 +235,18 @@ def test_unreadable_files_are_left_out_of_evaluation(tmp_path):
     assert dm.eval_datasets(replace_unreadable=True)[1][bad][1] >= 0  # a stand-in, as in training
 
 
+def test_fine_tuning_trains_on_augmented_single_images():
+    dm = SyntheticDataModule(num_samples=8, num_test_samples=4, img_size=16, in_chans=3, batch_size=4, num_workers=0)
+    plain_train, plain_test = dm.eval_datasets()
+    train, test = dm.eval_datasets(train_views=SingleView(scale=(0.2, 1.0)))
+    x, y = train[0]
+    assert x.shape == (3, 16, 16) and y == plain_train[0][1]
+    assert not torch.equal(train[0][0], train[0][0])  # a new random crop / flip each time
+    assert torch.equal(test[0][0], plain_test[0][0])  # the test split keeps the evaluation transform
+    with pytest.raises(ValueError, match="OneView needs a transform of one view, TwoViews makes 2"):
+        dm.eval_datasets(train_views=TwoViews())
+
+
 def test_image_folder_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ImageFolderDataModule(str(tmp_path / "missing"), num_workers=0).setup()

@@ -20,7 +20,14 @@ from ssl_vit.data.idx import read_idx, read_idx_images_labels
 from ssl_vit.data.image_folder import ImageFolderDataModule, scan_image_dir
 from ssl_vit.data.stl10 import STL10DataModule
 from ssl_vit.data.synthetic import SyntheticDataModule, make_synthetic_images
-from ssl_vit.data.views import EvalTransform, MultiCrop, SingleView, TwoViews, ViewTransform
+from ssl_vit.data.views import (
+    EvalTransform,
+    MultiCrop,
+    OneView,
+    SingleView,
+    TwoViews,
+    ViewTransform,
+)
 
 __all__ = [
     "CIFAR10DataModule",
@@ -32,6 +39,7 @@ __all__ = [
     "ImageFolderDataModule",
     "InMemoryImages",
     "MultiCrop",
+    "OneView",
     "STL10DataModule",
     "SingleView",
     "SyntheticDataModule",

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
-from ssl_vit.data.views import EvalTransform, SingleView, ViewTransform
+from ssl_vit.data.views import EvalTransform, OneView, SingleView, ViewTransform
 from ssl_vit.runtime import global_seed
 
 log = logging.getLogger(__name__)
@@ -193,19 +193,28 @@ class ImageDataModule(L.LightningDataModule):
         self._ensure_setup()
         return self._wrap(self._train_source, self.views, multi_view=True)
 
-    def eval_datasets(self, replace_unreadable: bool = False) -> tuple[TransformedDataset, TransformedDataset | None]:
+    def eval_datasets(
+        self, replace_unreadable: bool = False, train_views: ViewTransform | None = None
+    ) -> tuple[TransformedDataset, TransformedDataset | None]:
         """(train, test) with the evaluation transform, items ``([C, H, W], label)``; the
         evaluators' feature extraction reads these. test is None when there is no test split.
         An unreadable image file comes back labelled -1, to be dropped (``replace_unreadable``:
-        replaced by another image, as in training, for uses that need no labels)."""
+        replaced by another image, as in training, for uses that need no labels).
+        ``train_views``: a one-view transform (``SingleView``: random resized crop + flip) for
+        the training split instead, as fine-tuning trains on augmented images."""
         self._ensure_setup()
         train, test = self._train_source, self._test_source
         if not replace_unreadable:
             train, test = _for_evaluation(train), _for_evaluation(test)
         return (
-            self._wrap(train, self.eval_transform, multi_view=False),
+            self._wrap(train, self._train_eval_transform(train_views), multi_view=False),
             None if test is None else self._wrap(test, self.eval_transform, multi_view=False),
         )
+
+    def _train_eval_transform(self, train_views: ViewTransform | None) -> Any:
+        if train_views is None:
+            return self.eval_transform
+        return OneView(train_views.with_img_size(self.img_size))
 
     @property
     def unlabelled_train_images(self) -> int:

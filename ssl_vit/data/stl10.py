@@ -85,11 +85,11 @@ class STL10DataModule(ImageDataModule):
     def _load_split(self, train: bool) -> InMemoryImages:
         return self._read(self.train_split if train else "test")
 
-    def eval_datasets(self, replace_unreadable: bool = False):
+    def eval_datasets(self, replace_unreadable: bool = False, train_views=None):
         if self.train_split == "train":
-            return super().eval_datasets(replace_unreadable)
+            return super().eval_datasets(replace_unreadable, train_views)
         # Probes need labels: evaluate on the labelled train split, not the pretraining images.
         _, test = super().eval_datasets(replace_unreadable)
         if self._labelled_train is None:
             self._labelled_train = self._read("train")
-        return self._wrap(self._labelled_train, self.eval_transform, multi_view=False), test
+        return self._wrap(self._labelled_train, self._train_eval_transform(train_views), multi_view=False), test

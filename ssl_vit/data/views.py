@@ -368,6 +368,22 @@ class MultiCrop(ViewTransform):
         return [global_1, global_2] + [local] * self.n_local
 
 
+class OneView:
+    """A one-view :class:`ViewTransform` (e.g. ``SingleView``) as a transform of one image to one
+    tensor ``[C, size, size]``: the training split of fine-tuning, whose items are single images."""
+
+    def __init__(self, views: ViewTransform) -> None:
+        if views.num_views != 1:
+            raise ValueError(f"OneView needs a transform of one view, {type(views).__name__} makes {views.num_views}")
+        self.views = views
+
+    def __call__(self, image: ImageLike) -> torch.Tensor:
+        return self.views(image)[0]
+
+    def __repr__(self) -> str:
+        return f"OneView({self.views!r})"
+
+
 class EvalTransform:
     """Deterministic evaluation transform: one image -> one float tensor ``[C, size, size]`` in
     [0, 1]. Images whose short side already equals ``size`` are only centre-cropped (identity for

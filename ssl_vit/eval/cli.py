@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--img-size", type=int, default=None, help="fine-tune at another resolution (position embedding interpolated)")
+    p.add_argument("--crop-scale", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="area range of the training images' random resized crop (+ horizontal flip); default: "
+                        "0.08 1 (DeiT/MAE) for images of 96 px or more, 0.5 1 for smaller ones (the small-image recipes')")
+    p.add_argument("--no-augment", action="store_true", help="train on the evaluation transform (resize + centre crop) instead")
+    p.add_argument("--mixup", type=float, default=0.0, help="MixUp alpha (MAE: 0.8; 0: off)")
+    p.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (MAE: 1.0; 0: off); with both, one per batch")
     p.add_argument("--max-steps", type=int, default=-1)
     return parser
 
@@ -134,6 +140,7 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
 
+    from ssl_vit.data import SingleView
     from ssl_vit.eval.finetune import run_finetune
     from ssl_vit.eval.results import EvalResult, backbone_info
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
@@ -143,7 +150,11 @@ def main(argv: list[str]) -> int:
     device = resolve_device(args.device)
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
     dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
-    train_ds, test_ds = dm.eval_datasets()
+    train_views = None
+    if args.protocol == "finetune" and not args.no_augment:
+        args.crop_scale = tuple(args.crop_scale or ((0.08, 1.0) if dm.img_size >= 96 else (0.5, 1.0)))
+        train_views = SingleView(scale=args.crop_scale)
+    train_ds, test_ds = dm.eval_datasets(train_views=train_views)
     if test_ds is None:
         raise ValueError(f"{args.data}: no test split to evaluate on (an ImageFolder needs val_dir=...)")
     test_ds = subsample(test_ds, args.test_subset, args.seed)
@@ -159,9 +170,11 @@ def main(argv: list[str]) -> int:
             backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps,
             num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
             base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
-            weight_decay=args.weight_decay, img_size=args.img_size,
+            weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
         )
-        protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size", "batch_size")}
+        protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size",
+                                                       "batch_size", "crop_scale", "mixup", "cutmix")}
+        protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
         result = EvalResult(
             method=method, backbone=common["backbone_record"], data=data_record, protocol="finetune", metrics=metrics,
             protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
