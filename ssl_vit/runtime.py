@@ -36,6 +36,17 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
+def seed_training_step(seed: int, epoch: int, batch_idx: int, rank: int) -> None:
+    """Seed torch's generators for one training batch (drop path, masking, MixUp) from its
+    position in training: a resumed run then draws what the uninterrupted run drew, and each
+    process draws its own."""
+    import numpy as np
+    import torch
+
+    key = [seed, epoch, batch_idx, rank]
+    torch.manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
+
+
 def global_seed(default: int = 0) -> int:
     """The run's seed: what ``seed_everything`` set (``PL_GLOBAL_SEED``, the seed Lightning's own
     distributed sampler uses), else ``default``."""

@@ -47,6 +47,20 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
 
 
+def test_eval_finetune_checkpoints_into_its_run_dir_and_resumes(tmp_path, capsys):
+    args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "1", "--batch-size", "16",
+            "--run-dir", str(tmp_path / "ft"), "--out", str(tmp_path / "a.json")]
+    assert cli_main(args) == 0
+    assert (tmp_path / "ft" / "checkpoints" / "last.ckpt").is_file()
+    assert cli_main(args) == 1  # a rerun would start over the run's checkpoints
+    assert "already holds a fine-tuning run's checkpoints" in capsys.readouterr().err
+    assert cli_main([*args[:-1], str(tmp_path / "b.json"), "--resume"]) == 0  # finished: only the test pass
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["metrics"] for n in "ab")
+    assert a == b
+    assert cli_main(["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--resume"]) == 1
+    assert "--resume needs the --run-dir" in capsys.readouterr().err
+
+
 def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert cli_main(["eval", "knn", "--backbone", str(tmp_path / "nope.ckpt"), *SYNTH]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,3 +1,6 @@
+import os
+import signal
+
 import lightning as L
 import pytest
 import torch
@@ -7,6 +10,7 @@ from torchvision.ops import StochasticDepth
 from ssl_vit import create_backbone
 from ssl_vit.backbones import VisionTransformer
 from ssl_vit.eval.finetune import (
+    FineTuneInterrupted,
     FineTuneModule,
     param_groups_layer_decay,
     run_finetune,
@@ -120,3 +124,36 @@ def test_unlabelled_items_neither_train_nor_count():
         for t in (test, padded)
     ]
     assert accs[0] == accs[1]
+
+
+def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch):
+    # A signal mid-epoch saves the run and stops it; resumed, it ends where the run that was never
+    # interrupted ends (data order, MixUp and drop path draws included).
+    common = {"num_classes": 3, "epochs": 2, "batch_size": 8, "accelerator": "cpu", "mixup_alpha": 0.8, "drop_path_rate": 0.2,
+              "warmup_epochs": 0.5, "checkpoint_every": 1000}
+    train, test = _data(n=24), _data(n=12)
+    whole = tiny_vit()
+    want = run_finetune(whole, train, test, run_dir=tmp_path / "whole", **common)
+
+    step = FineTuneModule.training_step
+
+    def signalled(self, batch, batch_idx):
+        if self.global_step == 1 and not getattr(self, "_signalled", False):
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(FineTuneModule, "training_step", signalled)
+    with pytest.raises(FineTuneInterrupted, match="stopped by SIGUSR1 at step 2") as stop:
+        run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
+    assert stop.value.checkpoint == tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    monkeypatch.setattr(FineTuneModule, "training_step", step)
+    with pytest.raises(ValueError, match="already holds a fine-tuning run's checkpoints"):
+        run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
+    resumed = tiny_vit()
+    got = run_finetune(resumed, train, test, run_dir=tmp_path / "cut", resume=True, **common)
+    assert got == want
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    with pytest.raises(FileNotFoundError, match="no fine-tuning checkpoint"):
+        run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "none", resume=True, **common)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import signal
+import sys
 from typing import Any
 
 import yaml
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-augment", action="store_true", help="train on the evaluation transform (resize + centre crop) instead")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp alpha (MAE: 0.8; 0: off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (MAE: 1.0; 0: off); with both, one per batch")
+    p.add_argument("--run-dir", default=None, help="checkpoint the run into RUN_DIR/checkpoints (atomically; SIGTERM/SIGUSR1 save and stop)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
     p.add_argument("--max-steps", type=int, default=-1)
     return parser
 
@@ -141,7 +146,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
 
     from ssl_vit.data import SingleView
-    from ssl_vit.eval.finetune import run_finetune
+    from ssl_vit.eval.finetune import FineTuneInterrupted, run_finetune
     from ssl_vit.eval.results import EvalResult, backbone_info
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
     from ssl_vit.export import load_any_backbone
@@ -166,12 +171,19 @@ def main(argv: list[str]) -> int:
     common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone))
 
     if args.protocol == "finetune":
-        metrics = run_finetune(
-            backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps,
-            num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
-            base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
-            weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
-        )
+        if args.resume and args.run_dir is None:
+            raise ValueError("--resume needs the --run-dir of the fine-tuning run to continue")
+        try:
+            metrics = run_finetune(
+                backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps,
+                num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
+                base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
+                weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                run_dir=args.run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
+            )
+        except FineTuneInterrupted as stop:
+            print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
+            return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
         protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size",
                                                        "batch_size", "crop_scale", "mixup", "cutmix")}
         protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)

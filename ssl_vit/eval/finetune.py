@@ -19,6 +19,8 @@ acts as in ViTs at coarser grain (``layer_decay=1`` switches it off). Hybrids ar
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from lightly.utils.scheduler import CosineWarmupScheduler
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -33,7 +36,13 @@ from torchvision.ops import StochasticDepth
 from torchvision.transforms import v2
 
 from ssl_vit.backbones import is_vit
+from ssl_vit.data.datasets import TransformedDataset
+from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
+from ssl_vit.runtime import seed_training_step
+from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.fused import fused_kwargs
+from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.step_checkpoint import StepCheckpoint, newest_checkpoint
 
 
 # ----------------------------------------------------------------------------- layer-wise decay
@@ -138,6 +147,11 @@ class FineTuneModule(L.LightningModule):
         img_size: fine-tune at this resolution (ViTs interpolate the position embedding).
         betas: AdamW betas (torch's fused AdamW kernel where the parameters allow it:
             ``ssl_vit.training.fused``).
+        seed: base of each training batch's random draws (drop path, MixUp/CutMix), which
+            depend only on the batch's position in training, so a resumed run draws the same.
+        total_steps, steps_per_epoch: the length of the LR schedule in optimiser steps (None:
+            the trainer's estimate, which needs the training loader before a resumed run has
+            restored its position; ``run_finetune`` passes both).
     """
 
     def __init__(
@@ -155,6 +169,9 @@ class FineTuneModule(L.LightningModule):
         cutmix_alpha: float = 0.0,
         img_size: int | tuple[int, int] | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
+        seed: int = 0,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -194,6 +211,10 @@ class FineTuneModule(L.LightningModule):
         keep = y >= 0  # [B]
         return batch if bool(keep.all()) else (x[keep], y[keep])
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Drop path and MixUp draw from the batch's position: a resumed run draws the same.
+        seed_training_step(self.hparams.seed, self.current_epoch, batch_idx, self.global_rank)
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch
         if len(y) == 0:
@@ -221,12 +242,38 @@ class FineTuneModule(L.LightningModule):
         hp = self.hparams
         groups = param_groups_layer_decay(self.backbone, self.head, self.lr, hp.weight_decay, hp.layer_decay)
         opt = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(hp.betas), **fused_kwargs(groups))
-        total = int(self.trainer.estimated_stepping_batches)
-        per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
+        if hp.total_steps is not None and hp.steps_per_epoch is not None:
+            total, per_epoch = hp.total_steps, hp.steps_per_epoch
+        else:  # (asking the trainer here builds the training loader before a checkpoint's loader state is restored)
+            total = int(self.trainer.estimated_stepping_batches)
+            per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
         warmup = min(int(hp.warmup_epochs * per_epoch), total)
         # lightly's LambdaLR scales every group's own LR, so the layer-wise ratios are kept.
         sched = CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class FineTuneInterrupted(RuntimeError):
+    """A signal (SIGTERM, SIGUSR1) stopped a fine-tuning run after a step; its state is in
+    ``checkpoint`` and ``run_finetune(..., resume=True)`` continues it."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
+        super().__init__(f"fine-tuning stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class _PlainIndex(Dataset):
+    """A dataset indexed by int under a sampler of ``SeededIndex`` items (only a
+    ``TransformedDataset`` seeds its augmentations from them)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: SeededIndex | int) -> Any:
+        return self.dataset[index.index if isinstance(index, SeededIndex) else index]
 
 
 def run_finetune(
@@ -244,6 +291,9 @@ def run_finetune(
     seed: int = 0,
     default_root_dir: str | None = None,
     enable_progress_bar: bool = False,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    checkpoint_every: int = 500,
     **module_kwargs: Any,
 ) -> dict[str, float]:
     """Fine-tune ``backbone`` (in place) on ``train_ds`` with a Lightning Trainer and return the
@@ -251,17 +301,36 @@ def run_finetune(
 
     ``module_kwargs`` go to ``FineTuneModule`` (``base_lr``, ``layer_decay``, ``drop_path_rate``,
     ``label_smoothing``, ``mixup_alpha``, ``img_size`` ...); its ``batch_size`` is this one.
-    ``max_steps`` caps the run (smoke tests); the LR schedule follows the shorter of the two."""
+    ``max_steps`` caps the run (smoke tests); the LR schedule follows the shorter of the two.
+
+    With ``run_dir``, the run is checkpointed (atomically) into ``<run_dir>/checkpoints`` every
+    ``checkpoint_every`` steps and at the end, a SIGTERM / SIGUSR1 saves after the current step
+    and raises :class:`FineTuneInterrupted`, and ``resume=True`` continues from the newest
+    checkpoint there to the weights the uninterrupted run would have reached (the data order,
+    augmentations and random draws are functions of the position in training)."""
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if resume and run_dir is None:
+        raise ValueError("resume needs the run_dir of the run to continue")
     L.seed_everything(seed, workers=True, verbose=False)
-    module = FineTuneModule(backbone, num_classes, batch_size=batch_size, **module_kwargs)
-    gen = torch.Generator().manual_seed(seed)
-    train_loader = DataLoader(
-        train_ds, batch_size=batch_size, shuffle=True, drop_last=len(train_ds) > batch_size,
-        num_workers=num_workers, generator=gen,
-    )
-    test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    callbacks: list[L.Callback] = []
+    plugins: list[Any] = []
+    ckpt_path = None
+    if run_dir is not None:
+        run_dir = Path(run_dir).expanduser().resolve()
+        ckpt_dir = run_dir / "checkpoints"
+        newest = newest_checkpoint(ckpt_dir)
+        if resume:
+            if newest is None:
+                raise FileNotFoundError(f"resume: no fine-tuning checkpoint in {ckpt_dir}")
+            ckpt_path = str(newest)
+        elif newest is not None:
+            raise ValueError(
+                f"{ckpt_dir} already holds a fine-tuning run's checkpoints (newest: {newest.name}): "
+                "continue it with --resume, or choose another --run-dir"
+            )
+        callbacks = [StepCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=checkpoint_every, keep_last=1), PreemptionCheckpoint()]
+        plugins = [AtomicCheckpointIO()]
     trainer = L.Trainer(
         max_epochs=epochs,
         max_steps=max_steps,
@@ -269,12 +338,33 @@ def run_finetune(
         devices=devices,
         precision=precision,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=run_dir is not None,
+        callbacks=callbacks,
+        plugins=plugins,
         enable_model_summary=False,
         enable_progress_bar=enable_progress_bar,
-        default_root_dir=default_root_dir,
+        default_root_dir=str(run_dir) if run_dir is not None else default_root_dir,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, train_dataloaders=train_loader)
+    # The training order: shuffled per (seed, epoch), sharded over the processes, resumable.
+    sampler = ResumableSampler(train_ds, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=seed)
+    train_loader = ResumableLoader(
+        train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
+        batch_size=batch_size, drop_last=len(train_ds) > batch_size, num_workers=num_workers,
+    )
+    test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    per_epoch = max(1, len(train_loader))
+    total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
+    module = FineTuneModule(backbone, num_classes, batch_size=batch_size, seed=seed, total_steps=total, steps_per_epoch=per_epoch, **module_kwargs)
+    with warnings.catch_warnings():
+        if ckpt_path is not None:  # the directory holds this run's own files
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        try:
+            trainer.fit(module, train_dataloaders=train_loader, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            pass  # stopped after the current step; PreemptionCheckpoint saved it
+    preemption = next((cb for cb in callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    if preemption is not None and preemption.stopped_by:
+        raise FineTuneInterrupted(preemption.stopped_by, trainer.global_step, PreemptionCheckpoint.last_path(trainer))
     (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
     return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}

@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning as L
-import numpy as np
 import torch
 from lightly.utils.lars import LARS
 from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
@@ -31,7 +30,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.probe import OnlineLinearProbe
-from ssl_vit.runtime import global_seed
+from ssl_vit.runtime import global_seed, seed_training_step
 from ssl_vit.training.fused import fused_kwargs
 from ssl_vit.training.optimizer_state import materialize_adam_state
 from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
@@ -269,8 +268,7 @@ class PretextModule(L.LightningModule):
         draws what the uninterrupted run drew, and each process draws its own."""
         if self._seed is None:  # seed_everything's seed, else torch's (the same on every process)
             self._seed = global_seed(torch.initial_seed())
-        key = [self._seed, self.current_epoch, batch_idx, self.global_rank]
-        torch.manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
+        seed_training_step(self._seed, self.current_epoch, batch_idx, self.global_rank)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._seed_step(batch_idx)
