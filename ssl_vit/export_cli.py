@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--format",
         nargs="+",
-        choices=["safetensors", "torchscript", "onnx"],
+        choices=["safetensors", "torchscript", "export", "onnx"],
         default=["safetensors"],
-        help="files to write besides config.json; model.safetensors is always written",
+        help="files to write besides config.json; model.safetensors is always written; torchscript: "
+        "model.torchscript.pt, export: torch.export's model.pt2, onnx: model.onnx",
     )
     parser.add_argument(
         "--results",

@@ -204,16 +204,19 @@ def test_other_resolution_resamples_the_position_embedding(dino_ckpt):
 def test_torchscript_and_onnx_match_eager(dino_ckpt, tmp_path):
     import onnxruntime as ort
 
-    result = export_backbone(dino_ckpt, tmp_path / "exp", formats=["torchscript", "onnx"])
+    result = export_backbone(dino_ckpt, tmp_path / "exp", formats=["torchscript", "export", "onnx"])
     ref, x = _reference(dino_ckpt, "teacher_backbone."), _x(b=5)  # not the traced batch size
     scripted = torch.jit.load(str(result.out_dir / "model.torchscript.pt"))
+    exported = torch.export.load(str(result.out_dir / "model.pt2")).module()
     session = ort.InferenceSession(str(result.out_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     onnx_out = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
     with torch.no_grad():
         torch.testing.assert_close(scripted(x), ref(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(exported(x), ref(x), atol=1e-5, rtol=0)
         torch.testing.assert_close(onnx_out, ref(x), atol=1e-5, rtol=0)
     files = json.loads((result.out_dir / "config.json").read_text())["ssl_vit"]["files"]
     assert files["model.onnx"]["max_abs_diff"] < 1e-4 and "sha256" in files["model.torchscript.pt"]
+    assert files["model.pt2"]["max_abs_diff"] < 1e-4
 
 
 def test_hybrid_exports_reloads_and_traces(tmp_path):

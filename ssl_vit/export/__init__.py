@@ -13,7 +13,8 @@ backbone) and writes:
   pretrained=True)`` works for ViTs and standard ResNets) and an ``ssl_vit`` section: registry name
   and kwargs, normalisation (recorded data statistics, else ImageNet's for RGB and 0.5 / 0.5
   otherwise), method, encoder, recipe, training record, evaluation results, file hashes;
-* optionally ``model.torchscript.pt`` and ``model.onnx``, each checked against the eager backbone.
+* optionally ``model.torchscript.pt``, ``model.pt2`` (``torch.export``) and ``model.onnx``, each
+  checked against the eager backbone.
 
 :func:`load_backbone` rebuilds a backbone from an export folder, a checkpoint or a bare state
 dict; :func:`load_any_backbone` also takes ``random:<name>`` and returns an info dict;

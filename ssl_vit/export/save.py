@@ -23,19 +23,21 @@ from ssl_vit.export.files import (
 from ssl_vit.export.load import instantiate, resolve
 from ssl_vit.export.sources import BackboneSource
 from ssl_vit.export.traced import (
+    EXPORTED_FILE,
     ONNX_FILE,
     TORCHSCRIPT_FILE,
     check_parity,
     example_input,
+    write_exported_program,
     write_onnx,
     write_torchscript,
 )
 
-FORMATS: tuple[str, ...] = ("safetensors", "torchscript", "onnx")
+FORMATS: tuple[str, ...] = ("safetensors", "torchscript", "export", "onnx")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Files an earlier export may have left that would no longer match the new weights.
-_ARTIFACTS = (TORCHSCRIPT_FILE, ONNX_FILE, ONNX_FILE + ".data")
+_ARTIFACTS = (TORCHSCRIPT_FILE, EXPORTED_FILE, ONNX_FILE, ONNX_FILE + ".data")
 
 
 @dataclass
@@ -73,7 +75,8 @@ def save_backbone(
         out_dir: the export folder (created; files of an earlier export are replaced).
         source: where the weights came from (method, normalisation, training record ...);
             ``None`` records only the architecture.
-        formats: ``safetensors`` is always written; add ``torchscript`` and/or ``onnx``.
+        formats: ``safetensors`` is always written; add ``torchscript`` (``model.torchscript.pt``),
+            ``export`` (``torch.export``'s ``model.pt2``) and/or ``onnx``.
         results: evaluation result JSONs (files or folders) to record in ``config.json``.
         tolerance: max abs difference from the eager outputs each written file may show.
         opset: ONNX opset (``None``: the exporter's default).
@@ -120,10 +123,12 @@ def _write(
     # 2. traced copies, checked in a staging folder before they are moved in
     for stale in _ARTIFACTS:
         (out_dir / stale).unlink(missing_ok=True)
-    if "torchscript" in formats or "onnx" in formats:
+    if {"torchscript", "export", "onnx"} & set(formats):
         with staging_dir(out_dir) as stage:
             if "torchscript" in formats:
                 _, parity[TORCHSCRIPT_FILE] = write_torchscript(model, stage, tolerance)
+            if "export" in formats:
+                _, parity[EXPORTED_FILE] = write_exported_program(model, stage, tolerance)
             if "onnx" in formats:
                 _, parity[ONNX_FILE] = write_onnx(model, stage, tolerance, opset)
             written += publish(stage, out_dir)

@@ -1,5 +1,5 @@
-"""TorchScript and ONNX copies of a backbone, each checked against the eager model right after
-it is written.
+"""TorchScript, ``torch.export`` and ONNX copies of a backbone, each checked against the eager
+model right after it is written.
 
 Both are traced at the export's image size; the batch dimension stays free (ONNX: a dynamic
 ``batch`` axis), and the check runs a different batch size than the trace to prove it. A file that
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 TORCHSCRIPT_FILE = "model.torchscript.pt"
+EXPORTED_FILE = "model.pt2"
 ONNX_FILE = "model.onnx"
 # Above this a protobuf cannot hold the weights; ONNX then stores them in a side file.
 _ONNX_INLINE_LIMIT = 1_800_000_000
@@ -70,6 +71,19 @@ def write_torchscript(model: nn.Module, folder: Path, tolerance: float) -> tuple
         torch.jit.save(traced, str(path))
         loaded = torch.jit.load(str(path), map_location="cpu")
     diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"TorchScript {TORCHSCRIPT_FILE}", tolerance)
+    return path, diff
+
+
+def write_exported_program(model: nn.Module, folder: Path, tolerance: float) -> tuple[Path, float]:
+    """``torch.export`` the backbone (batch dimension free) into ``folder/model.pt2``, the
+    successor of TorchScript: ``torch.export.load(path).module()`` runs it."""
+    path = folder / EXPORTED_FILE
+    batch = torch.export.Dim("batch", min=1)
+    with _quiet(), torch.no_grad():
+        program = torch.export.export(model, (example_input(model, 2),), dynamic_shapes=({0: batch},))
+        torch.export.save(program, str(path))
+        loaded = torch.export.load(str(path)).module()
+    diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"torch.export {EXPORTED_FILE}", tolerance)
     return path, diff
 
 
