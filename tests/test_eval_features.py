@@ -68,3 +68,14 @@ def test_resnet_only_has_pooled_features(data):
             extract_features(net, TensorDataset(x, y), mode=mode)
     with pytest.raises(ValueError, match="unknown feature mode"):
         extract_features(net, TensorDataset(x, y), mode="mean")
+
+
+def test_a_backbone_with_broken_weights_is_an_error_not_a_score(data):
+    from ssl_vit.eval.run import evaluate_features
+
+    broken = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
+    with torch.no_grad():
+        broken.blocks[0].mlp.fc1.weight[0, 0] = float("nan")
+    images = TensorDataset(*data)
+    with pytest.raises(ValueError, match=r"non-finite \(NaN/Inf\) features for 11 of 11 train images"):
+        evaluate_features(broken, images, images, {"knn": {"k": 3}}, method="dino", data={"name": "synthetic"}, num_classes=3, batch_size=8)

@@ -39,7 +39,12 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
 
 def drop_unlabelled(features: Tensor, labels: Tensor, split: str) -> tuple[Tensor, Tensor]:
     """The rows with a label: an evaluation split's unreadable files come back labelled -1
-    (``ImageFiles.for_evaluation``) and count neither in the training nor in the test set."""
+    (``ImageFiles.for_evaluation``) and count neither in the training nor in the test set.
+    Non-finite features (a diverged checkpoint) are an error rather than a meaningless score."""
+    bad = int((~torch.isfinite(features).all(dim=1)).sum())
+    if bad:
+        raise ValueError(f"the backbone gives non-finite (NaN/Inf) features for {bad} of {len(features)} {split} images: "
+                         "its weights are broken (a diverged run?); evaluate an earlier checkpoint")
     keep = labels >= 0  # [N]
     dropped = int((~keep).sum())
     if dropped == 0:
