@@ -235,6 +235,22 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):
 
 
 
+def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, max_steps=2)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    last = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    (tmp_path / "other").mkdir()
+    other = tiny_config(tmp_path / "other", method="ssl_vit.pretext.MoCoV3", views="ssl_vit.data.TwoViews")
+    assert cli_main(["fit", "--config", str(other), "--ckpt_path", last]) == 1
+    assert f"--ckpt_path {last} is a DINO checkpoint; this recipe trains MoCoV3" in capsys.readouterr().err
+    assert cli_main(["fit", "--config", str(cfg), "--resume", "--model.init_args.backbone_kwargs.embed_dim", "64"]) == 1
+    assert "was trained with other backbone arguments (embed_dim: 32 there, 64 here)" in capsys.readouterr().err
+    # drop path is no shape: a run may continue with another rate
+    assert cli_main(["fit", "--config", str(cfg), "--resume", "--trainer.max_steps", "3", "--model.init_args.backbone_kwargs.drop_path_rate", "0.1"]) == 0
+    assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "nope.ckpt")]) == 1
+    assert "nope.ckpt: no such file" in capsys.readouterr().err
+
+
 def test_resuming_with_another_batch_size_says_so(tmp_path, caplog):
     cfg = tiny_config(tmp_path, max_steps=2)
     assert cli_main(["fit", "--config", str(cfg)]) == 0

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ckpt_dir} already holds a run's checkpoints (newest: {earlier.name}): continue it with --resume, "
                 "or start anew in another --trainer.default_root_dir (or --checkpoint.dirpath), or remove that folder first"
             )
+    if ckpt_path is not None:
+        check_continuable(cli.model, ckpt_path)
     stopped_by = None
     try:
         with warnings.catch_warnings():
@@ -171,6 +174,39 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     return 0
+
+
+# Backbone arguments that do not change the parameters' shapes: a run may continue with others.
+_SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backward"}
+
+
+def check_continuable(model: PretextModule, ckpt_path: str) -> None:
+    """A checkpoint continues only a run of the same method and backbone: say so in one line,
+    before Lightning's wall of missing and unexpected state-dict keys."""
+    try:  # memory-mapped: only the small record is read
+        meta = (torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get("ssl_vit") or {})
+    except FileNotFoundError:
+        raise ConfigError(f"--ckpt_path {ckpt_path}: no such file") from None
+    except Exception as err:  # not a checkpoint at all
+        raise ConfigError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({type(err).__name__}: {err})") from None
+    method, backbone = meta.get("method"), meta.get("backbone")
+    if method is not None and method != type(model).__name__:
+        raise ConfigError(
+            f"--ckpt_path {ckpt_path} is a {method} checkpoint; this recipe trains {type(model).__name__}. "
+            "--ckpt_path and --resume continue a run of the checkpoint's own method"
+        )
+    if backbone is not None and backbone != model.backbone_name:
+        raise ConfigError(f"--ckpt_path {ckpt_path} holds a {backbone} backbone; this recipe builds {model.backbone_name}")
+    theirs = {k: v for k, v in (meta.get("backbone_kwargs") or {}).items() if k not in _SHAPE_NEUTRAL}
+    ours = {k: v for k, v in model.backbone_kwargs.items() if k not in _SHAPE_NEUTRAL}
+    differ = sorted(k for k in theirs.keys() | ours.keys() if _as_list(theirs.get(k)) != _as_list(ours.get(k)))
+    if "backbone_kwargs" in meta and differ:
+        detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
+        raise ConfigError(f"--ckpt_path {ckpt_path} was trained with other backbone arguments ({detail})")
+
+
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
 
 
 def _slurm_requeued(trainer: L.Trainer) -> bool:
