@@ -232,6 +232,12 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         assert cli_main(["fit", "--config", str(cfg), "--global_batch_size", "16", "--trainer.accumulate_grad_batches", "2"]) == 0
     assert "effective batch size 16 = 8 per device x 1 device(s) x 2 accumulation" in caplog.text
+    assert "MoCo v3 with accumulate_grad_batches" not in caplog.text
+    caplog.clear()
+    cfg = tiny_config(tmp_path, method="ssl_vit.pretext.MoCoV3", views="ssl_vit.data.TwoViews", max_steps=1, default_root_dir=str(tmp_path / "moco"))
+    with caplog.at_level(logging.INFO):
+        assert cli_main(["fit", "--config", str(cfg), "--global_batch_size", "16", "--trainer.accumulate_grad_batches", "2"]) == 0
+    assert "MoCo v3 with accumulate_grad_batches=2: each query is contrasted with the keys of its micro-batch" in caplog.text
 
 
 

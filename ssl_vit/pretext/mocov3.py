@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from ssl_vit.backbones import is_vit
@@ -88,6 +89,18 @@ class MoCoV3(PretextModule):
         # The EMA must average the converted modules (the converter returns a new module only when
         # given a bare BN layer, but the pairs are rebuilt rather than assumed).
         self.ema.pairs = [(self.backbone, self.momentum_backbone), (self.projector, self.momentum_projector)]
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        accumulate = self.trainer.accumulate_grad_batches
+        if accumulate > 1:
+            # The contrast is within what one forward pass sees: accumulation enlarges the batch
+            # of the gradient, not the set of negatives (nor the heads' BN batch).
+            rank_zero_info(
+                f"[ssl_vit] note: MoCo v3 with accumulate_grad_batches={accumulate}: each query is contrasted "
+                f"with the keys of its micro-batch over all devices, 1/{accumulate} of the effective batch; "
+                "the paper's large batches are all in one pass"
+            )
 
     def _encode(self, encoder: nn.Module, projector: nn.Module, x1: Tensor, x2: Tensor, concat: bool) -> tuple[Tensor, Tensor, Tensor]:
         b = x1.shape[0]
