@@ -47,6 +47,24 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
 
 
+def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, monkeypatch, capsys):
+    import ssl_vit.eval.run as run
+    from ssl_vit.eval.cli import FEATURE_PROTOCOL_NAMES
+
+    assert set(FEATURE_PROTOCOL_NAMES) == set(run.FEATURE_PROTOCOLS)
+    calls = []
+    extract = run.extract_features
+    monkeypatch.setattr(run, "extract_features", lambda *a, **k: calls.append(1) or extract(*a, **k))
+    args = ["eval", "frozen", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path),
+            "--epochs", "2", "--shots", "1", "2", "--seeds", "2", "--k", "5"]
+    assert cli_main(args) == 0
+    assert len(calls) == 2  # the train and the test split, once each
+    records = {json.loads(p.read_text())["protocol"]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(records) == {"linear", "knn", "fewshot"}
+    assert records["knn"]["protocol_args"]["k"] == 5 and records["linear"]["protocol_args"]["epochs"] == 2
+    assert "2shot" in records["fewshot"]["metrics"]
+
+
 def test_eval_finetune_checkpoints_into_its_run_dir_and_resumes(tmp_path, capsys):
     args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "1", "--batch-size", "16",
             "--run-dir", str(tmp_path / "ft"), "--out", str(tmp_path / "a.json")]

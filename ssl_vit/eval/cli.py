@@ -1,4 +1,5 @@
-"""``ssl-vit eval {linear,knn,fewshot,finetune}``: evaluate a backbone and write a result JSON.
+"""``ssl-vit eval {linear,knn,fewshot,frozen,finetune}``: evaluate a backbone and write result JSONs
+(``frozen`` runs the linear probe, kNN and few-shot on one extraction of the features).
 
 The backbone is a pretraining checkpoint, an export directory, a bare state dict (with
 ``--arch``), or ``random:<name>`` (the random-init baseline). The data is a named datamodule built
@@ -10,6 +11,7 @@ Examples::
     ssl-vit eval linear --backbone exports/dino --data imagefolder \\
         --data-arg train_dir=/data/imagenet/train --data-arg val_dir=/data/imagenet/val --features last4
     ssl-vit eval fewshot --backbone random:vit_tiny --backbone-kwargs '{"img_size": 28, "patch_size": 4, "in_chans": 1}'
+    ssl-vit eval frozen --backbone runs/mocov3/checkpoints/last.ckpt --out results/
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import sys
 from typing import Any
 
 import yaml
+
+# The protocols on frozen features (ssl_vit.eval.run.FEATURE_PROTOCOLS; named here so that the
+# parser is built without importing torch).
+FEATURE_PROTOCOL_NAMES = ("linear", "knn", "fewshot")
 
 DATASETS = {
     "fashion_mnist": "FashionMNISTDataModule",
@@ -52,7 +58,7 @@ def _json_dict(text: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssl-vit eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="protocol", required=True, metavar="{linear,knn,fewshot,finetune}")
+    sub = parser.add_subparsers(dest="protocol", required=True, metavar="{linear,knn,fewshot,frozen,finetune}")
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("backbone")
     g.add_argument("--backbone", required=True, help="checkpoint (.ckpt), export dir, state dict, or random:<name>")
@@ -72,19 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="results", help="folder for the result JSON (named after method, backbone, data and protocol), or a file name ending in .json")
 
-    p = sub.add_parser("linear", parents=[common], help="linear probe on frozen features (BN + linear, SGD)")
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--lr", type=float, default=0.01, help="base LR per 256 examples")
-    p.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
-    p.add_argument("--probe-batch-size", type=int, default=256)
-    p = sub.add_parser("knn", parents=[common], help="DINO's weighted kNN on L2-normalised features")
-    p.add_argument("--k", type=int, default=20, help="neighbours that vote (DINO: 20)")
-    p.add_argument("--temperature", type=float, default=0.07, help="vote weight exp(similarity / T) (DINO: 0.07)")
-    p = sub.add_parser("fewshot", parents=[common], help="ViT paper's closed-form few-shot regression")
-    p.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10, 25],
+    linear = argparse.ArgumentParser(add_help=False)
+    g = linear.add_argument_group("linear probe")
+    g.add_argument("--epochs", type=int, default=100)
+    g.add_argument("--lr", type=float, default=0.01, help="base LR per 256 examples")
+    g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
+    g.add_argument("--probe-batch-size", type=int, default=256)
+    knn = argparse.ArgumentParser(add_help=False)
+    g = knn.add_argument_group("kNN")
+    g.add_argument("--k", type=int, default=20, help="neighbours that vote (DINO: 20)")
+    g.add_argument("--temperature", type=float, default=0.07, help="vote weight exp(similarity / T) (DINO: 0.07)")
+    fewshot = argparse.ArgumentParser(add_help=False)
+    g = fewshot.add_argument_group("few-shot")
+    g.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10, 25],
                    help="training examples per class in each support set (the ViT paper: 1 5 10 25)")
-    p.add_argument("--seeds", type=int, default=5, help="support-set draws per shot count")
-    p.add_argument("--l2", type=float, default=2.0**10, help="ridge (L2) weight of the closed-form least squares")
+    g.add_argument("--seeds", type=int, default=5, help="support-set draws per shot count")
+    g.add_argument("--l2", type=float, default=2.0**10, help="ridge (L2) weight of the closed-form least squares")
+    sub.add_parser("linear", parents=[common, linear], help="linear probe on frozen features (BN + linear, SGD)")
+    sub.add_parser("knn", parents=[common, knn], help="DINO's weighted kNN on L2-normalised features")
+    sub.add_parser("fewshot", parents=[common, fewshot], help="ViT paper's closed-form few-shot regression")
+    p = sub.add_parser("frozen", parents=[common, linear, knn, fewshot],
+                       help="linear probe, kNN and few-shot on one extraction of the frozen features")
+    p.add_argument("--protocols", nargs="+", choices=list(FEATURE_PROTOCOL_NAMES), default=list(FEATURE_PROTOCOL_NAMES),
+                   help="the protocols to run (each writes its own record into the --out folder)")
     p = sub.add_parser("finetune", parents=[common], help="full fine-tuning with layer-wise LR decay")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=5e-4, help="base LR per 256 examples")
@@ -104,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
     p.add_argument("--max-steps", type=int, default=-1)
     return parser
+
+
+def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The constructor arguments of feature protocol ``name`` from its command-line options."""
+    if name == "linear":
+        return {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size, "seed": args.seed}
+    if name == "knn":
+        return {"k": args.k, "temperature": args.temperature}
+    return {"shots": args.shots, "num_seeds": args.seeds, "l2_reg": args.l2, "seed": args.seed}
 
 
 def _init_params(cls: type) -> dict[str, inspect.Parameter]:
@@ -194,13 +219,9 @@ def main(argv: list[str]) -> int:
         path = result.to_json(result_path(args.out, result))
         results = [(result, path)]
     else:
-        protocol_kwargs = {
-            "linear": {"epochs": args.epochs if args.protocol == "linear" else 0, "base_lr": getattr(args, "lr", 0), "optimizer": getattr(args, "optimizer", "sgd"), "batch_size": getattr(args, "probe_batch_size", 256), "seed": args.seed},
-            "knn": {"k": getattr(args, "k", 20), "temperature": getattr(args, "temperature", 0.07)},
-            "fewshot": {"shots": getattr(args, "shots", None), "num_seeds": getattr(args, "seeds", 5), "l2_reg": getattr(args, "l2", 1024.0), "seed": args.seed},
-        }[args.protocol]
+        names = args.protocols if args.protocol == "frozen" else [args.protocol]
         out = evaluate_features(
-            backbone, train_ds, test_ds, {args.protocol: protocol_kwargs}, feature_mode=args.features, batch_size=args.batch_size,
+            backbone, train_ds, test_ds, {name: _protocol_kwargs(args, name) for name in names}, feature_mode=args.features, batch_size=args.batch_size,
             num_workers=args.num_workers, device=device, out_dir=args.out, **common,
         )
         results = [(r, result_path(args.out, r)) for r in out]
