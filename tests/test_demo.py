@@ -32,6 +32,13 @@ def test_demo_settings_are_the_fashion_mnist_recipe(method):
     batch = Budget.default().batch_size
     assert cfg["data"]["init_args"]["batch_size"] == batch
     assert cfg["trainer"]["max_steps"] == round(recipe.epochs * (60000 // batch))
+    # ... and its evaluation is the demo's (the same 20k training images: both draw them with seed 0)
+    budget = Budget.default()
+    assert cfg["evaluate"] == {
+        "protocols": ["linear", "knn"], "train_subset": budget.eval_train, "batch_size": 512,
+        "linear": {"epochs": budget.probe_epochs, "base_lr": budget.probe_lr, "warmup_epochs": min(10, budget.probe_epochs // 5)},
+        "knn": {"k": 20, "temperature": 0.07},
+    }
 
 
 def test_demo_quick_runs_end_to_end(tmp_path, capsys):

@@ -3,6 +3,7 @@ checkpoints land where --resume finds them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -257,6 +258,24 @@ def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
     assert "nope.ckpt: no such file" in capsys.readouterr().err
 
 
+def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
+    # The `evaluate` section: after the fit, the records `ssl-vit eval` would write.
+    cfg = tiny_config(tmp_path)
+    args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[knn, fewshot]", "--evaluate.knn", "{k: 3}",
+            "--evaluate.fewshot", "{shots: [1, 2], num_seeds: 2}"]
+    assert cli_main(args) == 0
+    assert "knn       dino  vit/4  synthetic" in capsys.readouterr().out
+    records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
+    assert set(records) == {"dino_vit-4_synthetic_knn.json", "dino_vit-4_synthetic_fewshot.json"}
+    knn = records["dino_vit-4_synthetic_knn.json"]
+    assert knn["protocol_args"]["k"] == 3 and knn["pretrain"]["steps"] == 3 and knn["pretrain"]["flops"] > 0
+    assert knn["source"].endswith("last.ckpt") and knn["data"]["test_size"] == 8
+    # without the section nothing is evaluated
+    (tmp_path / "plain").mkdir()
+    assert cli_main(["fit", "--config", str(tiny_config(tmp_path / "plain"))]) == 0
+    assert not (tmp_path / "plain" / "run" / "results").exists()
+
+
 def test_resuming_with_another_batch_size_says_so(tmp_path, caplog):
     cfg = tiny_config(tmp_path, max_steps=2)
     assert cli_main(["fit", "--config", str(cfg)]) == 0
@@ -284,6 +303,8 @@ def _overrides(recipe: Path, tmp_path: Path) -> list[str]:
              "--data.init_args.views", views]
     for key, value in VIEW_SIZE_KEYS[views].items():
         args += [f"--data.init_args.views.init_args.{key}", str(value)]
+    if "evaluate" in cfg:  # the recipe's evaluation too, sized for 8 images
+        args += ["--evaluate.knn", "{k: 3}", "--evaluate.linear", "{epochs: 2}", "--evaluate.fewshot", "{shots: [1], num_seeds: 1}"]
     return args
 
 

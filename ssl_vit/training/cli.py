@@ -41,6 +41,7 @@ import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short c
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.pretext.base import NO_LENGTH, PretextModule
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+from ssl_vit.training.evaluate import RecipeEvaluation
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.step_checkpoint import (
     StepCheckpoint,
@@ -57,6 +58,7 @@ class ConfigError(ValueError):
 class SSLViTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
+        parser.add_class_arguments(RecipeEvaluation, "evaluate", help="frozen-feature evaluations of the final backbone (none by default)")
         parser.add_argument("--global_batch_size", type=int | None, default=None, help="total batch over all devices, nodes and accumulation steps (the papers' batch size)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from; 'last' (--resume) resumes the newest in the run directory; 'auto' does that when there is one and starts a new run otherwise (job scripts)")
         # The datamodule knows whether labels exist (and how many classes): the online probe and
@@ -173,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank_zero_only.rank == 0:
             print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
+    evaluation = cli.config_init.get("evaluate")
+    if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols and rank_zero_only.rank == 0:
+        # The run's result, evaluated as `ssl-vit eval` would (the other processes are done).
+        last = newest_checkpoint(ckpt_dir)
+        if last is None:
+            raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
+        for result in evaluation.run(last, cli.datamodule, cli.trainer):
+            print(result.summary_line())
     return 0
 
 

@@ -1,0 +1,109 @@
+"""The ``evaluate`` section of a recipe: frozen-feature evaluations of the backbone a run ends
+with, so that one ``ssl-vit fit`` runs a whole experiment (pretraining, then the linear probe /
+kNN / few-shot records that ``ssl-vit compare`` tabulates).
+
+It evaluates exactly what ``ssl-vit eval`` would: the backbone is loaded from the run's final
+``last.ckpt`` (DINO: its teacher, as ``ssl-vit eval`` defaults to), the splits are the run's
+datamodule's ``eval_datasets()``, and each protocol writes its own result record::
+
+    evaluate:
+      protocols: [linear, knn]
+      linear: {epochs: 100, base_lr: 0.01}
+      knn: {k: 20, temperature: 0.07}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+
+Protocol = Literal["linear", "knn", "fewshot"]
+
+
+class RecipeEvaluation:
+    """Evaluations run after a finished fit (none by default).
+
+    Args:
+        protocols: which frozen-feature protocols to run: ``linear``, ``knn``, ``fewshot``.
+        features: the representation: ``cls``, ``last4`` (DINO's linear protocol) or ``avg``.
+        which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``); None:
+            DINO's teacher, otherwise the online backbone.
+        linear, knn, fewshot: arguments of ``LinearProbe``, ``KNNClassifier`` and
+            ``FewShotEvaluator`` (their defaults where not given).
+        out: folder of the result records; None: ``<default_root_dir>/results``.
+        batch_size: images per forward pass of the feature extraction.
+        train_subset: fit the probe / fill the kNN bank with a fixed random subset of this many
+            training images (None: all).
+        test_subset: evaluate on a fixed random subset of this many test images (None: all).
+        seed: of those subsets and of the linear probe and few-shot draws.
+    """
+
+    def __init__(
+        self,
+        protocols: list[Protocol] | None = None,
+        features: Literal["cls", "last4", "avg"] = "cls",
+        which: Literal["teacher", "student", "momentum"] | None = None,
+        linear: dict[str, Any] | None = None,
+        knn: dict[str, Any] | None = None,
+        fewshot: dict[str, Any] | None = None,
+        out: str | None = None,
+        batch_size: int = 256,
+        train_subset: int | None = None,
+        test_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.protocols = list(protocols or [])
+        self.features = features
+        self.which = which
+        self.kwargs = {"linear": dict(linear or {}), "knn": dict(knn or {}), "fewshot": dict(fewshot or {})}
+        self.out = out
+        self.batch_size = batch_size
+        self.train_subset = train_subset
+        self.test_subset = test_subset
+        self.seed = seed
+
+    def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
+        """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""
+        if not self.protocols:
+            return []
+        from ssl_vit.eval.results import backbone_info
+        from ssl_vit.eval.run import evaluate_features, subsample
+        from ssl_vit.export import load_any_backbone
+
+        eval_datasets = getattr(datamodule, "eval_datasets", None)
+        if eval_datasets is None:
+            raise ValueError(f"evaluate: {type(datamodule).__name__} has no eval_datasets() to evaluate on")
+        train_ds, test_ds = eval_datasets()
+        num_classes = getattr(datamodule, "num_classes", None)
+        if test_ds is None or not num_classes:
+            raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on")
+        train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
+        backbone, info = load_any_backbone(checkpoint, which=self.which)
+        data = {"name": datamodule_name(datamodule), "subset": getattr(datamodule, "subset", None)}
+        out = Path(self.out) if self.out is not None else Path(trainer.default_root_dir) / "results"
+        return evaluate_features(
+            backbone, train_ds, test_ds, {p: self.protocol_kwargs(p) for p in self.protocols},
+            method=info.get("method") or "unknown", data={k: v for k, v in data.items() if v is not None},
+            num_classes=int(num_classes), feature_mode=self.features, batch_size=self.batch_size,
+            num_workers=int(getattr(datamodule, "num_workers", 0)), device=str(trainer.strategy.root_device),
+            source=str(checkpoint), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone), out_dir=out,
+        )
+
+
+    def protocol_kwargs(self, protocol: str) -> dict[str, Any]:
+        """The evaluator's arguments: the recipe's, with this section's seed where it takes one."""
+        seeded = {"seed": self.seed} if protocol in ("linear", "fewshot") else {}
+        return {**seeded, **self.kwargs[protocol]}
+
+
+def datamodule_name(datamodule: L.LightningDataModule) -> str:
+    """``FashionMNISTDataModule`` -> ``fashion_mnist``: the names ``ssl-vit eval --data`` uses, so
+    that ``compare`` puts a recipe's records beside those of ``ssl-vit eval``."""
+    from ssl_vit.eval.cli import DATASETS
+
+    for name, class_name in DATASETS.items():
+        if class_name == type(datamodule).__name__:
+            return name
+    return type(datamodule).__name__
