@@ -180,11 +180,12 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--trainer.max_step", "3"], "unrecognized arguments: --trainer.max_step"),
         (["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1", "--trainer.max_time", "00:00:01:00"],
          "the schedules need the length of training: set trainer.max_steps or trainer.max_epochs"),
+        (["--evaluate.protocols", "[linear]", "--evaluate.linear", "{epoch: 3}"], "evaluate.linear: LinearProbe.__init__() got an unexpected keyword argument 'epoch'"),
         pytest.param(["--trainer.accelerator", "mps"], "`MPSAccelerator` can not run on your system",
                      marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")),
     ],
     ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "global-batch", "abbreviation",
-         "no-length", "missing-accelerator"],
+         "no-length", "evaluate-argument", "missing-accelerator"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
     cfg = tiny_config(tmp_path)

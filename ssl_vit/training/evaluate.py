@@ -30,8 +30,9 @@ class RecipeEvaluation:
         features: the representation: ``cls``, ``last4`` (DINO's linear protocol) or ``avg``.
         which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``); None:
             DINO's teacher, otherwise the online backbone.
-        linear, knn, fewshot: arguments of ``LinearProbe``, ``KNNClassifier`` and
-            ``FewShotEvaluator`` (their defaults where not given).
+        linear: arguments of ``LinearProbe`` (its defaults where not given).
+        knn: arguments of ``KNNClassifier``.
+        fewshot: arguments of ``FewShotEvaluator``.
         out: folder of the result records; None: ``<default_root_dir>/results``.
         batch_size: images per forward pass of the feature extraction.
         train_subset: fit the probe / fill the kNN bank with a fixed random subset of this many
@@ -63,6 +64,15 @@ class RecipeEvaluation:
         self.train_subset = train_subset
         self.test_subset = test_subset
         self.seed = seed
+        # Build each evaluator now: a misspelt or invalid argument fails before the training,
+        # not after it.
+        from ssl_vit.eval.run import FEATURE_PROTOCOLS
+
+        for protocol in self.protocols:
+            try:
+                FEATURE_PROTOCOLS[protocol](**self.protocol_kwargs(protocol))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"evaluate.{protocol}: {err}") from None
 
     def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
         """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""
