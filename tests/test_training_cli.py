@@ -257,6 +257,9 @@ def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
     assert cli_main(["fit", "--config", str(cfg), "--resume", "--trainer.max_steps", "3", "--model.init_args.backbone_kwargs.drop_path_rate", "0.1"]) == 0
     assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "nope.ckpt")]) == 1
     assert "nope.ckpt: no such file" in capsys.readouterr().err
+    (tmp_path / "bad.ckpt").write_text("not a checkpoint")
+    assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "bad.ckpt")]) == 1
+    assert "bad.ckpt: not a readable checkpoint" in capsys.readouterr().err
 
 
 def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):

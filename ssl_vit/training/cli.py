@@ -193,12 +193,16 @@ _SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backwar
 def check_continuable(model: PretextModule, ckpt_path: str) -> None:
     """A checkpoint continues only a run of the same method and backbone: say so in one line,
     before Lightning's wall of missing and unexpected state-dict keys."""
-    try:  # memory-mapped: only the small record is read
-        meta = (torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get("ssl_vit") or {})
-    except FileNotFoundError:
-        raise ConfigError(f"--ckpt_path {ckpt_path}: no such file") from None
+    if not Path(ckpt_path).is_file():
+        raise ConfigError(f"--ckpt_path {ckpt_path}: no such file")
+    try:
+        try:  # memory-mapped: only the small record is read
+            checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+        except RuntimeError:  # a file system without mmap, or an old serialisation format
+            checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     except Exception as err:  # not a checkpoint at all
-        raise ConfigError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({type(err).__name__}: {err})") from None
+        raise ConfigError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({type(err).__name__}: {_one_line(str(err))})") from None
+    meta = (checkpoint.get("ssl_vit") if isinstance(checkpoint, dict) else None) or {}
     method, backbone = meta.get("method"), meta.get("backbone")
     if method is not None and method != type(model).__name__:
         raise ConfigError(
