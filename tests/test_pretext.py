@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import TINY_BACKBONE, fit_steps, fixed_views
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from ssl_vit.data import ImageFolderDataModule, SingleView
 from ssl_vit.pretext import (
@@ -347,3 +348,27 @@ def test_methods_reject_bad_arguments():
         MoCoV3(backbone="vit_gigantic")
     with pytest.raises(ValueError, match="n_global_crops"):
         DINO(**TINY_BACKBONE, n_global_crops=0, out_dim=16, hidden_dim=8, bottleneck_dim=8)
+
+
+def test_validation_accuracy_is_over_the_labelled_images_of_the_epoch():
+    # An unreadable test image comes labelled -1: each batch's accuracy is over its labelled
+    # images, weighted by their number, so the epoch's value counts every labelled image once.
+    model = Supervised(**TINY_BACKBONE, num_classes=4)
+    with torch.no_grad():
+        model.classifier.bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))  # always class 0
+    images = torch.randn(4, 1, 16, 16)
+    batches = [(images, torch.tensor([0, 0, -1, -1])), (images, torch.tensor([1, 1, 1, 0]))]
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (metrics,) = trainer.validate(model, dataloaders=DataLoader(RepeatList(batches), batch_size=None), verbose=False)
+    assert metrics["val/acc"] == pytest.approx((2 * 1.0 + 4 * 0.25) / 6)  # not the batches' mean, 0.625
+
+
+class RepeatList(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]

@@ -389,15 +389,20 @@ class PretextModule(L.LightningModule):
             return  # nothing to measure: skip the backbone pass
         with torch.no_grad():
             feats = self.backbone(images)  # [B, D]
+        # Each metric is a mean over the batch's labelled images (an unreadable file of the test
+        # split comes labelled -1), weighted by their number: the epoch's value is exact, and
+        # every process logs the same metrics at every batch (they are synced at the epoch end).
+        labelled = int((labels >= 0).sum())
         for name, value in self.validation_metrics(feats, labels).items():
-            self.log(name, value, on_epoch=True, prog_bar=True, batch_size=labels.shape[0], sync_dist=True)
+            self.log(name, value, on_epoch=True, prog_bar=True, batch_size=labelled, sync_dist=True)
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
-        """Metrics of one validation batch from the backbone's representation ``[B, D]``."""
+        """Metrics of one validation batch from the backbone's representation ``[B, D]``: means
+        over the images with a label (any value where there are none: it is weighted by 0)."""
         if self.probe is None:
             return {}
         acc = self.probe.accuracy(features, labels)
-        return {} if acc is None else {"probe/val_acc": acc}
+        return {"probe/val_acc": features.new_zeros(()) if acc is None else acc}
 
     # ------------------------------------------------------------------ checkpoints
     def setup(self, stage: str) -> None:

@@ -53,7 +53,6 @@ class Supervised(PretextModule):
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
         metrics = super().validation_metrics(features, labels)
         keep = labels >= 0  # an unreadable file of the test split comes labelled -1
-        if not bool(keep.any()):
-            return metrics
-        metrics["val/acc"] = (self.classifier(features[keep]).argmax(1) == labels[keep]).float().mean()
+        correct = (self.classifier(features).argmax(1) == labels) & keep
+        metrics["val/acc"] = correct.sum() / keep.sum().clamp(min=1)
         return metrics
