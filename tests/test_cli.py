@@ -43,6 +43,8 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert record["protocol"] == protocol and record["method"] == "random" and record["data"]["name"] == "synthetic"
     assert 0.0 <= record["metrics"][metric] <= 1.0 and record["backbone"]["name"] == "vit"
     assert f"{protocol}" in capsys.readouterr().out
+    assert cli_main([*args, "--method", "supervised", "--out", str(tmp_path / "named.json")]) == 0  # the record's method, named
+    assert json.loads((tmp_path / "named.json").read_text())["method"] == "supervised"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
 

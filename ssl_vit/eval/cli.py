@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
     g.add_argument("--arch", default=None, help="registry name for a bare state dict")
     g.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts, or overrides)")
+    g.add_argument("--method", default=None, help="the method named in the record (default: the checkpoint's; a foreign state dict's "
+                                                   "may need one, e.g. supervised)")
     g = common.add_argument_group("data")
     g.add_argument("--data", choices=sorted(DATASETS), default="fashion_mnist")
     g.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument (repeatable), e.g. root=/data")
@@ -192,7 +194,7 @@ def main(argv: list[str]) -> int:
     if not num_classes:
         raise ValueError(f"{args.data}: evaluation needs labelled data (num_classes is unknown)")
     data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in dict(args.data_arg).items() if k != "root"}}
-    method = info.get("method") or "unknown"
+    method = args.method or info.get("method") or "unknown"
     common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone))
 
     if args.protocol == "finetune":
