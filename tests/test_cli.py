@@ -65,6 +65,10 @@ def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, mon
     assert set(records) == {"linear", "knn", "fewshot"}
     assert records["knn"]["protocol_args"]["k"] == 5 and records["linear"]["protocol_args"]["epochs"] == 2
     assert "2shot" in records["fewshot"]["metrics"]
+    one_file = list(args)
+    one_file[one_file.index("--out") + 1] = str(tmp_path / "one.json")
+    assert cli_main(one_file) == 1
+    assert "3 protocols write 3 records: the output (--out) must be a folder, not the file" in capsys.readouterr().err
 
 
 def test_eval_finetune_checkpoints_into_its_run_dir_and_resumes(tmp_path, capsys):

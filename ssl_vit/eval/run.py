@@ -97,7 +97,7 @@ def evaluate_features(
     if unknown:
         raise ValueError(f"unknown feature protocol(s) {unknown}; known: {', '.join(FEATURE_PROTOCOLS)}")
     if out_dir is not None and len(protocols) > 1 and names_a_record(out_dir):
-        raise ValueError(f"{len(protocols)} protocols write {len(protocols)} records: out_dir must be a folder, not the file {out_dir}")
+        raise ValueError(f"{len(protocols)} protocols write {len(protocols)} records: the output (--out) must be a folder, not the file {out_dir}")
     if device is not None:
         backbone = backbone.to(device)
     common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device}
