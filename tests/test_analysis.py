@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -437,6 +438,25 @@ def test_callback_logs_figures_at_its_interval(tmp_path: Path) -> None:
     assert module.backbone.training
     assert_png(tmp_path / "epoch_0001" / "filters.png")
     assert (tmp_path / "epoch_0001" / "attention_distance.csv").exists()
+
+
+def test_callback_draws_nothing_under_a_sharding_strategy() -> None:
+    # Under FSDP one process drawing alone would read parameter shards and wait in the forward
+    # pass's collectives for processes that never join: warn once and draw nothing.
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = nn.Module()
+    module.backbone = tiny_vit(in_chans=1)
+    cb = AnalysisCallback(every_n_epochs=1, num_images=2)
+    cb.on_train_batch_start(None, module, [torch.randn(4, 1, 16, 16)], 0)
+    trainer = FakeTrainer(epoch=0)
+    trainer.strategy = FSDPStrategy()
+    with pytest.warns(UserWarning, match="no figures under FSDPStrategy"):
+        cb.on_train_epoch_end(trainer, module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        cb.on_train_epoch_end(trainer, module)
+    assert trainer.loggers[0].experiment.images == {}
 
 
 def test_callback_in_a_lightning_run_writes_tensorboard_images(tmp_path: Path) -> None:

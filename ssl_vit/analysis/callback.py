@@ -111,8 +111,23 @@ class AnalysisCallback(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning 2 runs the epoch-end validation before this hook, so a validation batch
         # has been seen by now whenever there is one.
-        if (trainer.current_epoch + 1) % self.every_n_epochs == 0 and trainer.is_global_zero:
+        if (trainer.current_epoch + 1) % self.every_n_epochs != 0:
+            return
+        if _sharded(trainer):
+            # Under FSDP the backbone's parameters are shards and its forward pass is a collective
+            # of every process: one process drawing alone would read shards and wait forever.
+            if not self._warned_sharded:
+                warnings.warn(
+                    f"AnalysisCallback: no figures under {type(trainer.strategy).__name__} (the backbone is sharded); "
+                    "draw them from the checkpoint with `ssl-vit visualize`",
+                    stacklevel=2,
+                )
+                self._warned_sharded = True
+            return
+        if trainer.is_global_zero:
             self.log_figures(trainer, pl_module)
+
+    _warned_sharded = False
 
     def kept_images(self) -> Tensor | None:
         """The batch the figures are drawn from (fixed, else validation, else training)."""
@@ -165,3 +180,11 @@ class AnalysisCallback(pl.Callback):
                         f"analysis/{name}", pixels, global_step=trainer.global_step, dataformats="HWC"
                     )
         return logged
+
+
+def _sharded(trainer: pl.Trainer) -> bool:
+    """Whether the strategy shards the parameters over the processes (FSDP, DeepSpeed, model
+    parallelism)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(getattr(trainer, "strategy", None), FSDPStrategy | DeepSpeedStrategy | ModelParallelStrategy)
