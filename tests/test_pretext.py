@@ -13,7 +13,7 @@ from helpers import TINY_BACKBONE, fit_steps, fixed_views
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from ssl_vit.data import ImageFolderDataModule, SingleView
+from ssl_vit.data import ImageFolderDataModule, SingleView, SyntheticDataModule
 from ssl_vit.pretext import (
     DINO,
     METHODS,
@@ -240,6 +240,24 @@ def test_mocov3_temperature_defaults_to_the_papers_value_for_the_backbone():
     assert make("mocov3").criterion.temperature == 0.2
     assert make("mocov3", **resnet).criterion.temperature == 1.0
     assert make("mocov3", **resnet, temperature=0.5).criterion.temperature == 0.5
+
+
+def test_mpp_normalisation_taken_from_the_datamodule_is_restored_from_its_checkpoint(tmp_path):
+    # Built without mean/std, MPP takes them from the datamodule at setup; load_from_checkpoint
+    # (and the weights ddp_spawn hands back to the main process) must accept them.
+    dm = SyntheticDataModule(num_samples=8, num_test_samples=0, img_size=16, in_chans=1, batch_size=4, num_workers=0,
+                             mean=(0.3,), std=(0.2,))
+    model = MPP(**TINY_BACKBONE, warmup_epochs=0.0)
+    assert model.norm_mean.numel() == 0
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "mpp.ckpt")
+    restored = MPP.load_from_checkpoint(tmp_path / "mpp.ckpt")
+    assert restored.norm_mean.tolist() == pytest.approx([0.3]) and restored.norm_std.tolist() == pytest.approx([0.2])
+    fresh = MPP(**TINY_BACKBONE)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh.norm_mean, model.norm_mean)
 
 
 def test_mpp_rejects_resnet():

@@ -77,6 +77,16 @@ class MPP(PretextModule):
                     )
                 setattr(self, name, self._stats(values).to(self.device))
 
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # A model built without mean/std takes them from its datamodule at setup; one restored
+        # from such a run (load_from_checkpoint, the weights ddp_spawn hands back) takes them
+        # from the checkpoint instead of refusing the shapes.
+        for name in ("norm_mean", "norm_std"):
+            incoming = state_dict.get(prefix + name)
+            if incoming is not None and getattr(self, name).numel() == 0:
+                setattr(self, name, torch.empty_like(incoming, device=getattr(self, name).device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def raw_pixels(self, x: Tensor) -> Tensor:
         """Undo the view normalisation: ``[B, C, H, W]`` back to [0, 1]."""
         c = x.shape[1]
