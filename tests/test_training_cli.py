@@ -203,6 +203,14 @@ def test_unknown_key_in_a_yaml_file_is_rejected(tmp_path, capsys):
     assert "chekpoint" in capsys.readouterr().err
 
 
+def test_a_recipe_that_is_not_yaml_is_one_line_naming_file_and_line(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  class_path: DINO\n  init_args: {backbone: vit\n")
+    assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--config", str(broken)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{broken}: not valid YAML (line 4, column 1)" in err[0]
+
+
 def test_print_config_resolves_the_recipe(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     with pytest.raises(SystemExit) as exit_:

@@ -117,8 +117,28 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         )
 
 
+def _check_yaml_files(argv: list[str]) -> None:
+    """A recipe file that is not valid YAML: one line naming the file, line and column (the
+    parser's own message names only "<unicode string>")."""
+    import yaml
+
+    paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in map(Path, paths):
+        if not path.is_file():
+            continue  # the parser says so
+        try:
+            yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err)
+            raise ConfigError(f"{path}: not valid YAML{where}: {_one_line(str(problem))}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    _check_yaml_files(argv)
     # We pass argv explicitly (the dispatcher strips "fit"); Lightning warns when it differs from sys.argv.
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
     try:
