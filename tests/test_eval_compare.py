@@ -99,6 +99,25 @@ def test_bad_inputs(tmp_path):
         load_results([tmp_path])
 
 
+def test_another_encoder_is_another_row_compared_with_the_same_baseline(tmp_path):
+    # DINO's student beside its teacher (the default): two rows and two files, both compared
+    # with the supervised row of the same backbone.
+    from ssl_vit.eval.results import chosen_encoder
+    from ssl_vit.eval.run import result_path
+
+    assert chosen_encoder({"method": "dino", "which": "student"}) == "student"
+    assert chosen_encoder({"method": "dino", "which": "teacher"}) is None
+    assert chosen_encoder({"method": "mocov3", "which": "student"}) is None
+    assert chosen_encoder({"method": "mocov3", "which": "momentum"}) == "momentum"
+    student = {**BACKBONE, "encoder": "student"}
+    records = [EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.80}), EvalResult("dino", student, DATA, "knn", {"top1": 0.78}),
+               EvalResult("supervised", BACKBONE, DATA, "knn", {"top1": 0.85})]
+    cmp = build_comparison(records)
+    assert cmp.get(("dino", "vit_tiny/4", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.80 - 0.85)
+    assert cmp.get(("dino", "vit_tiny/4 [student]", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.78 - 0.85)
+    assert {result_path(tmp_path, r).name for r in records[:2]} == {"dino_vit_tiny-4_fashion_mnist_knn.json", "dino_vit_tiny-4-student_fashion_mnist_knn.json"}
+
+
 def test_a_list_of_records_in_one_file_is_read(results_dir, tmp_path):
     # The demo writes its records as one JSON list (results.json).
     records = [r.to_dict() for r in load_results([results_dir])]

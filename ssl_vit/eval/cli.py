@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
 
     from ssl_vit.data import SingleView
     from ssl_vit.eval.finetune import FineTuneInterrupted, run_finetune
-    from ssl_vit.eval.results import EvalResult, backbone_info
+    from ssl_vit.eval.results import EvalResult, backbone_info, chosen_encoder
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
     from ssl_vit.export import load_any_backbone
     from ssl_vit.runtime import resolve_device
@@ -195,7 +195,8 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"{args.data}: evaluation needs labelled data (num_classes is unknown)")
     data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in dict(args.data_arg).items() if k != "root"}}
     method = args.method or info.get("method") or "unknown"
-    common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone))
+    common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {},
+                  backbone_record=backbone_info(backbone, chosen_encoder(info)))
 
     if args.protocol == "finetune":
         if args.resume and args.run_dir is None:

@@ -116,11 +116,14 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
                 if m in r.metrics:
                     cells[(row, (protocol, m))] = r.metrics[m]
         for base, col in BASELINES.items():
-            if not any(row[0] == base for row in here):
+            # A row is compared with the baseline's row on the same backbone and representation
+            # (whichever encoder of its own checkpoint it is).
+            refs = {(r.comparable_label, row[2]): r for row, r in here.items() if row[0] == base}
+            if not refs:
                 continue
             columns.append((protocol, col))
             for row, r in here.items():
-                ref = here.get((base, row[1], row[2]))
+                ref = refs.get((r.comparable_label, row[2]))
                 if ref is not None and r.main_metric is not None and ref.main_metric is not None:
                     cells[(row, (protocol, col))] = r.main_metric - ref.main_metric
     return Comparison(rows, columns, cells, list(latest.values()))

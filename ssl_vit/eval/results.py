@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,10 +35,22 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def backbone_info(model: nn.Module) -> dict[str, Any]:
-    """``{"name", "kwargs"}`` of a backbone made by ``create_backbone`` (or the class name)."""
+def backbone_info(model: nn.Module, encoder: str | None = None) -> dict[str, Any]:
+    """``{"name", "kwargs"}`` of a backbone made by ``create_backbone`` (or the class name), and
+    ``"encoder"`` when given: a checkpoint's encoder other than the method's default one (DINO's
+    student, MoCo v3's momentum encoder), whose results are rows of their own."""
     name = getattr(model, "backbone_name", type(model).__name__)
-    return {"name": name, "kwargs": dict(getattr(model, "backbone_kwargs", {}))}
+    info = {"name": name, "kwargs": dict(getattr(model, "backbone_kwargs", {}))}
+    return info if encoder is None else {**info, "encoder": encoder}
+
+
+def chosen_encoder(info: Mapping[str, Any]) -> str | None:
+    """The encoder a loaded checkpoint gave (``load_any_backbone``'s info) when it is not the one
+    its method is evaluated with by default, else None."""
+    from ssl_vit.export.sources import DEFAULT_WHICH
+
+    which, method = info.get("which"), info.get("method")
+    return which if which and which != DEFAULT_WHICH.get(method or "", "student") else None
 
 
 @dataclass
@@ -105,9 +118,23 @@ class EvalResult:
         return None if mode in (None, "cls") else str(mode)
 
     @property
-    def label(self) -> str:
-        """The backbone label with the representation when not [CLS]: ``vit_tiny/4 [last4]``."""
+    def encoder(self) -> str | None:
+        """A checkpoint's encoder other than the method's default one (``student`` of DINO), else None."""
+        return self.backbone.get("encoder")
+
+    @property
+    def comparable_label(self) -> str:
+        """The backbone label with the representation when not [CLS]: ``vit_tiny/4 [last4]``; a
+        baseline row with this label is what a row is compared against."""
         return self.backbone_label + (f" [{self.features}]" if self.features else "")
+
+    @property
+    def label(self) -> str:
+        """``comparable_label`` with the encoder when not the default: ``vit_tiny/4 [student]``."""
+        if self.encoder is None:
+            return self.comparable_label
+        tags = [self.encoder, *([self.features] if self.features else [])]
+        return f"{self.backbone_label} [{', '.join(tags)}]"
 
     @property
     def main_metric(self) -> float | None:

@@ -78,7 +78,7 @@ class RecipeEvaluation:
         """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""
         if not self.protocols:
             return []
-        from ssl_vit.eval.results import backbone_info
+        from ssl_vit.eval.results import backbone_info, chosen_encoder
         from ssl_vit.eval.run import evaluate_features, subsample
         from ssl_vit.export import load_any_backbone
 
@@ -98,7 +98,7 @@ class RecipeEvaluation:
             method=info.get("method") or "unknown", data={k: v for k, v in data.items() if v is not None},
             num_classes=int(num_classes), feature_mode=self.features, batch_size=self.batch_size,
             num_workers=int(getattr(datamodule, "num_workers", 0)), device=str(trainer.strategy.root_device),
-            source=str(checkpoint), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone), out_dir=out,
+            source=str(checkpoint), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out_dir=out,
         )
 
 
