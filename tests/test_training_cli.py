@@ -203,6 +203,13 @@ def test_unknown_key_in_a_yaml_file_is_rejected(tmp_path, capsys):
     assert "chekpoint" in capsys.readouterr().err
 
 
+def test_overfit_batches_runs(tmp_path, caplog):
+    # Lightning rebuilds the training loader with a SequentialSampler to stop shuffling.
+    with caplog.at_level(logging.INFO):
+        assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.overfit_batches", "2"]) == 0
+    assert "3 optimiser steps (2 per epoch)" in caplog.text
+
+
 def test_a_recipe_that_is_not_yaml_is_one_line_naming_file_and_line(tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("model:\n  class_path: DINO\n  init_args: {backbone: vit\n")

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from ssl_vit.runtime import world_info
 
@@ -120,6 +120,10 @@ class ResumableLoader(DataLoader):
     """
 
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, **kwargs: Any) -> None:
+        if isinstance(sampler, SequentialSampler):
+            # Lightning rebuilds the loader with a SequentialSampler to turn shuffling off
+            # (overfit_batches): the same order, kept resumable.
+            sampler = ResumableSampler(dataset, shuffle=False)
         if not isinstance(sampler, ResumableSampler):
             raise TypeError(f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}")
         super().__init__(dataset, sampler=sampler, **kwargs)
