@@ -14,7 +14,7 @@ import warnings
 # command: (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("ssl_vit.training.cli", "pretrain (or train the supervised baseline) from YAML recipes via LightningCLI"),
-    "eval": ("ssl_vit.eval.cli", "evaluate a backbone: linear | finetune | knn | fewshot"),
+    "eval": ("ssl_vit.eval.cli", "evaluate a backbone: linear | knn | fewshot | frozen (all three) | finetune"),
     "compare": ("ssl_vit.eval.compare", "tabulate result JSONs (SSL vs supervised vs random init)"),
     "demo": ("ssl_vit.demo", "the main job: pretrain MPP, MoCo v3, DINO + supervised on Fashion-MNIST and compare"),
     "export": ("ssl_vit.export_cli", "extract a backbone: timm-compatible safetensors, config.json, TorchScript/ONNX"),
