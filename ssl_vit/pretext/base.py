@@ -401,8 +401,7 @@ class PretextModule(L.LightningModule):
         over the images with a label (any value where there are none: it is weighted by 0)."""
         if self.probe is None:
             return {}
-        acc = self.probe.accuracy(features, labels)
-        return {"probe/val_acc": features.new_zeros(()) if acc is None else acc}
+        return {"probe/val_acc": self.probe.accuracy(features, labels)}
 
     # ------------------------------------------------------------------ checkpoints
     def setup(self, stage: str) -> None:

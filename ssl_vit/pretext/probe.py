@@ -15,6 +15,13 @@ from ssl_vit.heads import LinearProbeHead
 from ssl_vit.runtime import world_info
 
 
+def labelled_accuracy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Top-1 accuracy of ``logits [B, C]`` over the rows with a label (``labels >= 0``); 0 when
+    there are none (weighted by their number, such a batch then counts for nothing)."""
+    keep = labels >= 0  # [B]
+    return (((logits.argmax(dim=1) == labels) & keep).sum() / keep.sum().clamp(min=1)).float()
+
+
 class OnlineLinearProbe(nn.Module):
     def __init__(self, in_dim: int, num_classes: int) -> None:
         super().__init__()
@@ -36,16 +43,14 @@ class OnlineLinearProbe(nn.Module):
         n = keep.sum().clamp(min=1)
         # Mean over the labelled rows; 0 (with a graph, for DDP) when there are none.
         loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none").mul(keep).sum() / n
-        acc = ((logits.argmax(dim=1) == labels) & keep).sum() / n
-        return loss, acc.detach().float()
+        return loss, labelled_accuracy(logits.detach(), labels)
 
     @torch.no_grad()
-    def accuracy(self, features: Tensor, labels: Tensor) -> Tensor | None:
-        keep = labels >= 0
-        if not keep.any():
-            return None
+    def accuracy(self, features: Tensor, labels: Tensor) -> Tensor:
+        """Accuracy over the labelled rows of ``features [B, D]`` (the head in eval mode, so each
+        row's prediction is its own); 0 when there are none (see :func:`labelled_accuracy`)."""
         was_training = self.head.training
         self.head.eval()
-        logits = self.head(features[keep])
+        logits = self.head(features)  # [B, C]
         self.head.train(was_training)
-        return (logits.argmax(dim=1) == labels[keep]).float().mean()
+        return labelled_accuracy(logits, labels)

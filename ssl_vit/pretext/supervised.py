@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ssl_vit.losses import embedding_std
 from ssl_vit.pretext.base import PretextModule
+from ssl_vit.pretext.probe import labelled_accuracy
 
 
 class Supervised(PretextModule):
@@ -32,9 +33,11 @@ class Supervised(PretextModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if stage != "fit":
+            return
         dm = self.trainer.datamodule
         unlabelled = getattr(dm, "unlabelled_train_images", 0)
-        if stage == "fit" and unlabelled:
+        if unlabelled:
             raise ValueError(
                 f"the supervised baseline needs labels, but {unlabelled} training images of "
                 f"{type(dm).__name__} have none (label -1): train it on a labelled split"
@@ -52,7 +55,6 @@ class Supervised(PretextModule):
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
         metrics = super().validation_metrics(features, labels)
-        keep = labels >= 0  # an unreadable file of the test split comes labelled -1
-        correct = (self.classifier(features).argmax(1) == labels) & keep
-        metrics["val/acc"] = correct.sum() / keep.sum().clamp(min=1)
+        # (an unreadable file of the test split comes labelled -1)
+        metrics["val/acc"] = labelled_accuracy(self.classifier(features), labels)
         return metrics
