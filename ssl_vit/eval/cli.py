@@ -213,7 +213,7 @@ def main(argv: list[str]) -> int:
             print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
             return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
         protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size",
-                                                       "batch_size", "crop_scale", "mixup", "cutmix")}
+                                                       "batch_size", "mixup", "cutmix")}
         protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
         result = EvalResult(
             method=method, backbone=common["backbone_record"], data=data_record, protocol="finetune", metrics=metrics,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult
+from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, read_json
 
 BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
 RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
@@ -46,13 +46,11 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
                     continue
                 results.append(EvalResult.from_dict(d, where=str(f)))
         elif p.is_file():
-            try:
-                d = json.loads(p.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{p}: not valid JSON ({err})") from None
-            # A list of records (the demo's results.json) or one record.
-            records = d if isinstance(d, list) else [d]
-            results += [EvalResult.from_dict(r, where=f"{p}[{i}]" if isinstance(d, list) else str(p)) for i, r in enumerate(records)]
+            d = read_json(p)
+            if isinstance(d, list):  # a list of records (the demo's results.json)
+                results += [EvalResult.from_dict(r, where=f"{p}[{i}]") for i, r in enumerate(d)]
+            else:
+                results.append(EvalResult.from_dict(d, where=str(p)))
         else:
             raise FileNotFoundError(f"no result file or folder at {p}")
     if not results:

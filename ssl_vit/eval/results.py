@@ -44,6 +44,17 @@ def backbone_info(model: nn.Module, encoder: str | None = None) -> dict[str, Any
     return info if encoder is None else {**info, "encoder": encoder}
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The parsed content of a result file; a missing file or invalid JSON is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no result file at {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
 def chosen_encoder(info: Mapping[str, Any]) -> str | None:
     """The encoder a loaded checkpoint gave (``load_any_backbone``'s info) when it is not the one
     its method is evaluated with by default, else None."""
@@ -177,10 +188,4 @@ class EvalResult:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> EvalResult:
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no result file at {path}")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(d, where=str(path))
+        return cls.from_dict(read_json(path), where=str(path))

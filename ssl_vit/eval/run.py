@@ -37,14 +37,17 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
     return Subset(dataset, idx.tolist())
 
 
-def drop_unlabelled(features: Tensor, labels: Tensor, split: str) -> tuple[Tensor, Tensor]:
-    """The rows with a label: an evaluation split's unreadable files come back labelled -1
-    (``ImageFiles.for_evaluation``) and count neither in the training nor in the test set.
-    Non-finite features (a diverged checkpoint) are an error rather than a meaningless score."""
+def check_finite(features: Tensor, split: str) -> None:
+    """Non-finite features (a diverged checkpoint) are an error rather than a meaningless score."""
     bad = int((~torch.isfinite(features).all(dim=1)).sum())
     if bad:
         raise ValueError(f"the backbone gives non-finite (NaN/Inf) features for {bad} of {len(features)} {split} images: "
                          "its weights are broken (a diverged run?); evaluate an earlier checkpoint")
+
+
+def drop_unlabelled(features: Tensor, labels: Tensor, split: str) -> tuple[Tensor, Tensor]:
+    """The rows with a label: an evaluation split's unreadable files come back labelled -1
+    (``ImageFiles.for_evaluation``) and count neither in the training nor in the test set."""
     keep = labels >= 0  # [N]
     dropped = int((~keep).sum())
     if dropped == 0:
@@ -102,8 +105,14 @@ def evaluate_features(
     if device is not None:
         backbone = backbone.to(device)
     common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device}
-    train_f, train_l = drop_unlabelled(*extract_features(backbone, train_ds, **common), "train")  # [N, F], [N]
-    test_f, test_l = drop_unlabelled(*extract_features(backbone, test_ds, **common), "test")  # [M, F], [M]
+
+    def features_of(dataset: Dataset, split: str) -> tuple[Tensor, Tensor]:
+        feats, labels = extract_features(backbone, dataset, **common)
+        check_finite(feats, split)
+        return drop_unlabelled(feats, labels, split)
+
+    train_f, train_l = features_of(train_ds, "train")  # [N, F], [N]
+    test_f, test_l = features_of(test_ds, "test")  # [M, F], [M]
     data = {**data, "train_size": len(train_l), "test_size": len(test_l)}
     results = []
     for name, kwargs in protocols.items():
