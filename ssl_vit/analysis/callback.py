@@ -84,6 +84,7 @@ class AnalysisCallback(pl.Callback):
         self._val_images: Tensor | None = None
         self._train_images: Tensor | None = None
         self._warned = False
+        self._warned_sharded = False
 
     def _keep(self, images: Tensor) -> Tensor:
         return images[: self.num_images].detach().cpu().clone()
@@ -126,8 +127,6 @@ class AnalysisCallback(pl.Callback):
             return
         if trainer.is_global_zero:
             self.log_figures(trainer, pl_module)
-
-    _warned_sharded = False
 
     def kept_images(self) -> Tensor | None:
         """The batch the figures are drawn from (fixed, else validation, else training)."""

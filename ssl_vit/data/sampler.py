@@ -109,8 +109,8 @@ class ResumableSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's
-    position: ``{"seed", "epoch", "batches", "samples", "batch_size", "num_replicas"}``, the
-    batches of the epoch handed out so far and the images they held over all processes.
+    position: ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch handed out so
+    far and the images they held over all processes.
 
     The count is of batches *returned by the iterator*, not indices drawn by worker processes
     ahead of time, so a checkpoint written after step k resumes at batch k + 1. (Lightning fetches
@@ -156,8 +156,6 @@ class ResumableLoader(DataLoader):
             # Process p's share is positions p, p + R, p + 2R ... of the epoch's permutation, so
             # s samples from each of R processes are its first s * R positions.
             "samples": (self._samples if current else 0) * sampler.num_replicas,
-            "batch_size": self.batch_size or 1,
-            "num_replicas": sampler.num_replicas,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:

@@ -101,7 +101,6 @@ class RecipeEvaluation:
             source=str(checkpoint), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out_dir=out,
         )
 
-
     def protocol_kwargs(self, protocol: str) -> dict[str, Any]:
         """The evaluator's arguments: the recipe's, with this section's seed where it takes one."""
         seeded = {"seed": self.seed} if protocol in ("linear", "fewshot") else {}
