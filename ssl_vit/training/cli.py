@@ -190,20 +190,35 @@ def main(argv: list[str] | None = None) -> int:
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:
         stopped_by = "SIGTERM"  # Lightning stopped after the current step; PreemptionCheckpoint saved it
-    stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
-    if stopped_by is not None:
-        if rank_zero_only.rank == 0:
-            print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
-        return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
-    evaluation = cli.config_init.get("evaluate")
-    if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols and rank_zero_only.rank == 0:
-        # The run's result, evaluated as `ssl-vit eval` would (the other processes are done).
-        last = newest_checkpoint(ckpt_dir)
-        if last is None:
-            raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
-        for result in evaluation.run(last, cli.datamodule, cli.trainer):
-            print(result.summary_line())
-    return 0
+    # Every process ended the run at the same step (a finished run, or a signal all agreed on):
+    # the process group can go. Not after an exception: another process may still be waiting in a
+    # collective, and tearing the group down under it can hang both.
+    try:
+        stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
+        if stopped_by is not None:
+            if rank_zero_only.rank == 0:
+                print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
+            return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
+        evaluation = cli.config_init.get("evaluate")
+        if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols and rank_zero_only.rank == 0:
+            # The run's result, evaluated as `ssl-vit eval` would (the other processes are done).
+            last = newest_checkpoint(ckpt_dir)
+            if last is None:
+                raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
+            for result in evaluation.run(last, cli.datamodule, cli.trainer):
+                print(result.summary_line())
+        return 0
+    finally:
+        release_process_group()
+
+
+def release_process_group() -> None:
+    """Destroy the default process group while the interpreter is whole. Lightning registers this
+    at exit for NCCL only; a gloo group left to the interpreter's finalisation aborts the process
+    now and then (``terminate called without an active exception``, status -6 instead of the
+    run's own), as a two-process CPU run stopped by SIGTERM showed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # Backbone arguments that do not change the parameters' shapes: a run may continue with others.
