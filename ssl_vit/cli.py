@@ -81,8 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input gets one clear line; --debug shows where it came from.
         if debug:
             raise
-        print(f"ssl-vit {command}: error: {one_line(str(err))}", file=sys.stderr)
+        print(f"ssl-vit {command}: error{_which_process()}: {one_line(str(err))}", file=sys.stderr)
         return 1
+
+
+def _which_process() -> str:
+    """`` (process R of N)`` in a distributed run, whose processes each print their own error
+    (one's crash shows in the others as a lost connection: the line says whose that is)."""
+    from ssl_vit.runtime import world_info
+
+    rank, world = world_info()
+    return f" (process {rank} of {world})" if world > 1 else ""
 
 
 if __name__ == "__main__":

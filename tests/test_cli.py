@@ -167,6 +167,21 @@ def test_a_multi_line_library_error_is_printed_on_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "ssl-vit eval: error: Error downloading train-images-idx3-ubyte.gz: Tried http://host/, got: <urlopen error>\n"
 
 
+def test_an_error_in_a_distributed_run_names_its_process(monkeypatch, capsys):
+    # Each process of a DDP run prints its own error; one's crash reaches the others as gloo's
+    # "Connection closed by peer", so the line says which process it comes from.
+    import ssl_vit.runtime
+    import ssl_vit.training.cli as training_cli
+
+    def lost_peer(argv):
+        raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:51613")
+
+    monkeypatch.setattr(training_cli, "main", lost_peer)
+    monkeypatch.setattr(ssl_vit.runtime, "world_info", lambda: (1, 2))
+    assert cli_main(["fit"]) == 1
+    assert capsys.readouterr().err == "ssl-vit fit: error (process 1 of 2): [pair.cc:561] Connection closed by peer [127.0.0.1]:51613\n"
+
+
 def test_an_unwritable_output_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     args = ["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "file" / "res"), "--k", "5"]

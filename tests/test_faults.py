@@ -496,3 +496,14 @@ def test_a_bad_recipe_file_fails_before_training_with_one_line(tmp_path, capsys,
 def test_debug_shows_the_traceback_of_a_bad_recipe(tmp_path):
     with pytest.raises(ValueError, match="not divisible by the patch size 5"):
         ssl_vit_main(["fit", "--config", str(recipe(tmp_path)), "--model.init_args.backbone_kwargs.patch_size", "5", "--debug"])
+
+
+class CrashOnRank(L.Callback):
+    """Process ``rank`` raises at the start of step ``step``; the others go on into that step."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            raise Crash(f"rank {self.rank} crashed at step {self.step}")
