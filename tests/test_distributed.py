@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,41 @@ def test_sigterm_to_a_two_process_run_stops_both_after_one_step_and_checkpoints(
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4  # the signalled step
     assert output.count("stopped by SIGTERM at step 4") == 1, output[-3000:]  # said once, by rank 0
+
+
+def test_a_crash_in_one_process_ends_the_whole_run(tmp_path):
+    """Process 1 of a 2-process CPU run raises mid-run while process 0 waits in the step's
+    collectives: the command fails (no hang, no process left behind) and process 0's line says the
+    peer is gone."""
+    import signal
+
+    from test_training_cli import tiny_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tiny_config(tmp_path, "ssl_vit.pretext.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
+                      num_sanity_val_steps=0, callbacks=[{"class_path": "test_faults.CrashOnRank", "init_args": {"step": 2, "rank": 1}}])
+    cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(root / "recipes/trainer/ddp_cpu2.yaml")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("hung after one process crashed:\n" + output[-3000:])
+    left_behind = True  # a process of the run's session still alive 20 s after the command ended
+    for _ in range(40):
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            left_behind = False
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1 and not left_behind, output[-3000:]
+    assert "Crash: rank 1 crashed at step 2" in output
+    assert "ssl-vit fit: error (process 0 of 2): " in output and "Connection closed by peer" in output, output[-3000:]
 
 
 @pytest.mark.slow
