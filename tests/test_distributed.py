@@ -413,3 +413,4 @@ def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
 
 if __name__ == "__main__":  # one rank, started by torchrun from the fixture above
     _worker(Path(sys.argv[1]))
+    torch.distributed.destroy_process_group()  # gloo's group left to interpreter exit aborts now and then
