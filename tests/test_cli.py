@@ -33,10 +33,12 @@ def test_unknown_command_is_an_error(capsys):
         ("linear", ["--epochs", "3"], "top1"),
         ("fewshot", ["--shots", "1", "2", "--seeds", "2"], "2shot"),
         ("finetune", ["--epochs", "1", "--max-steps", "2", "--batch-size", "16", "--mixup", "0.8"], "top1"),
+        ("linear_aug", ["--epochs", "2", "--probe-batch-size", "16", "--features", "avg"], "top1"),
     ],
 )
 def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
-    args = ["eval", protocol, "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path), *extra]
+    command = ["linear", "--augment"] if protocol == "linear_aug" else [protocol]
+    args = ["eval", *command, "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path), *extra]
     assert cli_main(args) == 0
     (path,) = tmp_path.glob("*.json")
     record = json.loads(path.read_text())
@@ -47,6 +49,15 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert json.loads((tmp_path / "named.json").read_text())["method"] == "supervised"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
+    if protocol == "linear_aug":
+        assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["features"] == "avg"
+        assert path.name == "random_vit-4_synthetic_linear_aug-avg.json"
+
+
+def test_options_of_the_probe_on_images_need_augment(capsys):
+    assert cli_main(["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--run-dir", "x", "--max-steps", "3"]) == 1
+    assert capsys.readouterr().err == ("ssl-vit eval: error: --run-dir, --max-steps: options of a linear probe trained on images; add --augment, "
+                                       "or leave them out for the probe on features extracted once\n")
 
 
 def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, monkeypatch, capsys):

@@ -10,12 +10,12 @@ from torchvision.ops import StochasticDepth
 from ssl_vit import create_backbone
 from ssl_vit.backbones import VisionTransformer
 from ssl_vit.eval.finetune import (
-    FineTuneInterrupted,
     FineTuneModule,
     param_groups_layer_decay,
     run_finetune,
     set_drop_path,
 )
+from ssl_vit.eval.train_run import EvalRunInterrupted
 
 # lightning internals, not ours
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*")
@@ -98,6 +98,25 @@ def test_two_steps_change_weights_and_lr_groups_follow_the_decay():
     assert vit.blocks[1].drop_path.p == pytest.approx(0.1)
 
 
+class _Modes(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bool]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        self.seen.append((pl_module.backbone.training, all(m.training for m in pl_module.backbone.modules())))
+
+
+def test_a_backbone_handed_over_in_eval_mode_trains_in_train_mode():
+    # Backbones are loaded for evaluation in eval mode, and Lightning keeps each module's mode:
+    # fine-tuning would run without drop path and with frozen BatchNorm statistics.
+    modes = _Modes()
+    module = FineTuneModule(tiny_vit(depth=2).eval(), 3, batch_size=8, warmup_epochs=0, drop_path_rate=0.1)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", callbacks=[modes])
+    trainer.fit(module, DataLoader(_data(), batch_size=8))
+    assert modes.seen == [(True, True), (True, True)]
+
+
 def test_run_finetune_with_mixup_cutmix_and_new_resolution():
     vit = tiny_vit(depth=2)
     old = vit.pos_embed.detach().clone()  # [1, 1 + 16, 32]
@@ -144,7 +163,7 @@ def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_pat
         return step(self, batch, batch_idx)
 
     monkeypatch.setattr(FineTuneModule, "training_step", signalled)
-    with pytest.raises(FineTuneInterrupted, match="stopped by SIGUSR1 at step 2") as stop:
+    with pytest.raises(EvalRunInterrupted, match="stopped by SIGUSR1 at step 2") as stop:
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
     assert stop.value.checkpoint == tmp_path / "cut" / "checkpoints" / "last.ckpt"
     monkeypatch.setattr(FineTuneModule, "training_step", step)

@@ -5,6 +5,7 @@
     LinearProbe().evaluate(*train, *test)                            # MAE linear probe
     FewShotEvaluator().evaluate(*train, *test)                       # ViT few-shot ridge
     run_finetune(backbone, train_ds, test_ds, num_classes, epochs)   # BEiT/MAE fine-tuning
+    run_linear_augmented(backbone, train_ds, test_ds, num_classes, epochs)  # the papers' linear eval
     EvalResult(...).to_json(path); ssl_vit.eval.compare.main([...])
 
 Names are imported lazily, so ``ssl-vit compare`` does not pay for Lightning.
@@ -27,6 +28,8 @@ _EXPORTS: dict[str, str] = {
     "run_finetune": "finetune",
     "param_groups_layer_decay": "finetune",
     "set_drop_path": "finetune",
+    "AugmentedLinearProbe": "linear_augmented",
+    "run_linear_augmented": "linear_augmented",
     "EvalResult": "results",
     "backbone_info": "results",
     "topk_accuracy": "metrics",

@@ -10,6 +10,8 @@ Examples::
     ssl-vit eval knn --backbone runs/dino/checkpoints/last.ckpt --data fashion_mnist
     ssl-vit eval linear --backbone exports/dino --data imagefolder \\
         --data-arg train_dir=/data/imagenet/train --data-arg val_dir=/data/imagenet/val --features last4
+    ssl-vit eval linear --augment --backbone exports/dino --data imagefolder \\
+        --data-arg train_dir=/data/imagenet/train --data-arg val_dir=/data/imagenet/val --features last4 --run-dir runs/dino_linear
     ssl-vit eval fewshot --backbone random:vit_tiny --backbone-kwargs '{"img_size": 28, "patch_size": 4, "in_chans": 1}'
     ssl-vit eval frozen --backbone runs/mocov3/checkpoints/last.ckpt --out results/
 """
@@ -96,14 +98,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training examples per class in each support set (the ViT paper: 1 5 10 25)")
     g.add_argument("--seeds", type=int, default=5, help="support-set draws per shot count")
     g.add_argument("--l2", type=float, default=2.0**10, help="ridge (L2) weight of the closed-form least squares")
-    sub.add_parser("linear", parents=[common, linear], help="linear probe on frozen features (BN + linear, SGD)")
+    # Evaluators that train on images (fine-tuning, the linear probe with --augment): their runs.
+    images = argparse.ArgumentParser(add_help=False)
+    g = images.add_argument_group("training on images")
+    g.add_argument("--crop-scale", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="area range of the training images' random resized crop (+ horizontal flip); default: "
+                        "0.08 1 (DeiT/MAE/MoCo v3/DINO) for images of 96 px or more, 0.5 1 for smaller ones (the small-image recipes')")
+    g.add_argument("--run-dir", default=None, help="checkpoint the run into RUN_DIR/checkpoints (atomically; SIGTERM/SIGUSR1 save and stop)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
+    g.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
+    g.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimiser steps (the LR schedule follows)")
+    p = sub.add_parser("linear", parents=[common, linear, images], help="linear probe on frozen features (BN + linear, SGD); --augment: trained on augmented images (the papers' protocol)",
+                       description="Linear probe on the frozen backbone: on features extracted once from the evaluation transform, "
+                                   "or with --augment the papers' protocol (MoCo v3, DINO, MAE): every step a random resized crop "
+                                   "and flip of each image through the backbone (one backbone pass per image and epoch; recorded as "
+                                   "protocol linear_aug). The options under 'training on images' apply with --augment.")
+    p.add_argument("--augment", action="store_true", help="train on augmented images through the frozen backbone (the papers' linear evaluation)")
     sub.add_parser("knn", parents=[common, knn], help="DINO's weighted kNN on L2-normalised features")
     sub.add_parser("fewshot", parents=[common, fewshot], help="ViT paper's closed-form few-shot regression")
     p = sub.add_parser("frozen", parents=[common, linear, knn, fewshot],
                        help="linear probe, kNN and few-shot on one extraction of the frozen features")
     p.add_argument("--protocols", nargs="+", choices=list(FEATURE_PROTOCOL_NAMES), default=list(FEATURE_PROTOCOL_NAMES),
                    help="the protocols to run (each writes its own record into the --out folder)")
-    p = sub.add_parser("finetune", parents=[common], help="full fine-tuning with layer-wise LR decay")
+    p = sub.add_parser("finetune", parents=[common, images], help="full fine-tuning with layer-wise LR decay")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=5e-4, help="base LR per 256 examples")
     p.add_argument("--layer-decay", type=float, default=0.75)
@@ -111,16 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--img-size", type=int, default=None, help="fine-tune at another resolution (position embedding interpolated)")
-    p.add_argument("--crop-scale", type=float, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="area range of the training images' random resized crop (+ horizontal flip); default: "
-                        "0.08 1 (DeiT/MAE) for images of 96 px or more, 0.5 1 for smaller ones (the small-image recipes')")
     p.add_argument("--no-augment", action="store_true", help="train on the evaluation transform (resize + centre crop) instead")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp alpha (MAE: 0.8; 0: off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (MAE: 1.0; 0: off); with both, one per batch")
-    p.add_argument("--run-dir", default=None, help="checkpoint the run into RUN_DIR/checkpoints (atomically; SIGTERM/SIGUSR1 save and stop)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
-    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
-    p.add_argument("--max-steps", type=int, default=-1)
     return parser
 
 
@@ -169,13 +179,26 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     return cls(**kwargs)
 
 
+_IMAGE_RUN_DEFAULTS = {"crop_scale": None, "run_dir": None, "resume": False, "checkpoint_every": 500, "max_steps": -1}
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    on_images = args.protocol == "finetune" or (args.protocol == "linear" and args.augment)
+    if args.protocol == "linear" and not args.augment:
+        given = [f"--{k.replace('_', '-')}" for k, v in _IMAGE_RUN_DEFAULTS.items() if getattr(args, k) != v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of a linear probe trained on images; add --augment, "
+                             "or leave them out for the probe on features extracted once")
+    if on_images and args.resume and args.run_dir is None:
+        raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
 
     from ssl_vit.data import SingleView
-    from ssl_vit.eval.finetune import FineTuneInterrupted, run_finetune
+    from ssl_vit.eval.finetune import run_finetune
+    from ssl_vit.eval.linear_augmented import run_linear_augmented
     from ssl_vit.eval.results import EvalResult, backbone_info, chosen_encoder
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
+    from ssl_vit.eval.train_run import EvalRunInterrupted
     from ssl_vit.export import load_any_backbone
     from ssl_vit.runtime import resolve_device
 
@@ -183,7 +206,7 @@ def main(argv: list[str]) -> int:
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
     dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
     train_views = None
-    if args.protocol == "finetune" and not args.no_augment:
+    if on_images and not getattr(args, "no_augment", False):
         args.crop_scale = tuple(args.crop_scale or ((0.08, 1.0) if dm.img_size >= 96 else (0.5, 1.0)))
         train_views = SingleView(scale=args.crop_scale)
     train_ds, test_ds = dm.eval_datasets(train_views=train_views)
@@ -198,25 +221,33 @@ def main(argv: list[str]) -> int:
     common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {},
                   backbone_record=backbone_info(backbone, chosen_encoder(info)))
 
-    if args.protocol == "finetune":
-        if args.resume and args.run_dir is None:
-            raise ValueError("--resume needs the --run-dir of the fine-tuning run to continue")
+    if on_images:
+        run = dict(max_steps=args.max_steps, num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
+                   run_dir=args.run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every)
         try:
-            metrics = run_finetune(
-                backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, max_steps=args.max_steps,
-                num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
-                base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
-                weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
-                run_dir=args.run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
-            )
-        except FineTuneInterrupted as stop:
+            if args.protocol == "finetune":
+                protocol = "finetune"
+                metrics = run_finetune(
+                    backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run,
+                    base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
+                    weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                )
+                protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
+                                                               "img_size", "batch_size", "mixup", "cutmix")}
+                protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
+            else:
+                protocol = "linear_aug"
+                metrics = run_linear_augmented(
+                    backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.probe_batch_size, **run,
+                    features=args.features, base_lr=args.lr, optimizer=args.optimizer,
+                )
+                protocol_args = {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
+                                 "crop_scale": list(args.crop_scale), "features": args.features, "seed": args.seed}
+        except EvalRunInterrupted as stop:
             print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
             return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
-        protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay", "img_size",
-                                                       "batch_size", "mixup", "cutmix")}
-        protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
         result = EvalResult(
-            method=method, backbone=common["backbone_record"], data=data_record, protocol="finetune", metrics=metrics,
+            method=method, backbone=common["backbone_record"], data=data_record, protocol=protocol, metrics=metrics,
             protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
         )
         path = result.to_json(result_path(args.out, result))

@@ -19,7 +19,6 @@ acts as in ViTs at coarser grain (``layer_decay=1`` switches it off). Hybrids ar
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,16 @@ import torch
 import torch.nn.functional as F
 from lightly.utils.scheduler import CosineWarmupScheduler
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.ops import StochasticDepth
 from torchvision.transforms import v2
 
 from ssl_vit.backbones import is_vit
-from ssl_vit.data.datasets import TransformedDataset
-from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
+from ssl_vit.eval.train_run import train_and_test
 from ssl_vit.runtime import seed_training_step
-from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.fused import fused_kwargs
-from ssl_vit.training.preemption import PreemptionCheckpoint
-from ssl_vit.training.step_checkpoint import StepCheckpoint, newest_checkpoint
 
 
 # ----------------------------------------------------------------------------- layer-wise decay
@@ -204,6 +198,11 @@ class FineTuneModule(L.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))  # [B, num_classes]
 
+    def on_fit_start(self) -> None:
+        # Lightning keeps each module's train/eval mode: a backbone handed in eval mode (as loaded
+        # for evaluation) would train without drop path and with frozen BatchNorm statistics.
+        self.train()
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Unreadable files of an evaluation split come labelled -1 (ImageFiles.for_evaluation):
         # dropped here, on the host, so they neither train nor count in the accuracy.
@@ -253,29 +252,6 @@ class FineTuneModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class FineTuneInterrupted(RuntimeError):
-    """A signal (SIGTERM, SIGUSR1) stopped a fine-tuning run after a step; its state is in
-    ``checkpoint`` and ``run_finetune(..., resume=True)`` continues it."""
-
-    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
-        super().__init__(f"fine-tuning stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-
-
-class _PlainIndex(Dataset):
-    """A dataset indexed by int under a sampler of ``SeededIndex`` items (only a
-    ``TransformedDataset`` seeds its augmentations from them)."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: SeededIndex | int) -> Any:
-        return self.dataset[index.index if isinstance(index, SeededIndex) else index]
-
-
 def run_finetune(
     backbone: nn.Module,
     train_ds: Dataset,
@@ -303,68 +279,16 @@ def run_finetune(
     ``label_smoothing``, ``mixup_alpha``, ``img_size`` ...); its ``batch_size`` is this one.
     ``max_steps`` caps the run (smoke tests); the LR schedule follows the shorter of the two.
 
-    With ``run_dir``, the run is checkpointed (atomically) into ``<run_dir>/checkpoints`` every
-    ``checkpoint_every`` steps and at the end, a SIGTERM / SIGUSR1 saves after the current step
-    and raises :class:`FineTuneInterrupted`, and ``resume=True`` continues from the newest
-    checkpoint there to the weights the uninterrupted run would have reached (the data order,
-    augmentations and random draws are functions of the position in training)."""
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if resume and run_dir is None:
-        raise ValueError("resume needs the run_dir of the run to continue")
-    L.seed_everything(seed, workers=True, verbose=False)
-    callbacks: list[L.Callback] = []
-    plugins: list[Any] = []
-    ckpt_path = None
-    if run_dir is not None:
-        run_dir = Path(run_dir).expanduser().resolve()
-        ckpt_dir = run_dir / "checkpoints"
-        newest = newest_checkpoint(ckpt_dir)
-        if resume:
-            if newest is None:
-                raise FileNotFoundError(f"resume: no fine-tuning checkpoint in {ckpt_dir}")
-            ckpt_path = str(newest)
-        elif newest is not None:
-            raise ValueError(
-                f"{ckpt_dir} already holds a fine-tuning run's checkpoints (newest: {newest.name}): "
-                "continue it with --resume, or choose another --run-dir"
-            )
-        callbacks = [StepCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=checkpoint_every, keep_last=1), PreemptionCheckpoint()]
-        plugins = [AtomicCheckpointIO()]
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        max_steps=max_steps,
-        accelerator=accelerator,
-        devices=devices,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=run_dir is not None,
-        callbacks=callbacks,
-        plugins=plugins,
-        enable_model_summary=False,
-        enable_progress_bar=enable_progress_bar,
-        default_root_dir=str(run_dir) if run_dir is not None else default_root_dir,
-        num_sanity_val_steps=0,
+    ``run_dir``, ``resume`` and ``checkpoint_every``: checkpoints, signals and exact resume as
+    ``ssl_vit.eval.train_run.train_and_test`` describes (a signal raises
+    :class:`~ssl_vit.eval.train_run.EvalRunInterrupted`)."""
+    def make_module(total_steps: int, steps_per_epoch: int) -> FineTuneModule:
+        return FineTuneModule(backbone, num_classes, batch_size=batch_size, seed=seed, total_steps=total_steps,
+                              steps_per_epoch=steps_per_epoch, **module_kwargs)
+
+    return train_and_test(
+        make_module, train_ds, test_ds, what="fine-tuning", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
+        num_workers=num_workers, accelerator=accelerator, devices=devices, precision=precision, seed=seed,
+        default_root_dir=default_root_dir, enable_progress_bar=enable_progress_bar, run_dir=run_dir, resume=resume,
+        checkpoint_every=checkpoint_every,
     )
-    # The training order: shuffled per (seed, epoch), sharded over the processes, resumable.
-    sampler = ResumableSampler(train_ds, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=seed)
-    train_loader = ResumableLoader(
-        train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
-        batch_size=batch_size, drop_last=len(train_ds) > batch_size, num_workers=num_workers,
-    )
-    test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    per_epoch = max(1, len(train_loader))
-    total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
-    module = FineTuneModule(backbone, num_classes, batch_size=batch_size, seed=seed, total_steps=total, steps_per_epoch=per_epoch, **module_kwargs)
-    with warnings.catch_warnings():
-        if ckpt_path is not None:  # the directory holds this run's own files
-            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
-        try:
-            trainer.fit(module, train_dataloaders=train_loader, ckpt_path=ckpt_path)
-        except SIGTERMException:
-            pass  # stopped after the current step; PreemptionCheckpoint saved it
-    preemption = next((cb for cb in callbacks if isinstance(cb, PreemptionCheckpoint)), None)
-    if preemption is not None and preemption.stopped_by:
-        raise FineTuneInterrupted(preemption.stopped_by, trainer.global_step, PreemptionCheckpoint.last_path(trainer))
-    (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
-    return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}

@@ -26,9 +26,10 @@ from torch import nn
 from ssl_vit import __version__
 from ssl_vit.io import atomic_write_text
 
-PROTOCOLS: tuple[str, ...] = ("linear", "knn", "fewshot", "finetune")
+# linear_aug: the linear probe trained on augmented images (the papers' protocol, ``--augment``).
+PROTOCOLS: tuple[str, ...] = ("linear", "linear_aug", "knn", "fewshot", "finetune")
 # The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
-MAIN_METRIC: dict[str, str] = {"linear": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
+MAIN_METRIC: dict[str, str] = {"linear": "top1", "linear_aug": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
 
 
 def _now() -> str:
@@ -74,7 +75,8 @@ class EvalResult:
         backbone: ``{"name": registry name, "kwargs": create_backbone kwargs}``.
         data: ``{"name": dataset, ...}`` plus e.g. ``train_split``, ``test_split``, ``train_size``,
             ``test_size``.
-        protocol: ``"linear"``, ``"knn"``, ``"fewshot"`` or ``"finetune"``.
+        protocol: ``"linear"``, ``"linear_aug"`` (the probe trained on augmented images),
+            ``"knn"``, ``"fewshot"`` or ``"finetune"``.
         metrics: name -> value, accuracies as fractions in [0, 1].
         protocol_args: the protocol's settings (k, T, epochs, feature mode ...).
         pretrain: what the backbone cost: ``steps``, ``epochs``, ``flops``, ``wall_time_s`` (any
@@ -155,7 +157,7 @@ class EvalResult:
     def summary_line(self) -> str:
         """e.g. ``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%``."""
         shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
-        return f"{self.protocol:<9} {self.method}  {self.label}  {self.data['name']}  {' '.join(shown)}"
+        return f"{self.protocol:<10} {self.method}  {self.label}  {self.data['name']}  {' '.join(shown)}"
 
     # ------------------------------------------------------------------------ I/O
     def to_dict(self) -> dict[str, Any]:

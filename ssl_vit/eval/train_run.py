@@ -1,0 +1,136 @@
+"""The training run of the evaluators that train on images (fine-tuning, the linear probe on
+augmented images): a Lightning Trainer over a resumable, seeded training order, then the test.
+
+With ``run_dir``, the run is checkpointed (atomically) into ``<run_dir>/checkpoints`` every
+``checkpoint_every`` steps and at the end, a SIGTERM / SIGUSR1 saves after the current step and
+raises :class:`EvalRunInterrupted`, and ``resume=True`` continues from the newest checkpoint
+there to the weights the uninterrupted run would have reached (the data order, augmentations and
+random draws are functions of the position in training).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader, Dataset
+
+from ssl_vit.data.datasets import TransformedDataset
+from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
+from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.step_checkpoint import StepCheckpoint, newest_checkpoint
+
+ModuleFactory = Callable[[int, int], L.LightningModule]
+"""``(total_steps, steps_per_epoch) -> module``: the module to train, its LR schedule sized by
+the run (known before a resumed run restores its position in the data)."""
+
+
+class EvalRunInterrupted(RuntimeError):
+    """A signal (SIGTERM, SIGUSR1) stopped an evaluator's training run after a step; its state is
+    in ``checkpoint`` and the same call with ``resume=True`` continues it."""
+
+    def __init__(self, what: str, signal_name: str, step: int, checkpoint: Path) -> None:
+        super().__init__(f"{what} stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class _PlainIndex(Dataset):
+    """A dataset indexed by int under a sampler of ``SeededIndex`` items (only a
+    ``TransformedDataset`` seeds its augmentations from them)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: SeededIndex | int) -> Any:
+        return self.dataset[index.index if isinstance(index, SeededIndex) else index]
+
+
+def train_and_test(
+    make_module: ModuleFactory,
+    train_ds: Dataset,
+    test_ds: Dataset,
+    *,
+    what: str,
+    epochs: int,
+    batch_size: int,
+    max_steps: int = -1,
+    num_workers: int = 0,
+    accelerator: str = "auto",
+    devices: int | str = 1,
+    precision: str = "32-true",
+    seed: int = 0,
+    default_root_dir: str | None = None,
+    enable_progress_bar: bool = False,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    checkpoint_every: int = 500,
+) -> dict[str, float]:
+    """Train the module ``make_module`` builds on ``train_ds`` for ``epochs`` (capped at
+    ``max_steps``), then return its test metrics whose names start with ``test_top``, without
+    that prefix (``{"top1", "top5"}``). ``what`` names the run in its messages."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if resume and run_dir is None:
+        raise ValueError("resume needs the run_dir of the run to continue")
+    L.seed_everything(seed, workers=True, verbose=False)
+    callbacks: list[L.Callback] = []
+    plugins: list[Any] = []
+    ckpt_path = None
+    if run_dir is not None:
+        run_dir = Path(run_dir).expanduser().resolve()
+        ckpt_dir = run_dir / "checkpoints"
+        newest = newest_checkpoint(ckpt_dir)
+        if resume:
+            if newest is None:
+                raise FileNotFoundError(f"resume: no {what} checkpoint in {ckpt_dir}")
+            ckpt_path = str(newest)
+        elif newest is not None:
+            raise ValueError(f"{ckpt_dir} already holds a {what} run's checkpoints (newest: {newest.name}): "
+                             "continue it with --resume, or choose another --run-dir")
+        callbacks = [StepCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=checkpoint_every, keep_last=1), PreemptionCheckpoint()]
+        plugins = [AtomicCheckpointIO()]
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        max_steps=max_steps,
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=run_dir is not None,
+        callbacks=callbacks,
+        plugins=plugins,
+        enable_model_summary=False,
+        enable_progress_bar=enable_progress_bar,
+        default_root_dir=str(run_dir) if run_dir is not None else default_root_dir,
+        num_sanity_val_steps=0,
+    )
+    # The training order: shuffled per (seed, epoch), sharded over the processes, resumable.
+    sampler = ResumableSampler(train_ds, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=seed)
+    train_loader = ResumableLoader(
+        train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
+        batch_size=batch_size, drop_last=len(train_ds) > batch_size, num_workers=num_workers,
+    )
+    test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    per_epoch = max(1, len(train_loader))
+    total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
+    module = make_module(total, per_epoch)
+    with warnings.catch_warnings():
+        if ckpt_path is not None:  # the directory holds this run's own files
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        try:
+            trainer.fit(module, train_dataloaders=train_loader, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            pass  # stopped after the current step; PreemptionCheckpoint saved it
+    preemption = next((cb for cb in callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    if preemption is not None and preemption.stopped_by:
+        raise EvalRunInterrupted(what, preemption.stopped_by, trainer.global_step, PreemptionCheckpoint.last_path(trainer))
+    (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
+    return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}

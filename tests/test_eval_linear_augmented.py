@@ -1,0 +1,122 @@
+"""The linear probe trained on images through the frozen backbone (``ssl-vit eval linear --augment``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from ssl_vit import create_backbone
+from ssl_vit.backbones import VisionTransformer
+from ssl_vit.eval.linear_augmented import AugmentedLinearProbe, run_linear_augmented
+from ssl_vit.eval.train_run import EvalRunInterrupted
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),  # lightning internals, not ours
+    pytest.mark.filterwarnings("ignore:Found .* module.s. in eval mode"),  # the frozen backbone, on purpose
+]
+
+
+def tiny_vit() -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=2, drop_path_rate=0.5)
+
+
+def _data(n: int = 24, size: int = 16) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1, size, size, generator=g), torch.arange(n) % 3)
+
+
+def _trainer(steps: int) -> L.Trainer:
+    return L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, accelerator="cpu")
+
+
+def test_it_trains_the_head_on_frozen_features_as_the_protocol_states():
+    """Against the protocol written out here: eval-mode [CLS] features, BatchNorm without affine +
+    Linear (trunc-normal std 0.01, zero bias), SGD momentum 0.9 at base_lr x batch / 256, a
+    linear warm-up over one epoch then a cosine that reaches 0 at the last step, per step."""
+    data, batch, epochs, base_lr = _data(24), 8, 3, 0.5
+    steps_per_epoch = len(data) // batch
+    total = epochs * steps_per_epoch
+    backbone = tiny_vit()
+    frozen = {k: v.clone() for k, v in backbone.state_dict().items()}
+    torch.manual_seed(1)
+    probe = AugmentedLinearProbe(backbone, 3, base_lr=base_lr, batch_size=batch, warmup_epochs=1, total_steps=total,
+                                 steps_per_epoch=steps_per_epoch)
+    init = {k: v.clone() for k, v in probe.head.state_dict().items()}
+    _trainer(total).fit(probe, DataLoader(data, batch_size=batch))
+
+    # The reference: the same initial head, trained by hand on features computed once.
+    ref_backbone = tiny_vit().eval()
+    with torch.no_grad():
+        feats = ref_backbone(data.tensors[0])  # [N, 32]
+    norm = torch.nn.BatchNorm1d(32, affine=False, eps=1e-6)
+    linear = torch.nn.Linear(32, 3)
+    linear.load_state_dict({"weight": init["linear.weight"], "bias": init["linear.bias"]})
+    assert init["linear.bias"].abs().sum() == 0 and init["linear.weight"].std() < 0.05
+    peak = base_lr * batch / 256
+    opt = torch.optim.SGD(linear.parameters(), lr=peak, momentum=0.9)
+    for step in range(total):
+        warm = steps_per_epoch
+        factor = (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm - 1)))
+        for g in opt.param_groups:
+            g["lr"] = peak * factor
+        i = step % steps_per_epoch
+        x, y = feats[i * batch : (i + 1) * batch], data.tensors[1][i * batch : (i + 1) * batch]
+        loss = F.cross_entropy(linear(norm(x)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.allclose(probe.head.linear.weight, linear.weight, atol=1e-5)
+    assert torch.allclose(probe.head.norm.running_mean, norm.running_mean, atol=1e-5)
+    # The backbone was not trained, and ran without its drop path (eval mode).
+    assert all(torch.equal(v, frozen[k]) for k, v in backbone.state_dict().items())
+    assert not any(p.requires_grad for p in backbone.parameters())
+
+
+def test_a_resnet_backbone_keeps_its_batchnorm_statistics():
+    backbone = create_backbone("resnet18", in_chans=1, img_size=16, small_input=True, num_stages=1)
+    stats = {k: v.clone() for k, v in backbone.state_dict().items() if "running" in k}
+    probe = AugmentedLinearProbe(backbone.train(), 3, batch_size=8, total_steps=2, steps_per_epoch=2)
+    _trainer(2).fit(probe, DataLoader(_data(16), batch_size=8))
+    assert stats and all(torch.equal(backbone.state_dict()[k], v) for k, v in stats.items())
+    assert probe.head.training and not backbone.training
+
+
+def test_an_interrupted_probe_resumes_to_the_uninterrupted_head(tmp_path, monkeypatch):
+    common = {"num_classes": 3, "epochs": 2, "batch_size": 8, "accelerator": "cpu", "checkpoint_every": 1000, "features": "avg",
+              "warmup_epochs": 0.5}
+    train, test = _data(24), _data(12)
+    want = run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "whole", **common)
+    whole_head = torch.load(tmp_path / "whole" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert whole_head and not any(k.startswith("backbone.") for k in whole_head)  # the head only
+
+    step = AugmentedLinearProbe.training_step
+
+    def signalled(self, batch, batch_idx):
+        if self.global_step == 1 and not getattr(self, "_signalled", False):
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(AugmentedLinearProbe, "training_step", signalled)
+    with pytest.raises(EvalRunInterrupted, match="linear probe stopped by SIGUSR1 at step 2"):
+        run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
+    monkeypatch.setattr(AugmentedLinearProbe, "training_step", step)
+    got = run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **common)
+    assert got == want
+    cut_head = torch.load(tmp_path / "cut" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert cut_head.keys() == whole_head.keys() and all(torch.equal(cut_head[k], v) for k, v in whole_head.items())
+
+
+def test_a_checkpoint_of_another_module_is_refused():
+    probe = AugmentedLinearProbe(tiny_vit(), 3)
+    with pytest.raises(ValueError, match="not a checkpoint of this linear probe: it lacks head.linear.bias"):
+        probe.on_load_checkpoint({"state_dict": {"head.linear.weight": torch.zeros(3, 32)}})
