@@ -49,6 +49,12 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert json.loads((tmp_path / "named.json").read_text())["method"] == "supervised"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
+    if protocol == "linear":
+        assert record["protocol_args"]["warmup_epochs"] == 10
+        assert "the linear probe's 10 warm-up epochs cover its whole run of 3: its LR only rises" in capsys.readouterr().err
+        assert cli_main([*args, "--warmup-epochs", "1", "--out", str(tmp_path / "warm1.json")]) == 0
+        assert "warm-up" not in capsys.readouterr().err
+        assert json.loads((tmp_path / "warm1.json").read_text())["protocol_args"]["warmup_epochs"] == 1
     if protocol == "linear_aug":
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["features"] == "avg"
         assert path.name == "random_vit-4_synthetic_linear_aug-avg.json"

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, default=100)
     g.add_argument("--lr", type=float, default=0.01, help="base LR per 256 examples")
     g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
+    g.add_argument("--warmup-epochs", type=int, default=10,
+                   help="linear LR warm-up before the cosine decay (MAE: 10 of 90 epochs); a run no longer than it only warms up")
     g.add_argument("--probe-batch-size", type=int, default=256)
     knn = argparse.ArgumentParser(add_help=False)
     g = knn.add_argument_group("kNN")
@@ -137,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """The constructor arguments of feature protocol ``name`` from its command-line options."""
     if name == "linear":
-        return {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size, "seed": args.seed}
+        return {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
+                "warmup_epochs": args.warmup_epochs, "seed": args.seed}
     if name == "knn":
         return {"k": args.k, "temperature": args.temperature}
     return {"shots": args.shots, "num_seeds": args.seeds, "l2_reg": args.l2, "seed": args.seed}
@@ -190,6 +193,9 @@ def main(argv: list[str]) -> int:
         if given:
             raise ValueError(f"{', '.join(given)}: options of a linear probe trained on images; add --augment, "
                              "or leave them out for the probe on features extracted once")
+    if args.protocol in ("linear", "frozen") and "linear" in getattr(args, "protocols", ["linear"]) and args.epochs <= args.warmup_epochs:
+        print(f"ssl-vit eval: note: the linear probe's {args.warmup_epochs} warm-up epochs cover its whole run of {args.epochs}: "
+              "its LR only rises (--warmup-epochs sets fewer)", file=sys.stderr)
     if on_images and args.resume and args.run_dir is None:
         raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
 
@@ -239,10 +245,10 @@ def main(argv: list[str]) -> int:
                 protocol = "linear_aug"
                 metrics = run_linear_augmented(
                     backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.probe_batch_size, **run,
-                    features=args.features, base_lr=args.lr, optimizer=args.optimizer,
+                    features=args.features, base_lr=args.lr, optimizer=args.optimizer, warmup_epochs=args.warmup_epochs,
                 )
                 protocol_args = {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
-                                 "crop_scale": list(args.crop_scale), "features": args.features, "seed": args.seed}
+                                 "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "seed": args.seed}
         except EvalRunInterrupted as stop:
             print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
             return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
