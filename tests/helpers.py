@@ -20,7 +20,13 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     """This environment for a subprocess that imports the test modules (class paths such as
     ``test_faults.Interrupt`` in a recipe), with ``extra`` variables set."""
     tests = str(Path(__file__).resolve().parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]), **extra}
+    # Without the variables of a distributed launch (a test suite run inside a torchrun or SLURM
+    # job, or left by an in-process DDP test): a subprocess would take itself for one of its ranks.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    return {**env, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+_LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
 
 
 class RepeatBatch(Dataset):

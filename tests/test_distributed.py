@@ -300,7 +300,7 @@ def test_the_fsdp_recipe_composes_with_a_method_recipe(tmp_path, capsys):
     assert "ssl-vit fit: error: The strategy `fsdp` requires a GPU accelerator" in capsys.readouterr().err
 
 
-def test_fit_releases_the_process_group_at_its_end(tmp_path, monkeypatch):
+def test_fit_releases_the_process_group_at_its_end(tmp_path):
     """A DDP run destroys its gloo process group before ``ssl-vit fit`` returns (left to the
     interpreter's exit, gloo's threads abort the process now and then: status -6, not the run's).
     One process in this interpreter: Lightning initialises the group for ``strategy: ddp`` all the same."""
@@ -308,20 +308,22 @@ def test_fit_releases_the_process_group_at_its_end(tmp_path, monkeypatch):
 
     from ssl_vit.cli import main
 
-    # (set here so that the test's end restores them: Lightning writes them into os.environ)
+    # Lightning writes MASTER_*, LOCAL_RANK and NODE_RANK into os.environ; left there, the later
+    # tests' DDP subprocesses would take themselves for processes someone else launched.
+    saved = dict(os.environ)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    cfg = tiny_config(tmp_path, max_steps=2, strategy="ddp")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        assert main(["fit", "--config", str(cfg)]) == 0
+        assert main(["fit", "--config", str(tiny_config(tmp_path, max_steps=2, strategy="ddp"))]) == 0
         assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
         assert not torch.distributed.is_initialized()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_sigterm_to_a_two_process_run_stops_both_after_one_step_and_checkpoints(tmp_path):

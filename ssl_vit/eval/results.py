@@ -157,7 +157,7 @@ class EvalResult:
     def summary_line(self) -> str:
         """e.g. ``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%``."""
         shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
-        return f"{self.protocol:<10} {self.method}  {self.label}  {self.data['name']}  {' '.join(shown)}"
+        return f"{self.protocol:<9} {self.method}  {self.label}  {self.data['name']}  {' '.join(shown)}"
 
     # ------------------------------------------------------------------------ I/O
     def to_dict(self) -> dict[str, Any]:
