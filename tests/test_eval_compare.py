@@ -55,6 +55,16 @@ def test_delta_values(results_dir):
     assert [r[0] for r in cmp.rows] == ["dino", "mocov3", "supervised", "random"]
 
 
+def test_the_probe_on_augmented_images_is_its_own_column_beside_the_fixed_one(results_dir):
+    for method, top1 in (("dino", 0.85), ("supervised", 0.90)):
+        EvalResult(method, BACKBONE, DATA, "linear_aug", {"top1": top1}).to_json(results_dir / f"{method}_linear_aug.json")
+    cmp = build_comparison(load_results([results_dir]))
+    dino = ("dino", "vit_tiny/4", "fashion_mnist")
+    assert cmp.get(dino, "linear", "top1") == pytest.approx(0.83)  # not replaced by the other protocol's record
+    assert cmp.get(dino, "linear_aug", "top1") == pytest.approx(0.85)
+    assert cmp.get(dino, "linear_aug", "Δ sup") == pytest.approx(0.85 - 0.90)
+
+
 def test_another_representation_is_another_row_and_another_file(tmp_path):
     from ssl_vit.eval.run import result_path
 
