@@ -60,6 +60,24 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
         assert path.name == "random_vit-4_synthetic_linear_aug-avg.json"
 
 
+def test_eval_precision_reaches_the_extraction_and_the_training_and_is_recorded(tmp_path, monkeypatch, capsys):
+    import torch
+
+    import ssl_vit.eval.run as run
+
+    seen = []
+    extract = run.extract_features
+    monkeypatch.setattr(run, "extract_features", lambda *a, **k: seen.append(k["autocast_dtype"]) or extract(*a, **k))
+    base = ["--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--precision", "bf16-mixed"]
+    assert cli_main(["eval", "knn", *base, "--k", "5", "--out", str(tmp_path / "knn.json")]) == 0
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert cli_main(["eval", "finetune", *base, "--epochs", "1", "--max-steps", "1", "--batch-size", "16", "--out", str(tmp_path / "ft.json")]) == 0
+    for name in ("knn", "ft"):
+        assert json.loads((tmp_path / f"{name}.json").read_text())["protocol_args"]["precision"] == "bf16-mixed"
+    assert cli_main(["eval", "knn", *base[:-1], "16-mixed", "--device", "cpu"]) == 1
+    assert "--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true" in capsys.readouterr().err
+
+
 def test_options_of_the_probe_on_images_need_augment(capsys):
     assert cli_main(["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--run-dir", "x", "--max-steps", "3"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --run-dir, --max-steps: options of a linear probe trained on images; add --augment, "

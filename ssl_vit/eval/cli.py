@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=256)
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true",
+                   help="of the backbone's forward passes (and of fine-tuning's training): bf16-mixed halves a GPU's time; 16-mixed needs CUDA")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="results", help="folder for the result JSON (named after method, backbone, data and protocol), or a file name ending in .json")
 
@@ -209,6 +211,8 @@ def main(argv: list[str]) -> int:
     from ssl_vit.runtime import resolve_device
 
     device = resolve_device(args.device)
+    if args.precision == "16-mixed" and not device.startswith("cuda"):
+        raise ValueError("--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true")
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
     dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
     train_views = None
@@ -229,7 +233,7 @@ def main(argv: list[str]) -> int:
 
     if on_images:
         run = dict(max_steps=args.max_steps, num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
-                   run_dir=args.run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every)
+                   precision=args.precision, run_dir=args.run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every)
         try:
             if args.protocol == "finetune":
                 protocol = "finetune"
@@ -239,7 +243,7 @@ def main(argv: list[str]) -> int:
                     weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
                 )
                 protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
-                                                               "img_size", "batch_size", "mixup", "cutmix")}
+                                                               "img_size", "batch_size", "mixup", "cutmix", "precision")}
                 protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
             else:
                 protocol = "linear_aug"
@@ -248,7 +252,7 @@ def main(argv: list[str]) -> int:
                     features=args.features, base_lr=args.lr, optimizer=args.optimizer, warmup_epochs=args.warmup_epochs,
                 )
                 protocol_args = {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
-                                 "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "seed": args.seed}
+                                 "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "precision": args.precision, "seed": args.seed}
         except EvalRunInterrupted as stop:
             print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
             return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
@@ -262,7 +266,7 @@ def main(argv: list[str]) -> int:
         names = args.protocols if args.protocol == "frozen" else [args.protocol]
         out = evaluate_features(
             backbone, train_ds, test_ds, {name: _protocol_kwargs(args, name) for name in names}, feature_mode=args.features, batch_size=args.batch_size,
-            num_workers=args.num_workers, device=device, out_dir=args.out, **common,
+            num_workers=args.num_workers, device=device, precision=args.precision, out_dir=args.out, **common,
         )
         results = [(r, result_path(args.out, r)) for r in out]
     for result, path in results:

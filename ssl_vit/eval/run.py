@@ -58,6 +58,16 @@ def drop_unlabelled(features: Tensor, labels: Tensor, split: str) -> tuple[Tenso
     return features[keep], labels[keep]
 
 
+PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a Lightning precision name (None: full float32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
+
+
 def names_a_record(out: str | Path) -> bool:
     """Whether ``out`` names one record file (``*.json``) rather than a folder of records."""
     return Path(out).suffix.lower() == ".json"
@@ -88,6 +98,7 @@ def evaluate_features(
     batch_size: int = 256,
     num_workers: int = 0,
     device: str | torch.device | None = None,
+    precision: str = "32-true",
     source: str = "random",
     pretrain: dict[str, Any] | None = None,
     backbone_record: dict[str, Any] | None = None,
@@ -95,7 +106,8 @@ def evaluate_features(
 ) -> list[EvalResult]:
     """Run the feature-based ``protocols`` (name -> constructor kwargs) on one backbone.
 
-    Features of both splits are extracted once and shared by every protocol.
+    Features of both splits are extracted once and shared by every protocol; ``precision``
+    (Lightning's names: ``32-true``, ``bf16-mixed``, ``16-mixed``) is that of the extraction.
     """
     unknown = sorted(set(protocols) - set(FEATURE_PROTOCOLS))
     if unknown:
@@ -104,7 +116,8 @@ def evaluate_features(
         raise ValueError(f"{len(protocols)} protocols write {len(protocols)} records: the output (--out) must be a folder, not the file {out_dir}")
     if device is not None:
         backbone = backbone.to(device)
-    common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device}
+    common = {"mode": feature_mode, "batch_size": batch_size, "num_workers": num_workers, "device": device,
+              "autocast_dtype": autocast_dtype(precision)}
 
     def features_of(dataset: Dataset, split: str) -> tuple[Tensor, Tensor]:
         feats, labels = extract_features(backbone, dataset, **common)
@@ -123,7 +136,7 @@ def evaluate_features(
             data=data,
             protocol=name,
             metrics=metrics,
-            protocol_args={**dict(kwargs), "features": feature_mode},
+            protocol_args={**dict(kwargs), "features": feature_mode, "precision": precision},
             pretrain=dict(pretrain or {}),
             source=source,
         )
