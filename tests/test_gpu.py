@@ -133,6 +133,11 @@ def test_eval_and_visualize_run_on_cuda(tmp_path: Path) -> None:
     out = tmp_path / "knn.json"
     assert cli_main(["eval", "knn", "--backbone", *backbone, "--data", "synthetic", *synth, "--num-workers", "0", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["metrics"]["top1"] >= 0
+    for protocol in (["knn"], ["linear", "--augment", "--epochs", "1", "--probe-batch-size", "16"], ["finetune", "--epochs", "1", "--batch-size", "16"]):
+        rec = tmp_path / f"{protocol[0]}_16.json"
+        assert cli_main(["eval", *protocol, "--backbone", *backbone, "--data", "synthetic", *synth, "--num-workers", "0",
+                         "--precision", "16-mixed", "--out", str(rec)]) == 0
+        assert json.loads(rec.read_text())["protocol_args"]["precision"] == "16-mixed"
     assert cli_main(["visualize", *backbone[:3], "--device", "cuda", "--images", "synthetic", *synth, "--out", str(tmp_path / "fig"), "--num-images", "8"]) == 0
     assert (tmp_path / "fig" / "attention_distance.png").is_file()
 
