@@ -30,11 +30,13 @@ def test_modes_shapes_and_values(vit, data):
         for blk in vit.blocks:
             h, _ = blk(h)
             outs.append(vit.norm(h)[:, 0])
+        last = vit.norm(h)  # [11, 17, 32]: DINO's intermediate output of the last block
     vit.train()  # drop path is on: features computed in train mode would differ
     for mode, width, expected in (
         ("cls", 32, tokens[:, 0]),
         ("last4", 128, torch.cat(outs[-4:], dim=1)),
         ("avg", 32, tokens[:, 1:].mean(dim=1)),
+        ("cls_avg", 64, torch.cat([last[:, 0], last[:, 1:].mean(dim=1)], dim=1)),  # DINO ViT-B: [CLS] + mean patch token
     ):
         f, labels = extract_features(vit, ds, mode=mode, batch_size=4)  # 4 does not divide 11
         assert f.shape == (11, width) == (11, feature_dim(vit, mode)) and f.dtype == torch.float32
@@ -63,7 +65,7 @@ def test_resnet_only_has_pooled_features(data):
     net = create_backbone("resnet18", in_chans=1, small_input=True, img_size=16)
     f, _ = extract_features(net, TensorDataset(x[:4], y[:4]))
     assert f.shape == (4, 512)
-    for mode in ("last4", "avg"):
+    for mode in ("last4", "avg", "cls_avg"):
         with pytest.raises(ValueError, match="mode='cls'"):
             extract_features(net, TensorDataset(x, y), mode=mode)
     with pytest.raises(ValueError, match="unknown feature mode"):

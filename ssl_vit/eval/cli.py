@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-subset", type=int, default=None, help="use a fixed random subset of the training split")
     g.add_argument("--test-subset", type=int, default=None, help="use a fixed random subset of the test split")
     g = common.add_argument_group("run")
-    g.add_argument("--features", choices=["cls", "last4", "avg"], default="cls", help="representation: [CLS], last-4 [CLS] concatenated, or mean patch token")
+    g.add_argument("--features", choices=["cls", "last4", "avg", "cls_avg"], default="cls",
+                   help="representation: [CLS]; last-4 [CLS] concatenated (DINO ViT-S); mean patch token; [CLS] + mean patch token (DINO ViT-B)")
     g.add_argument("--batch-size", type=int, default=256)
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")

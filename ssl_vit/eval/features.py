@@ -1,11 +1,14 @@
 """Frozen features of a backbone over a labelled dataset: the input of the kNN, few-shot and
 linear-probe protocols (DINO ``eval_linear.py`` / ``eval_knn.py``; specs §4, §5).
 
-Three read-outs of a ViT:
-    ``"cls"``   the [CLS] token after the final LayerNorm, i.e. ``backbone(x)`` (ViT paper §3.1);
-    ``"last4"`` the [CLS] tokens of the last 4 blocks (each through the final LayerNorm),
-                concatenated: DINO's linear protocol for ViT-S (DINO §4 / ``eval_linear.py``);
-    ``"avg"``   the mean of the patch tokens after the final LayerNorm (timm's ``global_pool="avg"``).
+Four read-outs of a ViT:
+    ``"cls"``     the [CLS] token after the final LayerNorm, i.e. ``backbone(x)`` (ViT paper §3.1);
+    ``"last4"``   the [CLS] tokens of the last 4 blocks (each through the final LayerNorm),
+                  concatenated: DINO's linear protocol for ViT-S (DINO §4 / ``eval_linear.py``);
+    ``"avg"``     the mean of the patch tokens after the final LayerNorm (timm's ``global_pool="avg"``);
+    ``"cls_avg"`` the [CLS] token and the mean of the patch tokens after the final LayerNorm,
+                  concatenated: DINO's linear protocol for ViT-B (``eval_linear.py`` with
+                  ``--n_last_blocks 1 --avgpool_patchtokens true``).
 ResNets have one read-out, the globally pooled feature map (``"cls"`` = ``backbone(x)``).
 """
 
@@ -23,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset
 from ssl_vit.backbones import is_vit
 from ssl_vit.runtime import world_info
 
-FeatureMode = Literal["cls", "last4", "avg"]
-FEATURE_MODES: tuple[str, ...] = ("cls", "last4", "avg")
+FeatureMode = Literal["cls", "last4", "avg", "cls_avg"]
+FEATURE_MODES: tuple[str, ...] = ("cls", "last4", "avg", "cls_avg")
 
 Gather = Callable[[Tensor], Tensor]
 """Maps a per-process tensor ``[n_local, ...]`` to the concatenation over processes
@@ -60,7 +63,7 @@ def gather_in_sampler_order(num_samples: int) -> Gather:
 def feature_dim(backbone: nn.Module, mode: FeatureMode = "cls", n_last_blocks: int = 4) -> int:
     """Width of the features ``extract_features`` returns for ``mode``."""
     _check_mode(backbone, mode, n_last_blocks)
-    return backbone.embed_dim * (n_last_blocks if mode == "last4" else 1)
+    return backbone.embed_dim * {"last4": n_last_blocks, "cls_avg": 2}.get(mode, 1)
 
 
 def _check_mode(backbone: nn.Module, mode: str, n_last_blocks: int) -> None:
@@ -85,7 +88,11 @@ def embed(backbone: nn.Module, x: Tensor, mode: FeatureMode = "cls", n_last_bloc
         layers = backbone.get_intermediate_layers(x, n_last_blocks)  # n x [B, 1+N, D]
         return torch.cat([t[:, 0] for t in layers], dim=-1)  # [B, n*D]
     tokens = backbone.forward_features(x)  # [B, 1+N, D]
-    return tokens[:, backbone.num_prefix_tokens :].mean(dim=1)  # [B, D]
+    avg = tokens[:, backbone.num_prefix_tokens :].mean(dim=1)  # [B, D]
+    if mode == "avg":
+        return avg
+    # DINO interleaves the two ([B, D, 2] reshaped); a linear read-out does not depend on the order.
+    return torch.cat([tokens[:, 0], avg], dim=-1)  # [B, 2D]
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -112,7 +119,7 @@ def extract_features(
         backbone: any registered backbone (see ``ssl_vit.backbones``).
         data: a dataset of ``(image [C, H, W], label)`` pairs (batched here, in order), or a
             ready ``DataLoader`` / iterable of ``(images [B, C, H, W], labels [B])`` batches.
-        mode: ``"cls"``, ``"last4"`` or ``"avg"`` (module docstring); ResNets only ``"cls"``.
+        mode: ``"cls"``, ``"last4"``, ``"avg"`` or ``"cls_avg"`` (module docstring); ResNets only ``"cls"``.
         batch_size, num_workers: for the DataLoader built when ``data`` is a dataset.
         n_last_blocks: how many blocks ``"last4"`` concatenates (DINO: 4 for ViT-S).
         device: where the backbone runs; default: where its parameters are.

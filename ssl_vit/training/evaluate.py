@@ -27,7 +27,8 @@ class RecipeEvaluation:
 
     Args:
         protocols: which frozen-feature protocols to run: ``linear``, ``knn``, ``fewshot``.
-        features: the representation: ``cls``, ``last4`` (DINO's linear protocol) or ``avg``.
+        features: the representation: ``cls``, ``last4`` (DINO's linear protocol for ViT-S),
+            ``avg`` or ``cls_avg`` (DINO's for ViT-B).
         which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``); None:
             DINO's teacher, otherwise the online backbone.
         linear: arguments of ``LinearProbe`` (its defaults where not given).
@@ -44,7 +45,7 @@ class RecipeEvaluation:
     def __init__(
         self,
         protocols: list[Protocol] | None = None,
-        features: Literal["cls", "last4", "avg"] = "cls",
+        features: Literal["cls", "last4", "avg", "cls_avg"] = "cls",
         which: Literal["teacher", "student", "momentum"] | None = None,
         linear: dict[str, Any] | None = None,
         knn: dict[str, Any] | None = None,
