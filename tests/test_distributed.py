@@ -387,6 +387,35 @@ def test_a_crash_in_one_process_ends_the_whole_run(tmp_path):
     assert "ssl-vit fit: error (process 0 of 2): " in output and "Connection closed by peer" in output, output[-3000:]
 
 
+def test_finetuning_on_two_processes_takes_the_steps_of_one_process_at_twice_the_batch(tmp_path):
+    """``ssl-vit eval finetune --devices 2`` (2 CPU processes, 8 images each per step) ends with
+    the weights of one process at 16 per step (the same images per step, the same crops, the
+    gradients averaged, the LR scaled by the global batch), tests on the whole split once and
+    writes one record."""
+    import json
+
+    tiny = json.dumps({"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2, "num_heads": 2})
+    base = [sys.executable, "-m", "ssl_vit.cli", "eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", tiny, "--data", "synthetic",
+            "--data-arg", "num_samples=64", "--data-arg", "num_test_samples=30", "--data-arg", "num_classes=4", "--num-workers", "0",
+            "--device", "cpu", "--epochs", "2", "--drop-path", "0", "--lr", "0.05"]
+    runs = {}
+    for name, layout in (("two", ["--devices", "2", "--batch-size", "8"]), ("one", ["--batch-size", "16"])):
+        cmd = [*base, *layout, "--run-dir", str(tmp_path / name), "--out", str(tmp_path / f"{name}.json")]
+        done = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        runs[name] = {"out": done.stdout, "record": json.loads((tmp_path / f"{name}.json").read_text()),
+                      "state": torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]}
+    two, one = runs["two"], runs["one"]
+    assert two["out"].count("finetune") == 1  # process 0 reports; process 1 writes nothing
+    assert two["record"]["protocol_args"]["devices"] == 2 and two["record"]["data"]["test_size"] == 30
+    assert two["record"]["metrics"] == one["record"]["metrics"]
+    assert one["state"]["head.weight"].abs().max() > 1e-3  # trained (initialised at std 2e-5)
+    assert two["state"].keys() == one["state"].keys()
+    for k, v in one["state"].items():
+        if v.is_floating_point():
+            torch.testing.assert_close(two["state"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
 @pytest.mark.slow
 def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
     """``ssl-vit fit --config <recipe> --config recipes/trainer/ddp_cpu2.yaml`` (Lightning starts

@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
     g.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
     g.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimiser steps (the LR schedule follows)")
+    g.add_argument("--devices", type=int, default=1,
+                   help="processes on this machine (DDP; --device cpu: CPU processes, cuda: the first N GPUs); the batch size is per process")
+    g.add_argument("--num-nodes", type=int, default=1, help="machines (DDP under torchrun or SLURM, --devices processes on each)")
     p = sub.add_parser("linear", parents=[common, linear, images], help="linear probe on frozen features (BN + linear, SGD); --augment: trained on augmented images (the papers' protocol)",
                        description="Linear probe on the frozen backbone: on features extracted once from the evaluation transform, "
                                    "or with --augment the papers' protocol (MoCo v3, DINO, MAE): every step a random resized crop "
@@ -185,7 +188,19 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     return cls(**kwargs)
 
 
-_IMAGE_RUN_DEFAULTS = {"crop_scale": None, "run_dir": None, "resume": False, "checkpoint_every": 500, "max_steps": -1}
+_IMAGE_RUN_DEFAULTS = {"crop_scale": None, "run_dir": None, "resume": False, "checkpoint_every": 500, "max_steps": -1, "devices": 1, "num_nodes": 1}
+
+
+def _trainer_devices(device: str, count: int) -> int | list[int]:
+    """Lightning's ``devices`` for ``--device`` and ``--devices``: ``cuda:1`` is that GPU."""
+    if count < 1:
+        raise ValueError(f"--devices must be >= 1, got {count}")
+    if ":" in device:
+        if count > 1:
+            raise ValueError(f"--device {device} names one GPU; with --devices {count} use --device cuda "
+                             "(the first GPUs; CUDA_VISIBLE_DEVICES picks others)")
+        return [int(device.split(":", 1)[1])]
+    return count
 
 
 def main(argv: list[str]) -> int:
@@ -234,29 +249,34 @@ def main(argv: list[str]) -> int:
 
     if on_images:
         run = dict(max_steps=args.max_steps, num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
-                   precision=args.precision, run_dir=args.run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every)
+                   devices=_trainer_devices(device, args.devices), num_nodes=args.num_nodes, precision=args.precision, run_dir=args.run_dir,
+                   resume=args.resume, checkpoint_every=args.checkpoint_every)
         try:
             if args.protocol == "finetune":
                 protocol = "finetune"
                 metrics = run_finetune(
-                    backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run,
+                    backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run,
                     base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
                     weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
                 )
                 protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
-                                                               "img_size", "batch_size", "mixup", "cutmix", "precision")}
+                                                               "img_size", "batch_size", "mixup", "cutmix", "precision", "devices", "num_nodes")}
                 protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
             else:
                 protocol = "linear_aug"
                 metrics = run_linear_augmented(
-                    backbone.to(device), train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.probe_batch_size, **run,
+                    backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.probe_batch_size, **run,
                     features=args.features, base_lr=args.lr, optimizer=args.optimizer, warmup_epochs=args.warmup_epochs,
                 )
                 protocol_args = {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
-                                 "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "precision": args.precision, "seed": args.seed}
+                                 "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "precision": args.precision, "devices": args.devices,
+                                 "num_nodes": args.num_nodes, "seed": args.seed}
         except EvalRunInterrupted as stop:
-            print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
+            if stop.rank == 0:
+                print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
             return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
+        if metrics is None:
+            return 0  # another process of a distributed run: process 0 tests and writes the record
         result = EvalResult(
             method=method, backbone=common["backbone_record"], data=data_record, protocol=protocol, metrics=metrics,
             protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],

@@ -263,6 +263,7 @@ def run_finetune(
     num_workers: int = 0,
     accelerator: str = "auto",
     devices: int | str = 1,
+    num_nodes: int = 1,
     precision: str = "32-true",
     seed: int = 0,
     default_root_dir: str | None = None,
@@ -271,24 +272,26 @@ def run_finetune(
     resume: bool = False,
     checkpoint_every: int = 500,
     **module_kwargs: Any,
-) -> dict[str, float]:
+) -> dict[str, float] | None:
     """Fine-tune ``backbone`` (in place) on ``train_ds`` with a Lightning Trainer and return the
     test accuracies ``{"top1", "top5"}`` (fractions; top-5 only with >= 5 classes).
 
     ``module_kwargs`` go to ``FineTuneModule`` (``base_lr``, ``layer_decay``, ``drop_path_rate``,
-    ``label_smoothing``, ``mixup_alpha``, ``img_size`` ...); its ``batch_size`` is this one.
+    ``label_smoothing``, ``mixup_alpha``, ``img_size`` ...); ``batch_size`` is per process, the
+    LR scales with the global batch (x ``devices`` x ``num_nodes``, MAE's rule).
     ``max_steps`` caps the run (smoke tests); the LR schedule follows the shorter of the two.
 
-    ``run_dir``, ``resume`` and ``checkpoint_every``: checkpoints, signals and exact resume as
+    ``run_dir``, ``resume`` and ``checkpoint_every``: checkpoints, signals and exact resume, and
+    several processes (the metrics come back in process 0, None in the others), as
     ``ssl_vit.eval.train_run.train_and_test`` describes (a signal raises
     :class:`~ssl_vit.eval.train_run.EvalRunInterrupted`)."""
-    def make_module(total_steps: int, steps_per_epoch: int) -> FineTuneModule:
-        return FineTuneModule(backbone, num_classes, batch_size=batch_size, seed=seed, total_steps=total_steps,
+    def make_module(total_steps: int, steps_per_epoch: int, world_size: int) -> FineTuneModule:
+        return FineTuneModule(backbone, num_classes, batch_size=batch_size * world_size, seed=seed, total_steps=total_steps,
                               steps_per_epoch=steps_per_epoch, **module_kwargs)
 
     return train_and_test(
         make_module, train_ds, test_ds, what="fine-tuning", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
-        num_workers=num_workers, accelerator=accelerator, devices=devices, precision=precision, seed=seed,
+        num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
         default_root_dir=default_root_dir, enable_progress_bar=enable_progress_bar, run_dir=run_dir, resume=resume,
         checkpoint_every=checkpoint_every,
     )

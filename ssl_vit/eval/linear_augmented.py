@@ -149,22 +149,25 @@ def run_linear_augmented(
     num_workers: int = 0,
     accelerator: str = "auto",
     devices: int | str = 1,
+    num_nodes: int = 1,
     precision: str = "32-true",
     seed: int = 0,
     run_dir: str | Path | None = None,
     resume: bool = False,
     checkpoint_every: int = 500,
     **module_kwargs: Any,
-) -> dict[str, float]:
+) -> dict[str, float] | None:
     """Train an :class:`AugmentedLinearProbe` on ``train_ds`` (a dataset whose transform
     augments) and return its test accuracies ``{"top1", "top5"}`` (fractions). ``module_kwargs``
-    go to the module (``features``, ``base_lr``, ``optimizer`` ...); checkpoints, signals and
-    resume as :func:`~ssl_vit.eval.train_run.train_and_test`."""
+    go to the module (``features``, ``base_lr``, ``optimizer`` ...); ``batch_size`` is per process
+    (the LR scales with the global batch); checkpoints, signals, resume and several processes (the
+    metrics come back in process 0, None in the others) as
+    :func:`~ssl_vit.eval.train_run.train_and_test`."""
 
-    def make_module(total_steps: int, steps_per_epoch: int) -> AugmentedLinearProbe:
+    def make_module(total_steps: int, steps_per_epoch: int, world_size: int) -> AugmentedLinearProbe:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # the head's initialisation
-            return AugmentedLinearProbe(backbone, num_classes, batch_size=batch_size, total_steps=total_steps,
+            return AugmentedLinearProbe(backbone, num_classes, batch_size=batch_size * world_size, total_steps=total_steps,
                                         steps_per_epoch=steps_per_epoch, **module_kwargs)
 
     with warnings.catch_warnings():
@@ -172,6 +175,6 @@ def run_linear_augmented(
         warnings.filterwarnings("ignore", message="Found .* module\\(s\\) in eval mode at the start of training")
         return train_and_test(
             make_module, train_ds, test_ds, what="linear probe", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
-            num_workers=num_workers, accelerator=accelerator, devices=devices, precision=precision, seed=seed,
+            num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
             run_dir=run_dir, resume=resume, checkpoint_every=checkpoint_every,
         )

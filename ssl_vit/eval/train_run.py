@@ -21,22 +21,24 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
+from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.step_checkpoint import StepCheckpoint, newest_checkpoint
 
-ModuleFactory = Callable[[int, int], L.LightningModule]
-"""``(total_steps, steps_per_epoch) -> module``: the module to train, its LR schedule sized by
-the run (known before a resumed run restores its position in the data)."""
+ModuleFactory = Callable[[int, int, int], L.LightningModule]
+"""``(total_steps, steps_per_epoch, world_size) -> module``: the module to train, its LR schedule
+sized by the run (known before a resumed run restores its position in the data) and its LR
+scaled by the global batch (``batch_size`` per process x ``world_size`` processes)."""
 
 
 class EvalRunInterrupted(RuntimeError):
     """A signal (SIGTERM, SIGUSR1) stopped an evaluator's training run after a step; its state is
     in ``checkpoint`` and the same call with ``resume=True`` continues it."""
 
-    def __init__(self, what: str, signal_name: str, step: int, checkpoint: Path) -> None:
+    def __init__(self, what: str, signal_name: str, step: int, checkpoint: Path, rank: int = 0) -> None:
         super().__init__(f"{what} stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        self.signal_name, self.step, self.checkpoint, self.rank = signal_name, step, checkpoint, rank
 
 
 class _PlainIndex(Dataset):
@@ -65,6 +67,7 @@ def train_and_test(
     num_workers: int = 0,
     accelerator: str = "auto",
     devices: int | str = 1,
+    num_nodes: int = 1,
     precision: str = "32-true",
     seed: int = 0,
     default_root_dir: str | None = None,
@@ -72,10 +75,16 @@ def train_and_test(
     run_dir: str | Path | None = None,
     resume: bool = False,
     checkpoint_every: int = 500,
-) -> dict[str, float]:
+) -> dict[str, float] | None:
     """Train the module ``make_module`` builds on ``train_ds`` for ``epochs`` (capped at
     ``max_steps``), then return its test metrics whose names start with ``test_top``, without
-    that prefix (``{"top1", "top5"}``). ``what`` names the run in its messages."""
+    that prefix (``{"top1", "top5"}``). ``what`` names the run in its messages.
+
+    With several processes (``devices`` x ``num_nodes``; DDP, Lightning starts the processes on
+    one machine as it does for ``ssl-vit fit``) ``batch_size`` is per process and each takes its
+    share of every epoch; the test runs on the whole test split in process 0, which returns the
+    metrics, while the others return None (a distributed test would pad the split to a multiple of
+    the processes and count some images twice)."""
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if resume and run_dir is None:
@@ -102,6 +111,7 @@ def train_and_test(
         max_steps=max_steps,
         accelerator=accelerator,
         devices=devices,
+        num_nodes=num_nodes,
         precision=precision,
         logger=False,
         enable_checkpointing=run_dir is not None,
@@ -121,7 +131,7 @@ def train_and_test(
     test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     per_epoch = max(1, len(train_loader))
     total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
-    module = make_module(total, per_epoch)
+    module = make_module(total, per_epoch, trainer.world_size)
     with warnings.catch_warnings():
         if ckpt_path is not None:  # the directory holds this run's own files
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
@@ -131,6 +141,21 @@ def train_and_test(
             pass  # stopped after the current step; PreemptionCheckpoint saved it
     preemption = next((cb for cb in callbacks if isinstance(cb, PreemptionCheckpoint)), None)
     if preemption is not None and preemption.stopped_by:
-        raise EvalRunInterrupted(what, preemption.stopped_by, trainer.global_step, PreemptionCheckpoint.last_path(trainer))
+        release_process_group()  # every process stopped at the same step
+        raise EvalRunInterrupted(what, preemption.stopped_by, trainer.global_step, PreemptionCheckpoint.last_path(trainer), trainer.global_rank)
+    if trainer.world_size > 1:
+        # Every process ended the run at the same step: the group goes (the test below is one
+        # process's, and torchmetrics would otherwise try to synchronise it with the others).
+        release_process_group()
+        if trainer.global_rank != 0:
+            return None
+        trainer = L.Trainer(accelerator=accelerator, devices=_first_device(trainer), precision=precision, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=enable_progress_bar)
     (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
     return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}
+
+
+def _first_device(trainer: L.Trainer) -> int | list[int]:
+    """The device process 0 trained on, for a one-device trainer (CUDA: its index)."""
+    device = trainer.strategy.root_device
+    return [device.index] if device.type == "cuda" and device.index is not None else 1

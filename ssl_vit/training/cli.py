@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.pretext.base import NO_LENGTH, PretextModule
+from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.evaluate import RecipeEvaluation
 from ssl_vit.training.preemption import PreemptionCheckpoint
@@ -210,15 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         release_process_group()
-
-
-def release_process_group() -> None:
-    """Destroy the default process group while the interpreter is whole. Lightning registers this
-    at exit for NCCL only; a gloo group left to the interpreter's finalisation aborts the process
-    now and then (``terminate called without an active exception``, status -6 instead of the
-    run's own), as a two-process CPU run stopped by SIGTERM showed."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 # Backbone arguments that do not change the parameters' shapes: a run may continue with others.
