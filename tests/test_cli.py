@@ -252,3 +252,12 @@ def test_a_bad_heap_setting_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("SSL_VIT_MALLOC", "fast")
     assert cli_main(["backbones"]) == 2
     assert "ssl-vit: error: SSL_VIT_MALLOC must be 'system' or 'keep'" in capsys.readouterr().err
+
+
+def test_trainer_devices_of_the_device_options():
+    from ssl_vit.eval.cli import _trainer_devices
+
+    assert _trainer_devices("cuda:1", 1) == [1]  # that GPU, not the first
+    assert _trainer_devices("cuda", 4) == 4 and _trainer_devices("cpu", 2) == 2
+    with pytest.raises(ValueError, match="--device cuda:1 names one GPU; with --devices 2 use --device cuda"):
+        _trainer_devices("cuda:1", 2)
