@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = common.add_argument_group("run")
     g.add_argument("--features", choices=["cls", "last4", "avg", "cls_avg"], default="cls",
                    help="representation: [CLS]; last-4 [CLS] concatenated (DINO ViT-S); mean patch token; [CLS] + mean patch token (DINO ViT-B)")
-    g.add_argument("--batch-size", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=256,
+                   help="images per forward pass of the feature extraction; fine-tuning: per process and step (--probe-batch-size: the probes')")
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true",
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
     g.add_argument("--warmup-epochs", type=int, default=10,
                    help="linear LR warm-up before the cosine decay (MAE: 10 of 90 epochs); a run no longer than it only warms up")
-    g.add_argument("--probe-batch-size", type=int, default=256)
+    g.add_argument("--probe-batch-size", type=int, default=256, help="examples per step of the linear probe (with --augment: per process)")
     knn = argparse.ArgumentParser(add_help=False)
     g = knn.add_argument_group("kNN")
     g.add_argument("--k", type=int, default=20, help="neighbours that vote (DINO: 20)")
