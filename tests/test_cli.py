@@ -120,6 +120,35 @@ def test_eval_finetune_checkpoints_into_its_run_dir_and_resumes(tmp_path, capsys
     assert "--resume needs the --run-dir" in capsys.readouterr().err
 
 
+def test_eval_finetune_exports_the_classifier_that_timm_builds(tmp_path, capsys):
+    """``--export DIR``: the fine-tuned backbone and classifier in one export folder; timm builds
+    the whole classifier from it (its logits are ours), ssl_vit's loaders the backbone, and a
+    fine-tuning at another resolution is exported at that resolution."""
+    import timm
+    import torch
+    from safetensors.torch import load_file
+
+    import ssl_vit
+
+    args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "1", "--batch-size", "16",
+            "--lr", "0.05", "--img-size", "24", "--run-dir", str(tmp_path / "ft"), "--out", str(tmp_path / "ft.json"), "--export", str(tmp_path / "exp")]
+    assert cli_main(args) == 0
+    assert "4-class classifier" in capsys.readouterr().out
+    trained = torch.load(tmp_path / "ft" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    weights = load_file(tmp_path / "exp" / "model.safetensors")
+    assert torch.equal(weights["head.weight"], trained["head.weight"]) and weights["head.weight"].abs().max() > 1e-3
+    assert torch.equal(weights["pos_embed"], trained["backbone.pos_embed"]) and weights["pos_embed"].shape[1] == 1 + 36  # 24 px / 4
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert cfg["num_classes"] == 4 and cfg["ssl_vit"]["method"] == "random+finetune"
+    assert [r["protocol"] for r in cfg["ssl_vit"]["results"]] == ["finetune"]
+    backbone = ssl_vit.load_backbone(tmp_path / "exp")
+    x = torch.randn(3, 3, 24, 24)
+    with torch.no_grad():
+        ours = torch.nn.functional.linear(backbone(x), weights["head.weight"], weights["head.bias"])  # [3, 4]
+        theirs = timm.create_model(f"local-dir:{tmp_path / 'exp'}", pretrained=True).eval()(x)
+    torch.testing.assert_close(theirs, ours)
+
+
 def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert cli_main(["eval", "knn", "--backbone", str(tmp_path / "nope.ckpt"), *SYNTH]) == 1
     err = capsys.readouterr().err.strip().splitlines()

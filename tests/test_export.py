@@ -149,6 +149,24 @@ def test_average_pooled_vit_rebuilds_in_timm_from_config(tmp_path):
     torch.testing.assert_close(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), model(x))
 
 
+def test_a_resnet_classifier_exports_under_torchvision_names(tmp_path):
+    # A fine-tuned ResNet's head goes in as torchvision's fc: resnet18(num_classes=K) loads the
+    # file strictly and computes the same logits; the backbone loaders leave fc out.
+    torch.manual_seed(0)
+    net = create_backbone("resnet18", in_chans=3, img_size=16).eval()
+    head = torch.nn.Linear(512, 4)
+    out = save_backbone(net, tmp_path / "exp", head=head).out_dir
+    tv = torchvision.models.resnet18(num_classes=4).eval()
+    tv.load_state_dict(load_file(out / "model.safetensors"), strict=True)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(tv(x), head(net(x)))
+        torch.testing.assert_close(load_backbone(out)(x), net(x))
+    assert json.loads((out / "config.json").read_text())["num_classes"] == 4
+    with pytest.raises(ValueError, match="the head takes 384 features; the backbone gives 512"):
+        save_backbone(net, tmp_path / "bad", head=torch.nn.Linear(384, 4))
+
+
 def test_resnet_export_loads_into_torchvision(tmp_path):
     torch.manual_seed(3)
     kwargs = {"in_chans": 3, "img_size": 16}

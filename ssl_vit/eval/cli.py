@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-augment", action="store_true", help="train on the evaluation transform (resize + centre crop) instead")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp alpha (MAE: 0.8; 0: off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (MAE: 1.0; 0: off); with both, one per batch")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write the fine-tuned model as an export folder: backbone + classifier in model.safetensors (timm names; "
+                        "timm.create_model('local-dir:DIR', pretrained=True) builds the classifier), config.json with this result")
+    p.add_argument("--export-format", nargs="+", default=["safetensors"], choices=["safetensors", "torchscript", "export", "onnx"],
+                   help="also the traced backbone (features, without the classifier), as ssl-vit export --format")
     return parser
 
 
@@ -219,18 +224,19 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
 
     from ssl_vit.data import SingleView
-    from ssl_vit.eval.finetune import run_finetune
+    from ssl_vit.eval.finetune import new_head, run_finetune
     from ssl_vit.eval.linear_augmented import run_linear_augmented
     from ssl_vit.eval.results import EvalResult, backbone_info, chosen_encoder
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
     from ssl_vit.eval.train_run import EvalRunInterrupted
-    from ssl_vit.export import load_any_backbone
+    from ssl_vit.export.load import resolve, source_info
     from ssl_vit.runtime import resolve_device
 
     device = resolve_device(args.device)
     if args.precision == "16-mixed" and not device.startswith("cuda"):
         raise ValueError("--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true")
-    backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
+    backbone, source = resolve(args.backbone, "cpu", args.which, args.arch, args.backbone_kwargs, args.seed)
+    info = source_info(source, backbone)
     dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
     train_views = None
     if on_images and not getattr(args, "no_augment", False):
@@ -255,8 +261,9 @@ def main(argv: list[str]) -> int:
         try:
             if args.protocol == "finetune":
                 protocol = "finetune"
+                head = new_head(backbone.embed_dim, num_classes)  # trained in place, for --export
                 metrics = run_finetune(
-                    backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run,
+                    backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run, head=head,
                     base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
                     weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
                 )
@@ -284,6 +291,8 @@ def main(argv: list[str]) -> int:
         )
         path = result.to_json(result_path(args.out, result))
         results = [(result, path)]
+        if args.protocol == "finetune" and args.export is not None:
+            export_finetuned(backbone, head, source, args.export, args.export_format, path)
     else:
         names = args.protocols if args.protocol == "frozen" else [args.protocol]
         out = evaluate_features(
@@ -295,6 +304,17 @@ def main(argv: list[str]) -> int:
         print(result.summary_line())
         print(f"  -> {path}")
     return 0
+
+
+def export_finetuned(backbone: Any, head: Any, source: Any, out_dir: str, formats: list[str], record: Any) -> None:
+    """The fine-tuned backbone and its classifier as an export folder, its result recorded."""
+    from ssl_vit.export import save_backbone
+
+    # The architecture as fine-tuned (another --img-size resamples the position embedding).
+    source.backbone_kwargs = {**source.backbone_kwargs, "img_size": tuple(int(s) for s in backbone.img_size)}
+    source.method = f"{source.method or 'unknown'}+finetune"
+    out = save_backbone(backbone, out_dir, source, formats=formats, results=[record], head=head)
+    print(f"  -> {out.out_dir} (fine-tuned backbone + {head.out_features}-class classifier)")
 
 
 if __name__ == "__main__":  # pragma: no cover

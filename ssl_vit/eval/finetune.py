@@ -121,6 +121,16 @@ def set_drop_path(backbone: nn.Module, rate: float) -> None:
 
 
 # ----------------------------------------------------------------------------- the module
+def new_head(in_dim: int, num_classes: int) -> nn.Linear:
+    """The classifier a fine-tuning starts with: MAE ``main_finetune.py`` initialises its weights
+    trunc-normal(std 2e-5), so training starts from near-uniform predictions and the pretrained
+    features are not hit by large gradients."""
+    head = nn.Linear(in_dim, num_classes)
+    nn.init.trunc_normal_(head.weight, std=2e-5)
+    nn.init.zeros_(head.bias)
+    return head
+
+
 class FineTuneModule(L.LightningModule):
     """Backbone + linear head trained end to end (module docstring for the recipe).
 
@@ -146,6 +156,8 @@ class FineTuneModule(L.LightningModule):
         total_steps, steps_per_epoch: the length of the LR schedule in optimiser steps (None:
             the trainer's estimate, which needs the training loader before a resumed run has
             restored its position; ``run_finetune`` passes both).
+        head: the classifier to train (``embed_dim -> num_classes``), trained in place like the
+            backbone; None: a new one (:func:`new_head`).
     """
 
     def __init__(
@@ -166,6 +178,7 @@ class FineTuneModule(L.LightningModule):
         seed: int = 0,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
+        head: nn.Linear | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -174,7 +187,7 @@ class FineTuneModule(L.LightningModule):
             raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
         if not 0 <= label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        self.save_hyperparameters(ignore=["backbone"])
+        self.save_hyperparameters(ignore=["backbone", "head"])
         self.backbone = backbone
         if img_size is not None and is_vit(backbone):
             size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
@@ -184,11 +197,9 @@ class FineTuneModule(L.LightningModule):
             set_drop_path(backbone, drop_path_rate)
         elif drop_path_rate > 0:
             rank_zero_warn(f"drop_path_rate={drop_path_rate} ignored: {type(backbone).__name__} has no blocks")
-        self.head = nn.Linear(backbone.embed_dim, num_classes)
-        # MAE main_finetune.py: head weights trunc-normal(std 2e-5), so training starts from
-        # near-uniform predictions and the pretrained features are not hit by large gradients.
-        nn.init.trunc_normal_(self.head.weight, std=2e-5)
-        nn.init.zeros_(self.head.bias)
+        if head is not None and (head.in_features, head.out_features) != (backbone.embed_dim, num_classes):
+            raise ValueError(f"head maps {head.in_features} -> {head.out_features}; this fine-tuning needs {backbone.embed_dim} -> {num_classes}")
+        self.head = head if head is not None else new_head(backbone.embed_dim, num_classes)
         self.lr = base_lr * batch_size / 256
         ops = [op(alpha=a, num_classes=num_classes) for op, a in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if a > 0]
         self.mix = v2.RandomChoice(ops) if len(ops) == 2 else (ops[0] if ops else None)

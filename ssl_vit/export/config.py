@@ -166,14 +166,21 @@ def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> lis
     return results
 
 
+def classifier_name(model: nn.Module) -> str:
+    """timm's name of the classifier on a backbone: ``head`` (ViTs, hybrids), ``fc`` (ResNets)."""
+    return "head" if isinstance(model, VisionTransformer) else "fc"
+
+
 def build_config(
     model: nn.Module,
     source: BackboneSource,
     normalization: dict[str, Any],
     results: list[dict[str, Any]],
     files: dict[str, dict[str, Any]],
+    num_classes: int = 0,
 ) -> dict[str, Any]:
-    """The whole ``config.json`` (see the module docstring)."""
+    """The whole ``config.json`` (see the module docstring); ``num_classes`` > 0 when
+    ``model.safetensors`` also holds a classifier (a fine-tuned model)."""
     from ssl_vit import __version__
 
     in_chans = int(model.in_chans)
@@ -184,9 +191,9 @@ def build_config(
         "input_size": input_size,
         "mean": normalization["mean"],
         "std": normalization["std"],
-        "num_classes": 0,
+        "num_classes": num_classes,
         "first_conv": "patch_embed.proj" if is_plain_vit(model) else "conv1" if isinstance(model, ResNetBackbone) else None,
-        "classifier": "head" if is_vit else "fc",
+        "classifier": classifier_name(model),
         "fixed_input_size": is_vit,
     }
     config: dict[str, Any] = {}
@@ -195,7 +202,7 @@ def build_config(
         config["architecture"], config["model_args"] = arch[0], arch[1]
     config.update(
         {
-            "num_classes": 0,
+            "num_classes": num_classes,
             "num_features": int(model.embed_dim),
             "global_pool": getattr(model, "global_pool", "avg"),
             "pretrained_cfg": {k: v for k, v in pretrained_cfg.items() if v is not None},

@@ -12,7 +12,13 @@ from typing import Any
 
 from torch import nn
 
-from ssl_vit.export.config import build_config, collect_results, file_record, resolve_normalization
+from ssl_vit.export.config import (
+    build_config,
+    classifier_name,
+    collect_results,
+    file_record,
+    resolve_normalization,
+)
 from ssl_vit.export.files import (
     atomic_write_json,
     publish,
@@ -20,6 +26,7 @@ from ssl_vit.export.files import (
     save_safetensors,
     staging_dir,
 )
+from ssl_vit.export.foreign import fit_state_dict
 from ssl_vit.export.load import instantiate, resolve
 from ssl_vit.export.sources import BackboneSource
 from ssl_vit.export.traced import (
@@ -66,6 +73,7 @@ def save_backbone(
     results: Sequence[str | Path] = (),
     tolerance: float = 1e-4,
     opset: int | None = None,
+    head: nn.Linear | None = None,
 ) -> ExportResult:
     """Export an in-memory backbone.
 
@@ -80,6 +88,11 @@ def save_backbone(
         results: evaluation result JSONs (files or folders) to record in ``config.json``.
         tolerance: max abs difference from the eager outputs each written file may show.
         opset: ONNX opset (``None``: the exporter's default).
+        head: a classifier on the backbone's features (a fine-tuned one), stored in
+            ``model.safetensors`` under timm's name for it (``head.*`` for ViTs and hybrids,
+            ``fc.*`` for ResNets) with ``num_classes`` in ``config.json``: timm then builds the
+            whole classifier. The backbone loaders leave it out; the traced files are the
+            backbone's.
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
@@ -95,7 +108,7 @@ def save_backbone(
     exported = model if on_cpu else copy.deepcopy(model).cpu()  # onnxruntime checks run on CPU
     was_training = model.training
     try:
-        return _write(exported.eval(), out_dir, source, formats, results, tolerance, opset)
+        return _write(exported.eval(), out_dir, source, formats, results, tolerance, opset, head)
     finally:
         model.train(was_training)  # the caller's module keeps its mode
 
@@ -108,6 +121,7 @@ def _write(
     results: Sequence[str | Path],
     tolerance: float,
     opset: int | None,
+    head: nn.Linear | None = None,
 ) -> ExportResult:
     parity: dict[str, float] = {}
     # An earlier export's config.json goes first: until the new one is written, the folder does
@@ -115,8 +129,15 @@ def _write(
     (out_dir / CONFIG_FILE).unlink(missing_ok=True)
 
     # 1. weights, then proof that they rebuild the same function from name + kwargs alone
-    weights = save_safetensors(out_dir / WEIGHTS_FILE, model.state_dict())
-    rebuilt = instantiate(source.backbone, source.backbone_kwargs, str(weights), lambda _: read_safetensors(weights)).eval()
+    state = dict(model.state_dict())
+    if head is not None:
+        if head.in_features != int(model.embed_dim):
+            raise ValueError(f"the head takes {head.in_features} features; the backbone gives {int(model.embed_dim)}")
+        name = classifier_name(model)
+        state.update({f"{name}.weight": head.weight.detach().cpu(), f"{name}.bias": head.bias.detach().cpu()})
+    weights = save_safetensors(out_dir / WEIGHTS_FILE, state)
+    # (fit_state_dict leaves the classifier out, as the backbone loaders do)
+    rebuilt = instantiate(source.backbone, source.backbone_kwargs, str(weights), lambda m: fit_state_dict(read_safetensors(weights), m)).eval()
     parity[WEIGHTS_FILE] = check_parity(rebuilt, model, example_input(model, 2), f"weights {WEIGHTS_FILE}", tolerance)
     written = [weights]
 
@@ -136,7 +157,8 @@ def _write(
     # 3. config.json last: a folder with a config.json is a complete export
     files = {p.name: {**file_record(p), **({"max_abs_diff": parity[p.name]} if p.name in parity else {})} for p in written}
     normalization = resolve_normalization(source.normalization, int(model.in_chans))
-    config = build_config(model, source, normalization, collect_results(source, list(results)), files)
+    config = build_config(model, source, normalization, collect_results(source, list(results)), files,
+                          num_classes=head.out_features if head is not None else 0)
     written.append(atomic_write_json(out_dir / CONFIG_FILE, config))
     return ExportResult(out_dir, written, parity, config)
 
