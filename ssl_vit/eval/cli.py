@@ -12,6 +12,7 @@ Examples::
         --data-arg train_dir=/data/imagenet/train --data-arg val_dir=/data/imagenet/val --features last4
     ssl-vit eval linear --augment --backbone exports/dino --data imagefolder \\
         --data-arg train_dir=/data/imagenet/train --data-arg val_dir=/data/imagenet/val --features last4 --run-dir runs/dino_linear
+    ssl-vit eval finetune --backbone exports/mocov3 --data cifar10 --img-size 64 --epochs 10 --export exports/mocov3_cifar10
     ssl-vit eval fewshot --backbone random:vit_tiny --backbone-kwargs '{"img_size": 28, "patch_size": 4, "in_chans": 1}'
     ssl-vit eval frozen --backbone runs/mocov3/checkpoints/last.ckpt --out results/
 """
