@@ -413,7 +413,7 @@ def test_finetuning_on_two_processes_takes_the_steps_of_one_process_at_twice_the
     assert two["state"].keys() == one["state"].keys()
     for k, v in one["state"].items():
         if v.is_floating_point():
-            torch.testing.assert_close(two["state"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+            torch.testing.assert_close(two["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.slow

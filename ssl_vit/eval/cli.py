@@ -262,7 +262,7 @@ def main(argv: list[str]) -> int:
         try:
             if args.protocol == "finetune":
                 protocol = "finetune"
-                head = new_head(backbone.embed_dim, num_classes)  # trained in place, for --export
+                head = new_head(backbone.embed_dim, num_classes, seed=args.seed)  # trained in place, for --export
                 metrics = run_finetune(
                     backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run, head=head,
                     base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,

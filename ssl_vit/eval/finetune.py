@@ -121,12 +121,14 @@ def set_drop_path(backbone: nn.Module, rate: float) -> None:
 
 
 # ----------------------------------------------------------------------------- the module
-def new_head(in_dim: int, num_classes: int) -> nn.Linear:
+def new_head(in_dim: int, num_classes: int, seed: int | None = None) -> nn.Linear:
     """The classifier a fine-tuning starts with: MAE ``main_finetune.py`` initialises its weights
     trunc-normal(std 2e-5), so training starts from near-uniform predictions and the pretrained
-    features are not hit by large gradients."""
+    features are not hit by large gradients. ``seed``: drawn from its own generator (None: from
+    torch's global one)."""
     head = nn.Linear(in_dim, num_classes)
-    nn.init.trunc_normal_(head.weight, std=2e-5)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    nn.init.trunc_normal_(head.weight, std=2e-5, generator=generator)
     nn.init.zeros_(head.bias)
     return head
 
