@@ -49,6 +49,8 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert json.loads((tmp_path / "named.json").read_text())["method"] == "supervised"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
+        assert record["protocol_args"]["warmup_epochs"] == 5.0
+        assert "fine-tuning's 5 warm-up epochs cover its whole run of 1: its LR only rises" in capsys.readouterr().err
     if protocol == "linear":
         assert record["protocol_args"]["warmup_epochs"] == 10
         assert "the linear probe's 10 warm-up epochs cover its whole run of 3: its LR only rises" in capsys.readouterr().err

@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-path", type=float, default=0.1)
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=float, default=5.0,
+                   help="linear LR warm-up before the cosine decay (MAE: 5 of 100 epochs); a run no longer than it only warms up")
     p.add_argument("--img-size", type=int, default=None, help="fine-tune at another resolution (position embedding interpolated)")
     p.add_argument("--no-augment", action="store_true", help="train on the evaluation transform (resize + centre crop) instead")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp alpha (MAE: 0.8; 0: off)")
@@ -218,8 +220,10 @@ def main(argv: list[str]) -> int:
         if given:
             raise ValueError(f"{', '.join(given)}: options of a linear probe trained on images; add --augment, "
                              "or leave them out for the probe on features extracted once")
-    if args.protocol in ("linear", "frozen") and "linear" in getattr(args, "protocols", ["linear"]) and args.epochs <= args.warmup_epochs:
-        print(f"ssl-vit eval: note: the linear probe's {args.warmup_epochs} warm-up epochs cover its whole run of {args.epochs}: "
+    trains = args.protocol == "finetune" or (args.protocol in ("linear", "frozen") and "linear" in getattr(args, "protocols", ["linear"]))
+    if trains and args.epochs <= args.warmup_epochs:
+        what = "fine-tuning" if args.protocol == "finetune" else "the linear probe"
+        print(f"ssl-vit eval: note: {what}'s {args.warmup_epochs:g} warm-up epochs cover its whole run of {args.epochs}: "
               "its LR only rises (--warmup-epochs sets fewer)", file=sys.stderr)
     if on_images and args.resume and args.run_dir is None:
         raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
@@ -267,9 +271,11 @@ def main(argv: list[str]) -> int:
                     backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run, head=head,
                     base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
                     weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                    warmup_epochs=args.warmup_epochs,
                 )
                 protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
-                                                               "img_size", "batch_size", "mixup", "cutmix", "precision", "devices", "num_nodes")}
+                                                               "img_size", "batch_size", "mixup", "cutmix", "precision", "devices", "num_nodes",
+                                                               "warmup_epochs")}
                 protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
             else:
                 protocol = "linear_aug"
@@ -293,7 +299,10 @@ def main(argv: list[str]) -> int:
         path = result.to_json(result_path(args.out, result))
         results = [(result, path)]
         if args.protocol == "finetune" and args.export is not None:
+            print(result.summary_line())
+            print(f"  -> {path}")
             export_finetuned(backbone, head, source, args.export, args.export_format, path)
+            return 0
     else:
         names = args.protocols if args.protocol == "frozen" else [args.protocol]
         out = evaluate_features(
