@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -221,7 +222,8 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"{', '.join(given)}: options of a linear probe trained on images; add --augment, "
                              "or leave them out for the probe on features extracted once")
     trains = args.protocol == "finetune" or (args.protocol in ("linear", "frozen") and "linear" in getattr(args, "protocols", ["linear"]))
-    if trains and args.epochs <= args.warmup_epochs:
+    first_process = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0  # (the processes of --devices N run this too)
+    if trains and args.epochs <= args.warmup_epochs and first_process:
         what = "fine-tuning" if args.protocol == "finetune" else "the linear probe"
         print(f"ssl-vit eval: note: {what}'s {args.warmup_epochs:g} warm-up epochs cover its whole run of {args.epochs}: "
               "its LR only rises (--warmup-epochs sets fewer)", file=sys.stderr)
