@@ -149,6 +149,12 @@ def test_eval_finetune_exports_the_classifier_that_timm_builds(tmp_path, capsys)
         ours = torch.nn.functional.linear(backbone(x), weights["head.weight"], weights["head.bias"])  # [3, 4]
         theirs = timm.create_model(f"local-dir:{tmp_path / 'exp'}", pretrained=True).eval()(x)
     torch.testing.assert_close(theirs, ours)
+    # The run's own checkpoint names its backbone too: export and eval read the fine-tuned one from it.
+    from ssl_vit.export import load_any_backbone
+
+    from_run, info = load_any_backbone(tmp_path / "ft" / "checkpoints" / "last.ckpt")
+    assert info["method"] == "random+finetune" and info["normalization_source"].startswith("training data (synthetic)")
+    assert all(torch.equal(v, backbone.state_dict()[k]) for k, v in from_run.state_dict().items())
 
 
 def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):

@@ -274,6 +274,7 @@ def main(argv: list[str]) -> int:
                     base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
                     weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
                     warmup_epochs=args.warmup_epochs,
+                    record={"method": f"{method}+finetune", "data": {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}},
                 )
                 protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
                                                                "img_size", "batch_size", "mixup", "cutmix", "precision", "devices", "num_nodes",

@@ -160,6 +160,10 @@ class FineTuneModule(L.LightningModule):
             restored its position; ``run_finetune`` passes both).
         head: the classifier to train (``embed_dim -> num_classes``), trained in place like the
             backbone; None: a new one (:func:`new_head`).
+        record: what the run's checkpoints say of the backbone's origin besides its architecture
+            (``method``, ``data`` with its normalisation ``mean``/``std``), as pretraining
+            checkpoints do: ``ssl-vit export`` and ``ssl-vit eval`` then read the fine-tuned
+            backbone from them.
     """
 
     def __init__(
@@ -181,6 +185,7 @@ class FineTuneModule(L.LightningModule):
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
         head: nn.Linear | None = None,
+        record: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -189,7 +194,8 @@ class FineTuneModule(L.LightningModule):
             raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
         if not 0 <= label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        self.save_hyperparameters(ignore=["backbone", "head"])
+        self.save_hyperparameters(ignore=["backbone", "head", "record"])
+        self.record = dict(record or {})
         self.backbone = backbone
         if img_size is not None and is_vit(backbone):
             size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
@@ -210,6 +216,16 @@ class FineTuneModule(L.LightningModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))  # [B, num_classes]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        name = getattr(self.backbone, "backbone_name", None)
+        if name is None:  # not built by create_backbone: nothing to rebuild it from
+            return
+        kwargs = dict(getattr(self.backbone, "backbone_kwargs", {}))
+        if hasattr(self.backbone, "img_size"):  # the resolution fine-tuned at
+            kwargs["img_size"] = tuple(int(s) for s in self.backbone.img_size)
+        checkpoint["ssl_vit"] = {"method": "finetune", **self.record, "backbone": name, "backbone_kwargs": kwargs,
+                                 "global_step": self.global_step, "epoch": self.current_epoch}
 
     def on_fit_start(self) -> None:
         # Lightning keeps each module's train/eval mode: a backbone handed in eval mode (as loaded
