@@ -80,6 +80,12 @@ def test_eval_precision_reaches_the_extraction_and_the_training_and_is_recorded(
     assert "--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true" in capsys.readouterr().err
 
 
+def test_an_export_path_that_is_a_file_fails_before_the_fine_tuning(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert cli_main(["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--export", str(tmp_path / "f")]) == 1
+    assert capsys.readouterr().err == f"ssl-vit eval: error: --export {tmp_path / 'f'}: exists and is not a directory; name a folder\n"
+
+
 def test_options_of_the_probe_on_images_need_augment(capsys):
     assert cli_main(["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--run-dir", "x", "--max-steps", "3"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --run-dir, --max-steps: options of a linear probe trained on images; add --augment, "

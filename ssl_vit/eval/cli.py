@@ -227,6 +227,8 @@ def main(argv: list[str]) -> int:
         what = "fine-tuning" if args.protocol == "finetune" else "the linear probe"
         print(f"ssl-vit eval: note: {what}'s {args.warmup_epochs:g} warm-up epochs cover its whole run of {args.epochs}: "
               "its LR only rises (--warmup-epochs sets fewer)", file=sys.stderr)
+    if getattr(args, "export", None) is not None and os.path.exists(args.export) and not os.path.isdir(args.export):
+        raise ValueError(f"--export {args.export}: exists and is not a directory; name a folder")  # before the training, not after
     if on_images and args.resume and args.run_dir is None:
         raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
 
