@@ -86,6 +86,16 @@ def test_an_export_path_that_is_a_file_fails_before_the_fine_tuning(tmp_path, ca
     assert capsys.readouterr().err == f"ssl-vit eval: error: --export {tmp_path / 'f'}: exists and is not a directory; name a folder\n"
 
 
+def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monkeypatch):
+    import ssl_vit.eval.cli as eval_cli
+
+    monkeypatch.setattr(eval_cli, "build_datamodule", lambda *a, **k: pytest.fail("the data was built first"))
+    resnet = ["--backbone", "random:resnet18", "--backbone-kwargs", '{"img_size": 16, "in_chans": 3, "small_input": true}', *SYNTH]
+    assert cli_main(["eval", "linear", "--augment", *resnet, "--features", "last4"]) == 1
+    assert capsys.readouterr().err == ("ssl-vit eval: error: feature mode 'last4' needs a token sequence (ViT or hybrid); resnet18 has no "
+                                       "tokens, use mode='cls' (--features cls: its globally pooled feature map)\n")
+
+
 def test_options_of_the_probe_on_images_need_augment(capsys):
     assert cli_main(["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--run-dir", "x", "--max-steps", "3"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --run-dir, --max-steps: options of a linear probe trained on images; add --augment, "

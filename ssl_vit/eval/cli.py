@@ -233,6 +233,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
 
     from ssl_vit.data import SingleView
+    from ssl_vit.eval.features import feature_dim
     from ssl_vit.eval.finetune import new_head, run_finetune
     from ssl_vit.eval.linear_augmented import run_linear_augmented
     from ssl_vit.eval.results import EvalResult, backbone_info, chosen_encoder
@@ -246,6 +247,8 @@ def main(argv: list[str]) -> int:
         raise ValueError("--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true")
     backbone, source = resolve(args.backbone, "cpu", args.which, args.arch, args.backbone_kwargs, args.seed)
     info = source_info(source, backbone)
+    if args.protocol != "finetune":
+        feature_dim(backbone, args.features)  # a read-out this backbone lacks: said before any data is read
     dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
     train_views = None
     if on_images and not getattr(args, "no_augment", False):

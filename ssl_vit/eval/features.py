@@ -73,7 +73,7 @@ def _check_mode(backbone: nn.Module, mode: str, n_last_blocks: int) -> None:
         name = getattr(backbone, "backbone_name", type(backbone).__name__)
         raise ValueError(
             f"feature mode {mode!r} needs a token sequence (ViT or hybrid); {name} has no tokens, "
-            "use mode='cls' (its globally pooled feature map)"
+            "use mode='cls' (--features cls: its globally pooled feature map)"
         )
     if mode == "last4" and not 1 <= n_last_blocks <= backbone.depth:
         raise ValueError(f"n_last_blocks={n_last_blocks} is out of range for a backbone of depth {backbone.depth}")
