@@ -25,16 +25,20 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightly.utils.scheduler import CosineWarmupScheduler
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import Dataset
-from torchmetrics.classification import MulticlassAccuracy
 from torchvision.ops import StochasticDepth
 from torchvision.transforms import v2
 
 from ssl_vit.backbones import is_vit
-from ssl_vit.eval.train_run import train_and_test
+from ssl_vit.eval.linear import warmup_cosine
+from ssl_vit.eval.train_run import (
+    accuracy_metrics,
+    drop_unlabelled_batch,
+    log_accuracy,
+    train_and_test,
+)
 from ssl_vit.runtime import seed_training_step
 from ssl_vit.training.fused import fused_kwargs
 
@@ -211,8 +215,7 @@ class FineTuneModule(L.LightningModule):
         self.lr = base_lr * batch_size / 256
         ops = [op(alpha=a, num_classes=num_classes) for op, a in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if a > 0]
         self.mix = v2.RandomChoice(ops) if len(ops) == 2 else (ops[0] if ops else None)
-        ks = (1, 5) if num_classes >= 5 else (1,)
-        self.test_acc = nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ks})
+        self.test_acc = accuracy_metrics(num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))  # [B, num_classes]
@@ -233,11 +236,7 @@ class FineTuneModule(L.LightningModule):
         self.train()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # Unreadable files of an evaluation split come labelled -1 (ImageFiles.for_evaluation):
-        # dropped here, on the host, so they neither train nor count in the accuracy.
-        x, y = batch
-        keep = y >= 0  # [B]
-        return batch if bool(keep.all()) else (x[keep], y[keep])
+        return drop_unlabelled_batch(batch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Drop path and MixUp draw from the batch's position: a resumed run draws the same.
@@ -259,9 +258,7 @@ class FineTuneModule(L.LightningModule):
             return
         logits = self(x)
         self.log(f"{prefix}_loss", F.cross_entropy(logits, y), sync_dist=True)
-        for name, metric in self.test_acc.items():
-            metric.update(logits, y)
-            self.log(f"{prefix}_{name}", metric, on_epoch=True)
+        log_accuracy(self, self.test_acc, logits, y, prefix)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test")
@@ -275,9 +272,8 @@ class FineTuneModule(L.LightningModule):
         else:  # (asking the trainer here builds the training loader before a checkpoint's loader state is restored)
             total = int(self.trainer.estimated_stepping_batches)
             per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
-        warmup = min(int(hp.warmup_epochs * per_epoch), total)
         # lightly's LambdaLR scales every group's own LR, so the layer-wise ratios are kept.
-        sched = CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
+        sched = warmup_cosine(opt, hp.warmup_epochs, per_epoch, total)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

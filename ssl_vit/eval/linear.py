@@ -17,6 +17,7 @@ MAE's own recipe is LARS (``optimizer="lars"``) with base LR 0.1 at batch 16384 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -58,6 +59,28 @@ class LARS(torch.optim.Optimizer):
         return None
 
 
+def check_probe_settings(optimizer: str, base_lr: float, warmup_epochs: float) -> None:
+    """The settings a linear probe refuses (on fixed features or on images)."""
+    if optimizer not in ("sgd", "lars"):
+        raise ValueError(f"optimizer must be 'sgd' or 'lars', got {optimizer!r}")
+    if warmup_epochs < 0 or base_lr <= 0:
+        raise ValueError(f"need warmup_epochs >= 0 and base_lr > 0, got {warmup_epochs} and {base_lr}")
+
+
+def probe_optimizer(params: Iterable[nn.Parameter], optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """SGD with momentum, or :class:`LARS` (MAE's linear probe), over a probe's head."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return LARS(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def warmup_cosine(opt: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> CosineWarmupScheduler:
+    """Per-step linear warm-up over ``warmup_epochs`` (at most the whole run), then cosine decay to
+    0 at the last step (MAE ``util/lr_sched.py``); each parameter group keeps its own LR ratio."""
+    warmup = min(int(warmup_epochs * steps_per_epoch), total_steps)
+    return CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total_steps, end_value=0.0)
+
+
 def _check(features: Tensor, labels: Tensor, what: str) -> None:
     if features.ndim != 2 or labels.shape != (features.shape[0],):
         raise ValueError(f"{what}: need features [N, F] and labels [N]; got {tuple(features.shape)} and {tuple(labels.shape)}")
@@ -88,12 +111,9 @@ class LinearProbe:
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
-        if optimizer not in ("sgd", "lars"):
-            raise ValueError(f"optimizer must be 'sgd' or 'lars', got {optimizer!r}")
+        check_probe_settings(optimizer, base_lr, warmup_epochs)
         if epochs < 1 or batch_size < 2:
             raise ValueError(f"need epochs >= 1 and batch_size >= 2 (BatchNorm), got {epochs} and {batch_size}")
-        if warmup_epochs < 0 or base_lr <= 0:
-            raise ValueError(f"need warmup_epochs >= 0 and base_lr > 0, got {warmup_epochs} and {base_lr}")
         self.epochs = epochs
         self.batch_size = batch_size
         self.base_lr = base_lr
@@ -125,13 +145,8 @@ class LinearProbe:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             head = LinearProbeHead(x.shape[1], num_classes).to(device)
-        lr = self.base_lr * bs / 256
-        if self.optimizer == "sgd":
-            opt = torch.optim.SGD(head.parameters(), lr=lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        else:
-            opt = LARS(head.parameters(), lr=lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        warmup = min(self.warmup_epochs * steps_per_epoch, total)
-        sched = CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
+        opt = probe_optimizer(head.parameters(), self.optimizer, self.base_lr * bs / 256, self.momentum, self.weight_decay)
+        sched = warmup_cosine(opt, self.warmup_epochs, steps_per_epoch, total)
         gen = torch.Generator().manual_seed(self.seed)
         head.train()
         for _ in range(self.epochs):

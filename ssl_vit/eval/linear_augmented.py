@@ -25,14 +25,17 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightly.utils.scheduler import CosineWarmupScheduler
 from torch import Tensor, nn
 from torch.utils.data import Dataset
-from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.eval.features import FeatureMode, embed, feature_dim
-from ssl_vit.eval.linear import LARS
-from ssl_vit.eval.train_run import train_and_test
+from ssl_vit.eval.linear import check_probe_settings, probe_optimizer, warmup_cosine
+from ssl_vit.eval.train_run import (
+    accuracy_metrics,
+    drop_unlabelled_batch,
+    log_accuracy,
+    train_and_test,
+)
 from ssl_vit.heads import LinearProbeHead
 
 
@@ -68,16 +71,12 @@ class AugmentedLinearProbe(L.LightningModule):
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        if optimizer not in ("sgd", "lars"):
-            raise ValueError(f"optimizer must be 'sgd' or 'lars', got {optimizer!r}")
-        if base_lr <= 0 or warmup_epochs < 0:
-            raise ValueError(f"need base_lr > 0 and warmup_epochs >= 0, got {base_lr} and {warmup_epochs}")
+        check_probe_settings(optimizer, base_lr, warmup_epochs)
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone.requires_grad_(False)
         self.head = LinearProbeHead(feature_dim(backbone, features), num_classes)
         self.lr = base_lr * batch_size / 256
-        ks = (1, 5) if num_classes >= 5 else (1,)
-        self.test_acc = nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ks})
+        self.test_acc = accuracy_metrics(num_classes)
         self.strict_loading = False  # checkpoints leave the frozen backbone out (on_save_checkpoint)
 
     def train(self, mode: bool = True) -> AugmentedLinearProbe:
@@ -94,10 +93,7 @@ class AugmentedLinearProbe(L.LightningModule):
         return self.head(f)  # [B, num_classes]
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # Unreadable files of an evaluation split come labelled -1 (ImageFiles.for_evaluation).
-        x, y = batch
-        keep = y >= 0  # [B]
-        return batch if bool(keep.all()) else (x[keep], y[keep])
+        return drop_unlabelled_batch(batch)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch
@@ -111,20 +107,12 @@ class AugmentedLinearProbe(L.LightningModule):
         x, y = batch
         if len(y) == 0:
             return
-        logits = self(x)
-        for name, metric in self.test_acc.items():
-            metric.update(logits, y)
-            self.log(f"test_{name}", metric, on_epoch=True)
+        log_accuracy(self, self.test_acc, self(x), y, "test")
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        params = list(self.head.parameters())
-        if hp.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=self.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        else:
-            opt = LARS(params, lr=self.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        warmup = min(int(hp.warmup_epochs * hp.steps_per_epoch), hp.total_steps)
-        sched = CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=hp.total_steps, end_value=0.0)
+        opt = probe_optimizer(self.head.parameters(), hp.optimizer, self.lr, hp.momentum, hp.weight_decay)
+        sched = warmup_cosine(opt, hp.warmup_epochs, hp.steps_per_epoch, hp.total_steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -17,7 +17,9 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
@@ -30,6 +32,26 @@ ModuleFactory = Callable[[int, int, int], L.LightningModule]
 """``(total_steps, steps_per_epoch, world_size) -> module``: the module to train, its LR schedule
 sized by the run (known before a resumed run restores its position in the data) and its LR
 scaled by the global batch (``batch_size`` per process x ``world_size`` processes)."""
+
+
+def drop_unlabelled_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A batch without its items labelled -1 (an evaluation split's unreadable files,
+    ``ImageFiles.for_evaluation``), on the host: they neither train nor count in the accuracy."""
+    x, y = batch
+    keep = y >= 0  # [B]
+    return batch if bool(keep.all()) else (x[keep], y[keep])
+
+
+def accuracy_metrics(num_classes: int) -> nn.ModuleDict:
+    """Top-1 (and top-5 with >= 5 classes) accuracy over a test pass, as ``test_top1`` ... logs them."""
+    ks = (1, 5) if num_classes >= 5 else (1,)
+    return nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ks})
+
+
+def log_accuracy(module: L.LightningModule, metrics: nn.ModuleDict, logits: Tensor, labels: Tensor, prefix: str) -> None:
+    for name, metric in metrics.items():
+        metric.update(logits, labels)
+        module.log(f"{prefix}_{name}", metric, on_epoch=True)
 
 
 class EvalRunInterrupted(RuntimeError):
