@@ -158,6 +158,10 @@ def test_eval_finetune_exports_the_classifier_that_timm_builds(tmp_path, capsys)
     assert torch.equal(weights["pos_embed"], trained["backbone.pos_embed"]) and weights["pos_embed"].shape[1] == 1 + 36  # 24 px / 4
     cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert cfg["num_classes"] == 4 and cfg["ssl_vit"]["method"] == "random+finetune"
+    # The normalisation the fine-tuning fed the backbone, as its checkpoints record it.
+    run_data = torch.load(tmp_path / "ft" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["data"]
+    assert cfg["mean"] == run_data["mean"] and cfg["std"] == run_data["std"]
+    assert cfg["ssl_vit"]["normalization"]["source"] == "training data (synthetic)"
     assert [r["protocol"] for r in cfg["ssl_vit"]["results"]] == ["finetune"]
     backbone = ssl_vit.load_backbone(tmp_path / "exp")
     x = torch.randn(3, 3, 24, 24)

@@ -274,12 +274,14 @@ def main(argv: list[str]) -> int:
             if args.protocol == "finetune":
                 protocol = "finetune"
                 head = new_head(backbone.embed_dim, num_classes, seed=args.seed)  # trained in place, for --export
+                # What the run's checkpoints and its export say of the fine-tuned backbone's origin.
+                finetuned = {"method": f"{method}+finetune", "data": {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}}
                 metrics = run_finetune(
                     backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run, head=head,
                     base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
                     weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
                     warmup_epochs=args.warmup_epochs,
-                    record={"method": f"{method}+finetune", "data": {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}},
+                    record=finetuned,
                 )
                 protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
                                                                "img_size", "batch_size", "mixup", "cutmix", "precision", "devices", "num_nodes",
@@ -304,13 +306,7 @@ def main(argv: list[str]) -> int:
             method=method, backbone=common["backbone_record"], data=data_record, protocol=protocol, metrics=metrics,
             protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
         )
-        path = result.to_json(result_path(args.out, result))
-        results = [(result, path)]
-        if args.protocol == "finetune" and args.export is not None:
-            print(result.summary_line())
-            print(f"  -> {path}")
-            export_finetuned(backbone, head, source, args.export, args.export_format, path)
-            return 0
+        results = [(result, result.to_json(result_path(args.out, result)))]
     else:
         names = args.protocols if args.protocol == "frozen" else [args.protocol]
         out = evaluate_features(
@@ -321,17 +317,22 @@ def main(argv: list[str]) -> int:
     for result, path in results:
         print(result.summary_line())
         print(f"  -> {path}")
+    if args.protocol == "finetune" and args.export is not None:
+        export_finetuned(backbone, head, source, finetuned, args.export, args.export_format, results[0][1])
     return 0
 
 
-def export_finetuned(backbone: Any, head: Any, source: Any, out_dir: str, formats: list[str], record: Any) -> None:
-    """The fine-tuned backbone and its classifier as an export folder, its result recorded."""
+def export_finetuned(backbone: Any, head: Any, source: Any, finetuned: dict[str, Any], out_dir: str, formats: list[str], result: Any) -> None:
+    """The fine-tuned backbone and its classifier as an export folder, saying what the run's
+    checkpoints say (``finetuned``: method, data and its normalisation), its result recorded."""
+    from ssl_vit.eval.finetune import finetuned_architecture
     from ssl_vit.export import save_backbone
+    from ssl_vit.export.sources import recorded_normalization
 
-    # The architecture as fine-tuned (another --img-size resamples the position embedding).
-    source.backbone_kwargs = {**source.backbone_kwargs, "img_size": tuple(int(s) for s in backbone.img_size)}
-    source.method = f"{source.method or 'unknown'}+finetune"
-    out = save_backbone(backbone, out_dir, source, formats=formats, results=[record], head=head)
+    _, source.backbone_kwargs = finetuned_architecture(backbone)  # another --img-size resampled the position embedding
+    source.method, source.data = finetuned["method"], finetuned["data"]
+    source.normalization = recorded_normalization(finetuned["data"], {})  # what the fine-tuning fed the backbone
+    out = save_backbone(backbone, out_dir, source, formats=formats, results=[result], head=head)
     print(f"  -> {out.out_dir} (fine-tuned backbone + {head.out_features}-class classifier)")
 
 

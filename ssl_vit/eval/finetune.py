@@ -125,6 +125,16 @@ def set_drop_path(backbone: nn.Module, rate: float) -> None:
 
 
 # ----------------------------------------------------------------------------- the module
+def finetuned_architecture(backbone: nn.Module) -> tuple[str | None, dict[str, Any]]:
+    """The registry name and kwargs that rebuild ``backbone`` as fine-tuned: at the resolution it
+    was fine-tuned at (``img_size`` may have changed; the name is None for a backbone not made by
+    ``create_backbone``)."""
+    kwargs = dict(getattr(backbone, "backbone_kwargs", {}))
+    if hasattr(backbone, "img_size"):
+        kwargs["img_size"] = tuple(int(s) for s in backbone.img_size)
+    return getattr(backbone, "backbone_name", None), kwargs
+
+
 def new_head(in_dim: int, num_classes: int, seed: int | None = None) -> nn.Linear:
     """The classifier a fine-tuning starts with: MAE ``main_finetune.py`` initialises its weights
     trunc-normal(std 2e-5), so training starts from near-uniform predictions and the pretrained
@@ -221,12 +231,9 @@ class FineTuneModule(L.LightningModule):
         return self.head(self.backbone(x))  # [B, num_classes]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        name = getattr(self.backbone, "backbone_name", None)
+        name, kwargs = finetuned_architecture(self.backbone)
         if name is None:  # not built by create_backbone: nothing to rebuild it from
             return
-        kwargs = dict(getattr(self.backbone, "backbone_kwargs", {}))
-        if hasattr(self.backbone, "img_size"):  # the resolution fine-tuned at
-            kwargs["img_size"] = tuple(int(s) for s in self.backbone.img_size)
         checkpoint["ssl_vit"] = {"method": "finetune", **self.record, "backbone": name, "backbone_kwargs": kwargs,
                                  "global_step": self.global_step, "epoch": self.current_epoch}
 

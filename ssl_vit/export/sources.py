@@ -172,14 +172,14 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
         "lightning",
         method=method,
         which=which,
-        normalization=_recorded_normalization(data, state),
+        normalization=recorded_normalization(data, state),
         training={k: v for k, v in training.items() if v is not None},
         data=data,
         recipe=record.get("recipe"),
     )
 
 
-def _recorded_normalization(data: dict[str, Any] | None, state: Mapping[str, Any]) -> dict[str, Any] | None:
+def recorded_normalization(data: dict[str, Any] | None, state: Mapping[str, Any]) -> dict[str, Any] | None:
     """The input normalisation the backbone was trained with: the datamodule's statistics, else
     MPP's ``norm_mean``/``norm_std`` buffers (set from its ``mean``/``std`` arguments)."""
     if data and data.get("mean") is not None and data.get("std") is not None:
