@@ -60,6 +60,24 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
+def _image_run_options() -> argparse.ArgumentParser:
+    """The options of the evaluators that train on images (fine-tuning, the linear probe with
+    --augment): their runs."""
+    images = argparse.ArgumentParser(add_help=False)
+    g = images.add_argument_group("training on images")
+    g.add_argument("--crop-scale", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="area range of the training images' random resized crop (+ horizontal flip); default: "
+                        "0.08 1 (DeiT/MAE/MoCo v3/DINO) for images of 96 px or more, 0.5 1 for smaller ones (the small-image recipes')")
+    g.add_argument("--run-dir", default=None, help="checkpoint the run into RUN_DIR/checkpoints (atomically; SIGTERM/SIGUSR1 save and stop)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
+    g.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
+    g.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimiser steps (the LR schedule follows)")
+    g.add_argument("--devices", type=int, default=1,
+                   help="processes on this machine (DDP; --device cpu: CPU processes, cuda: the first N GPUs); the batch size is per process")
+    g.add_argument("--num-nodes", type=int, default=1, help="machines (DDP under torchrun or SLURM, --devices processes on each)")
+    return images
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssl-vit eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="protocol", required=True, metavar="{linear,knn,fewshot,frozen,finetune}")
@@ -106,19 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training examples per class in each support set (the ViT paper: 1 5 10 25)")
     g.add_argument("--seeds", type=int, default=5, help="support-set draws per shot count")
     g.add_argument("--l2", type=float, default=2.0**10, help="ridge (L2) weight of the closed-form least squares")
-    # Evaluators that train on images (fine-tuning, the linear probe with --augment): their runs.
-    images = argparse.ArgumentParser(add_help=False)
-    g = images.add_argument_group("training on images")
-    g.add_argument("--crop-scale", type=float, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="area range of the training images' random resized crop (+ horizontal flip); default: "
-                        "0.08 1 (DeiT/MAE/MoCo v3/DINO) for images of 96 px or more, 0.5 1 for smaller ones (the small-image recipes')")
-    g.add_argument("--run-dir", default=None, help="checkpoint the run into RUN_DIR/checkpoints (atomically; SIGTERM/SIGUSR1 save and stop)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
-    g.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (with --run-dir)")
-    g.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimiser steps (the LR schedule follows)")
-    g.add_argument("--devices", type=int, default=1,
-                   help="processes on this machine (DDP; --device cpu: CPU processes, cuda: the first N GPUs); the batch size is per process")
-    g.add_argument("--num-nodes", type=int, default=1, help="machines (DDP under torchrun or SLURM, --devices processes on each)")
+    images = _image_run_options()
     p = sub.add_parser("linear", parents=[common, linear, images], help="linear probe on frozen features (BN + linear, SGD); --augment: trained on augmented images (the papers' protocol)",
                        description="Linear probe on the frozen backbone: on features extracted once from the evaluation transform, "
                                    "or with --augment the papers' protocol (MoCo v3, DINO, MAE): every step a random resized crop "
@@ -198,9 +204,6 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     return cls(**kwargs)
 
 
-_IMAGE_RUN_DEFAULTS = {"crop_scale": None, "run_dir": None, "resume": False, "checkpoint_every": 500, "max_steps": -1, "devices": 1, "num_nodes": 1}
-
-
 def _trainer_devices(device: str, count: int) -> int | list[int]:
     """Lightning's ``devices`` for ``--device`` and ``--devices``: ``cuda:1`` is that GPU."""
     if count < 1:
@@ -217,7 +220,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     on_images = args.protocol == "finetune" or (args.protocol == "linear" and args.augment)
     if args.protocol == "linear" and not args.augment:
-        given = [f"--{k.replace('_', '-')}" for k, v in _IMAGE_RUN_DEFAULTS.items() if getattr(args, k) != v]
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(_image_run_options().parse_args([])).items() if getattr(args, k) != v]
         if given:
             raise ValueError(f"{', '.join(given)}: options of a linear probe trained on images; add --augment, "
                              "or leave them out for the probe on features extracted once")
