@@ -57,6 +57,9 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
         assert cli_main([*args, "--warmup-epochs", "1", "--out", str(tmp_path / "warm1.json")]) == 0
         assert "warm-up" not in capsys.readouterr().err
         assert json.loads((tmp_path / "warm1.json").read_text())["protocol_args"]["warmup_epochs"] == 1
+        assert record["protocol_args"]["base_lr"] == 0.01  # SGD's default LR; LARS gets MAE's
+        assert cli_main([*args, "--optimizer", "lars", "--out", str(tmp_path / "lars.json")]) == 0
+        assert json.loads((tmp_path / "lars.json").read_text())["protocol_args"]["base_lr"] == 0.1
     if protocol == "linear_aug":
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["features"] == "avg"
         assert path.name == "random_vit-4_synthetic_linear_aug-avg.json"

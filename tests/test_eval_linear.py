@@ -48,3 +48,17 @@ def test_lars_step_by_hand():
     torch.testing.assert_close(w.data, torch.tensor([[3.0 - 0.6 * 0.005, 4.0 - 0.8 * 0.005]]))
     torch.testing.assert_close(b.data, torch.tensor([0.5]))
     assert math.isclose(0.001 * 5 / 1, 0.005)
+
+
+def test_lars_gets_maes_base_lr_when_none_is_given():
+    # LARS moves a weight by about lr * 0.001 * |w| a step: with SGD's base LR 0.01 the probe
+    # stays at chance; MAE's main_linprobe runs LARS at base LR 0.1.
+    assert LinearProbe().base_lr == 0.01 and LinearProbe(optimizer="lars").base_lr == 0.1
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(10, 64, generator=g) * 3
+    ytr, yte = torch.arange(4000) % 10, torch.arange(500) % 10
+    xtr = centres[ytr] + torch.randn(4000, 64, generator=g)
+    xte = centres[yte] + torch.randn(500, 64, generator=g)
+    default = LinearProbe(epochs=30, batch_size=128, optimizer="lars").evaluate(xtr, ytr, xte, yte)["top1"]
+    sgd_lr = LinearProbe(epochs=30, batch_size=128, optimizer="lars", base_lr=0.01).evaluate(xtr, ytr, xte, yte)["top1"]
+    assert default > 0.5 > 0.3 > sgd_lr

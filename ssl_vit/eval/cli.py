@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     linear = argparse.ArgumentParser(add_help=False)
     g = linear.add_argument_group("linear probe")
     g.add_argument("--epochs", type=int, default=100)
-    g.add_argument("--lr", type=float, default=0.01, help="base LR per 256 examples")
+    g.add_argument("--lr", type=float, default=None, help="base LR per 256 examples (default: 0.01 with sgd, 0.1 with lars as MAE's probe)")
     g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
     g.add_argument("--warmup-epochs", type=int, default=10,
                    help="linear LR warm-up before the cosine decay (MAE: 10 of 90 epochs); a run no longer than it only warms up")
@@ -218,6 +218,10 @@ def _trainer_devices(device: str, count: int) -> int | list[int]:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.protocol in ("linear", "frozen") and args.lr is None:
+        from ssl_vit.eval.linear import PROBE_BASE_LR
+
+        args.lr = PROBE_BASE_LR[args.optimizer]  # the LR that runs is the one recorded
     on_images = args.protocol == "finetune" or (args.protocol == "linear" and args.augment)
     if args.protocol == "linear" and not args.augment:
         given = [f"--{k.replace('_', '-')}" for k, v in vars(_image_run_options().parse_args([])).items() if getattr(args, k) != v]

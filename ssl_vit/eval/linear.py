@@ -59,12 +59,21 @@ class LARS(torch.optim.Optimizer):
         return None
 
 
-def check_probe_settings(optimizer: str, base_lr: float, warmup_epochs: float) -> None:
-    """The settings a linear probe refuses (on fixed features or on images)."""
+# A linear probe's base LR (per 256 examples) when none is given, by optimiser. LARS scales each
+# step by the trust ratio (about 0.001 x |w| / |g|), so SGD's LR barely moves it: MAE's linear
+# probe (main_linprobe.py) runs LARS at base LR 0.1.
+PROBE_BASE_LR: dict[str, float] = {"sgd": 0.01, "lars": 0.1}
+
+
+def check_probe_settings(optimizer: str, base_lr: float | None, warmup_epochs: float) -> float:
+    """Refuses the settings a linear probe cannot run (on fixed features or on images); returns
+    the base LR, :data:`PROBE_BASE_LR` of the optimiser when ``base_lr`` is None."""
     if optimizer not in ("sgd", "lars"):
         raise ValueError(f"optimizer must be 'sgd' or 'lars', got {optimizer!r}")
-    if warmup_epochs < 0 or base_lr <= 0:
-        raise ValueError(f"need warmup_epochs >= 0 and base_lr > 0, got {warmup_epochs} and {base_lr}")
+    lr = PROBE_BASE_LR[optimizer] if base_lr is None else base_lr
+    if warmup_epochs < 0 or lr <= 0:
+        raise ValueError(f"need warmup_epochs >= 0 and base_lr > 0, got {warmup_epochs} and {lr}")
+    return lr
 
 
 def probe_optimizer(params: Iterable[nn.Parameter], optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -91,7 +100,8 @@ class LinearProbe:
 
     Args:
         epochs, batch_size: passes over the training features and examples per step.
-        base_lr: the LR is ``base_lr · batch_size / 256`` (linear scaling rule, as MAE/DINO).
+        base_lr: the LR is ``base_lr · batch_size / 256`` (linear scaling rule, as MAE/DINO);
+            None: 0.01 for SGD, 0.1 for LARS (:data:`PROBE_BASE_LR`).
         optimizer: ``"sgd"`` (momentum) or ``"lars"`` (MAE's linear-probe optimiser).
         momentum, weight_decay: SGD/LARS settings (MAE linear probe: weight decay 0).
         warmup_epochs: linear warm-up before the per-step cosine decay to 0.
@@ -103,7 +113,7 @@ class LinearProbe:
         self,
         epochs: int = 100,
         batch_size: int = 256,
-        base_lr: float = 0.01,
+        base_lr: float | None = None,
         optimizer: Literal["sgd", "lars"] = "sgd",
         momentum: float = 0.9,
         weight_decay: float = 0.0,
@@ -111,7 +121,7 @@ class LinearProbe:
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
-        check_probe_settings(optimizer, base_lr, warmup_epochs)
+        base_lr = check_probe_settings(optimizer, base_lr, warmup_epochs)
         if epochs < 1 or batch_size < 2:
             raise ValueError(f"need epochs >= 1 and batch_size >= 2 (BatchNorm), got {epochs} and {batch_size}")
         self.epochs = epochs

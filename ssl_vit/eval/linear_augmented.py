@@ -46,7 +46,8 @@ class AugmentedLinearProbe(L.LightningModule):
         backbone: a registered backbone; frozen (no gradients) and kept in eval mode.
         num_classes: outputs of the head.
         features: the representation the head reads (``ssl_vit.eval.features``).
-        base_lr: the LR is ``base_lr · batch_size / 256``.
+        base_lr: the LR is ``base_lr · batch_size / 256``; None: 0.01 for SGD, 0.1 for LARS
+            (``PROBE_BASE_LR``).
         batch_size: the global batch size, used only for that scaling.
         optimizer: ``"sgd"`` (momentum) or ``"lars"`` (MAE's linear probe).
         momentum, weight_decay: SGD / LARS settings (the papers: weight decay 0).
@@ -59,7 +60,7 @@ class AugmentedLinearProbe(L.LightningModule):
         backbone: nn.Module,
         num_classes: int,
         features: FeatureMode = "cls",
-        base_lr: float = 0.01,
+        base_lr: float | None = None,
         batch_size: int = 256,
         optimizer: Literal["sgd", "lars"] = "sgd",
         momentum: float = 0.9,
@@ -71,7 +72,7 @@ class AugmentedLinearProbe(L.LightningModule):
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        check_probe_settings(optimizer, base_lr, warmup_epochs)
+        base_lr = check_probe_settings(optimizer, base_lr, warmup_epochs)
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone.requires_grad_(False)
         self.head = LinearProbeHead(feature_dim(backbone, features), num_classes)
