@@ -260,9 +260,19 @@ def test_mpp_normalisation_taken_from_the_datamodule_is_restored_from_its_checkp
     assert torch.equal(fresh.norm_mean, model.norm_mean)
 
 
-def test_mpp_rejects_resnet():
+def test_mpp_rejects_resnet_and_says_what_a_hybrid_changes(caplog):
     with pytest.raises(ValueError, match="needs a ViT"):
         MPP(backbone="resnet18", mean=[0.5], std=[0.5])
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        MPP(backbone="hybrid_r18_vit_tiny", backbone_kwargs={"img_size": 16, "in_chans": 1, "small_input": True, "num_stages": 2},
+            mean=[0.5], std=[0.5])
+    assert any("MPP on a hybrid" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        make("mpp")
+    assert not any("MPP on a hybrid" in r.getMessage() for r in caplog.records)
 
 
 # ----------------------------------------------------------------------------- shared machinery
@@ -307,6 +317,60 @@ def test_weight_decay_groups_exclude_norms_biases_and_embeddings():
     assert "backbone.blocks.0.attn.qkv.weight" in decay and not any(n.startswith("probe.") for n in decay | no_decay)
 
 
+def test_each_method_decays_the_parameters_its_reference_decays():
+    def groups(model):
+        names = {id(p): n for n, p in model.named_parameters()}
+        decay = {names[id(p)] for g in model._param_groups() if g["weight_decay"] > 0 for p in g["params"]}
+        return decay, {n for n, p in model.named_parameters() if p.requires_grad and not n.startswith("probe.")} - decay
+
+    # DINO utils.get_params_groups: all but biases and 1-D parameters; [CLS] and positions decayed.
+    decay, no_decay = groups(make("dino", weight_decay=0.04))
+    assert {"backbone.pos_embed", "backbone.cls_token", "backbone.blocks.0.attn.qkv.weight"} <= decay
+    assert {"backbone.norm.weight", "backbone.blocks.0.attn.qkv.bias"} <= no_decay
+    # MoCo v3 main_moco.py: AdamW(model.parameters(), weight_decay=0.1): every parameter.
+    decay, no_decay = groups(make("mocov3", weight_decay=0.1))
+    assert not no_decay and {"backbone.norm.weight", "backbone.pos_embed", "predictor.layers.0.weight"} & decay
+    # The rule is an argument like any other.
+    decay, no_decay = groups(make("mocov3", weight_decay=0.1, weight_decay_exempt="bias_norm_tokens"))
+    assert {"backbone.pos_embed", "backbone.norm.weight"} <= no_decay
+    with pytest.raises(ValueError, match="weight_decay_exempt must be"):
+        make("dino", weight_decay_exempt="norms")
+
+
+def test_dino_and_mocov3_default_to_their_papers_optimisation():
+    # specs §4 (reference main_dino.py defaults) and §3 (MoCo v3's ViT recipe).
+    dino = DINO(**TINY_BACKBONE, **SMALL_HEADS["dino"]).hparams
+    assert (dino.base_lr, dino.min_lr, dino.weight_decay, dino.weight_decay_end) == (5e-4, 1e-6, 0.04, 0.4)
+    assert (dino.grad_clip, dino.grad_clip_mode, dino.warmup_epochs) == (3.0, "per_param", 10.0)
+    moco = MoCoV3(**TINY_BACKBONE, **SMALL_HEADS["mocov3"]).hparams
+    assert (moco.base_lr, moco.weight_decay, moco.warmup_epochs, moco.weight_decay_exempt) == (1.5e-4, 0.1, 40.0, "none")
+
+
+@pytest.mark.parametrize("mode", ["global", "per_param"])
+def test_gradient_clipping_leaves_the_online_probe_out(mode):
+    torch.manual_seed(0)
+    model = make("supervised", grad_clip=0.05, grad_clip_mode=mode)
+    with torch.no_grad():
+        model.classifier.weight.normal_()
+    views, labels = fixed_views([16])
+    out = model.step(views, labels)
+    probe_loss, _ = model.probe.training_loss(out["features"], labels)
+    (out["loss"] + probe_loss * 100).backward()  # a probe gradient far larger than the model's
+    own = [p for n, p in model.named_parameters() if p.grad is not None and not n.startswith("probe.")]
+    probe = [p.grad.clone() for p in model.probe.parameters() if p.grad is not None]
+    expected = [p.grad.clone() for p in own]
+    torch.nn.utils.clip_grad_norm_(own, 0.05) if mode == "global" else [torch.nn.utils.clip_grad_norm_([p], 0.05) for p in own]
+    clipped = [p.grad.clone() for p in own]
+    for p, g in zip(own, expected):
+        p.grad.copy_(g)
+    optimizer = torch.optim.AdamW(model._param_groups())
+    model.configure_gradient_clipping(optimizer)
+    for p, g in zip(own, clipped):
+        torch.testing.assert_close(p.grad, g)
+    for p, g in zip([p for p in model.probe.parameters() if p.grad is not None], probe):
+        torch.testing.assert_close(p.grad, g)
+
+
 def test_online_probe_reports_accuracy_without_touching_the_backbone():
     torch.manual_seed(0)
     model = make("mocov3")
@@ -335,6 +399,23 @@ def test_nonfinite_loss_stops_with_the_step_or_skips():
     model = Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, nonfinite_policy="skip")
     losses = fit_steps(model, views, labels, steps=5)
     assert model._skipped_batches == 1 and len(losses) == 5 and all(math.isfinite(v) for v in losses)
+
+
+def test_a_skipped_batch_leaves_dinos_centre_and_batchnorm_statistics_as_they_were():
+    class Exploding(DINO):
+        def step(self, views, labels):
+            if self.global_step == 2:  # a batch that overflows: teacher and student outputs NaN
+                views = [v * float("nan") for v in views]
+            return super().step(views, labels)
+
+    torch.manual_seed(0)
+    model = Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, use_bn_in_head=True, nonfinite_policy="skip",
+                      **SMALL_HEADS["dino"])
+    views, labels = fixed_views(VIEW_SIZES["dino"])
+    losses = fit_steps(model, views, labels, steps=5)
+    assert model._skipped_batches == 1 and all(math.isfinite(v) for v in losses)
+    assert torch.isfinite(model.criterion.center).all()
+    assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
 
 
 def test_supervised_needs_labels(tmp_path):

@@ -262,7 +262,7 @@ class VisionTransformer(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def no_weight_decay(self) -> set[str]:
-        """Parameter names excluded from weight decay (as in timm/DINO/MoCo v3)."""
+        """Parameter names timm excludes from weight decay (its optimizer factory; MAE fine-tuning)."""
         return {"pos_embed", "cls_token"}
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:

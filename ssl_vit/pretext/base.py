@@ -32,10 +32,14 @@ from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.probe import OnlineLinearProbe
 from ssl_vit.runtime import global_seed, seed_training_step
 from ssl_vit.training.fused import fused_kwargs
+from ssl_vit.training.grad_clip import ClipMode, clip_gradients
 from ssl_vit.training.optimizer_state import materialize_adam_state
+from ssl_vit.training.sharding import gradient_shard_group, unwrapped_name
 from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
 Batch = tuple[list[Tensor], Tensor]
+# Which parameters get no weight decay (see PretextModule's ``weight_decay_exempt``).
+WeightDecayExempt = Literal["bias_norm_tokens", "bias_norm", "none"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -63,21 +67,30 @@ class PretextModule(L.LightningModule):
         warmup_epochs: linear LR warm-up from 0 (fractions allowed).
         warmup_steps: the warm-up in optimiser steps instead (the ViT paper counts 10k steps);
             overrides ``warmup_epochs`` when set.
-        weight_decay: weight decay at the start; biases, norms, [CLS] and position embeddings get none.
+        weight_decay: weight decay at the start (of the parameters ``weight_decay_exempt`` leaves).
         weight_decay_end: weight decay at the end, reached by a cosine (DINO: 0.04 -> 0.4);
             ``None`` keeps it constant.
+        weight_decay_exempt: which parameters get no weight decay: ``bias_norm_tokens`` biases,
+            norm weights, [CLS], position and mask embeddings (big_vision's decay of kernels only,
+            timm, MAE: the ViT paper's methods); ``bias_norm`` biases and the other 1-D
+            parameters (DINO ``utils.get_params_groups``); ``none`` every parameter is decayed
+            (MoCo v3 ``main_moco.py``: ``AdamW(model.parameters(), ...)``). Judged on the shapes
+            before any FSDP wrapping. The online probe is never decayed.
         betas: AdamW betas.
         sgd_momentum: the momentum of SGD / LARS (not the EMA momentum of MoCo v3's momentum
             encoder or DINO's teacher, which those methods call ``momentum``).
-        grad_clip: clip gradients to this norm; ``None`` disables clipping.
-        grad_clip_mode: ``global`` (one norm over all parameters) or ``per_param`` (DINO's
-            ``clip_gradients``: each tensor's norm separately).
+        grad_clip: clip gradients to this norm; ``None`` disables clipping. The online probe's
+            gradients are left out (they would shrink the model's update otherwise).
+        grad_clip_mode: ``global`` (one norm over the model's parameters) or ``per_param`` (DINO's
+            ``clip_gradients``: each tensor's norm separately); under FSDP the norms are those of
+            the whole (unsharded) gradients.
         num_classes: when the data has labels, an online linear probe (BN without affine + linear)
             is trained on the detached representation and reports ``probe/val_acc``.
         probe_lr: AdamW learning rate of the online probe (constant; it never touches the backbone).
         nonfinite_policy: on a NaN/Inf loss, ``raise`` stops training with a message naming the step
             and the last good checkpoint; ``skip`` drops the batch (the optimiser step it belongs
-            to and its EMA update) and continues, at most ``max_skipped_batches`` times.
+            to, its EMA update and what its forward changed in buffers: BatchNorm statistics,
+            DINO's centre) and continues, at most ``max_skipped_batches`` times.
         max_skipped_batches: how many non-finite batches ``skip`` tolerates before it raises.
         fused_optimizer: AdamW and SGD run torch's fused kernel (one pass over each parameter and
             its moments; CPU and CUDA) where the parameters allow it; the same update to float
@@ -97,10 +110,11 @@ class PretextModule(L.LightningModule):
         warmup_steps: int | None = None,
         weight_decay: float = 0.05,
         weight_decay_end: float | None = None,
+        weight_decay_exempt: WeightDecayExempt = "bias_norm_tokens",
         betas: tuple[float, float] = (0.9, 0.999),
         sgd_momentum: float = 0.9,
         grad_clip: float | None = None,
-        grad_clip_mode: Literal["global", "per_param"] = "global",
+        grad_clip_mode: ClipMode = "global",
         num_classes: int | None = None,
         probe_lr: float = 1e-3,
         nonfinite_policy: Literal["raise", "skip"] = "raise",
@@ -115,6 +129,8 @@ class PretextModule(L.LightningModule):
             raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'lars', got {optimizer!r}")
         if base_lr <= 0 or warmup_epochs < 0 or weight_decay < 0:
             raise ValueError("base_lr must be > 0, warmup_epochs >= 0 and weight_decay >= 0")
+        if weight_decay_exempt not in ("bias_norm_tokens", "bias_norm", "none"):
+            raise ValueError(f"weight_decay_exempt must be 'bias_norm_tokens', 'bias_norm' or 'none', got {weight_decay_exempt!r}")
         if nonfinite_policy not in ("raise", "skip"):
             raise ValueError(f"nonfinite_policy must be 'raise' or 'skip', got {nonfinite_policy!r}")
         self.backbone_name = backbone
@@ -130,6 +146,8 @@ class PretextModule(L.LightningModule):
         self._seed: int | None = None  # base of the per-step seeds; kept in checkpoints
         self.peak_lr = base_lr
         self.global_batch_size: int | None = None
+        # Parameter shapes before any FSDP wrapping, by unwrapped name (recorded in ``setup``).
+        self._shapes_before_wrapping: dict[str, torch.Size] = {}
 
     # ------------------------------------------------------------------ what a method implements
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
@@ -178,18 +196,23 @@ class PretextModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def _param_groups(self) -> list[dict[str, Any]]:
-        skip = set()
+        rule = self.hparams.weight_decay_exempt
+        tokens = {"mask_token"}
         for prefix, module in self.named_children():
             if hasattr(module, "no_weight_decay"):
-                skip |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
+                tokens |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
+        probe_ids = {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
         decay, no_decay, probe = [], [], []
-        for name, p in self.named_parameters():
+        for wrapped, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            if name.startswith("probe."):
+            name = unwrapped_name(wrapped)
+            # Under FSDP every parameter is a 1-D shard by now: judge the shape it had before.
+            ndim = len(self._shapes_before_wrapping.get(name, p.shape))
+            if id(p) in probe_ids:
                 probe.append(p)
-            elif p.ndim <= 1 or name in skip or name.endswith(".mask_token") or name == "mask_token":
-                no_decay.append(p)  # biases, norms, [CLS], position and mask embeddings (DINO/MAE)
+            elif rule != "none" and (ndim <= 1 or (rule == "bias_norm_tokens" and (name in tokens or name.endswith(".mask_token")))):
+                no_decay.append(p)
             else:
                 decay.append(p)
         groups = [
@@ -285,16 +308,17 @@ class PretextModule(L.LightningModule):
         self._schedule_now = values
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
-        # Our own clipping (per-parameter for DINO); a Trainer-level clip still works on top.
+        # Our own clipping (per-parameter for DINO) of the model's gradients: the online probe
+        # learns from detached features, and its gradient must not shrink the model's update.
+        # A Trainer-level clip (Lightning's, over every parameter) still works on top.
         clip = self.hparams.grad_clip
         if clip:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if self.hparams.grad_clip_mode == "per_param":
-                for p in params:  # DINO utils.clip_gradients
-                    norm = p.grad.detach().norm(2)
-                    p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
-            else:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+            probe_ids = {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
+            # Every parameter, with or without a gradient, in the optimiser's order: under FSDP
+            # each process must sum the same list.
+            params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in probe_ids]
+            shard_group = gradient_shard_group(self.trainer.strategy) if self._trainer is not None else None
+            clip_gradients(params, clip, self.hparams.grad_clip_mode, shard_group)
         if gradient_clip_val:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -325,6 +349,9 @@ class PretextModule(L.LightningModule):
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
         views, labels = batch
+        # What the forward changes besides the parameters (BatchNorm statistics, DINO's centre),
+        # to put back if this batch is skipped: small tensors, copied only under the skip policy.
+        buffers = [(b, b.clone()) for b in self.buffers()] if self.hparams.nonfinite_policy == "skip" else []
         out = self.step(views, labels)
         loss = out.pop("loss")
         features = out.pop("features", None)
@@ -333,7 +360,7 @@ class PretextModule(L.LightningModule):
             # One decision for all processes: a process that skipped DDP's backward would hang the rest.
             finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
         if not finite:
-            return self._handle_nonfinite(loss)
+            return self._handle_nonfinite(loss, buffers)
         logs = {f"train/{k}": v.detach().float() if isinstance(v, Tensor) else v for k, v in out.items()}
         logs["train/loss"] = loss.detach()
         if self.probe is not None and features is not None:
@@ -362,11 +389,13 @@ class PretextModule(L.LightningModule):
         mean = self.trainer.strategy.reduce(stacked, reduce_op="mean")  # [K]
         return {**logs, **dict(zip(keys, mean.unbind()))}
 
-    def _handle_nonfinite(self, loss: Tensor) -> Tensor:
+    def _handle_nonfinite(self, loss: Tensor, buffers: list[tuple[Tensor, Tensor]]) -> Tensor:
         step = self.global_step
         if self.hparams.nonfinite_policy == "skip" and self._skipped_batches < self.hparams.max_skipped_batches:
             self._skipped_batches += 1
             self._skipping = True
+            for buffer, before in buffers:  # a NaN centre or BN mean would poison every later step
+                buffer.copy_(before)
             rank_zero_info(f"[ssl_vit] non-finite loss (on rank 0: {loss.item()}) at step {step}: batch skipped ({self._skipped_batches}/{self.hparams.max_skipped_batches})")
             # Not `return None`, which Lightning refuses under DDP: a zero that reaches every
             # trainable parameter, so the backward (and DDP's gradient reduction, which every
@@ -405,6 +434,9 @@ class PretextModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def setup(self, stage: str) -> None:
+        # Lightning calls this before a strategy wraps the model (FSDP flattens the parameters).
+        if not self._shapes_before_wrapping:
+            self._shapes_before_wrapping = {unwrapped_name(n): p.shape for n, p in self.named_parameters()}
         # What the data looked like, for export (normalisation) and result records.
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None:

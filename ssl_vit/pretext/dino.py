@@ -24,8 +24,9 @@ from ssl_vit.losses import (
     teacher_student_kl,
     teacher_temperature,
 )
-from ssl_vit.pretext.base import PretextModule
+from ssl_vit.pretext.base import PretextModule, WeightDecayExempt
 from ssl_vit.pretext.ema import EMAPairs, make_target
+from ssl_vit.training.grad_clip import ClipMode
 
 
 class DINO(PretextModule):
@@ -43,8 +44,11 @@ class DINO(PretextModule):
         center_momentum: m of the centre EMA (0.9).
         momentum, momentum_end: cosine schedule of the teacher EMA (0.996 -> 1).
         freeze_last_layer_epochs: the head's last layer gets no update in these first epochs.
-        **kwargs: the shared arguments of :class:`PretextModule` (DINO defaults: wd 0.04 -> 0.4,
-            grad_clip 3.0 per_param; set them in the recipe).
+        base_lr, min_lr, weight_decay, weight_decay_end, weight_decay_exempt, grad_clip,
+            grad_clip_mode: the :class:`PretextModule` arguments with DINO's defaults (reference
+            ``main_dino.py``: LR 5e-4 per 256 cosine to 1e-6, weight decay cosine 0.04 -> 0.4 on
+            all but biases and 1-D parameters, each parameter's gradient clipped to norm 3.0).
+        **kwargs: the other shared arguments of :class:`PretextModule`.
     """
 
     def __init__(
@@ -64,9 +68,19 @@ class DINO(PretextModule):
         momentum: float = 0.996,
         momentum_end: float = 1.0,
         freeze_last_layer_epochs: int = 1,
+        base_lr: float = 5e-4,
+        min_lr: float = 1e-6,
+        weight_decay: float = 0.04,
+        weight_decay_end: float | None = 0.4,
+        weight_decay_exempt: WeightDecayExempt = "bias_norm",
+        grad_clip: float | None = 3.0,
+        grad_clip_mode: ClipMode = "per_param",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            base_lr=base_lr, min_lr=min_lr, weight_decay=weight_decay, weight_decay_end=weight_decay_end,
+            weight_decay_exempt=weight_decay_exempt, grad_clip=grad_clip, grad_clip_mode=grad_clip_mode, **kwargs,
+        )
         if n_global_crops < 1:
             raise ValueError(f"n_global_crops must be >= 1, got {n_global_crops}")
         dim = self.backbone.embed_dim

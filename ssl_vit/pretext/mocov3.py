@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MoCoV3PredictionHead, MoCoV3ProjectionHead
 from ssl_vit.losses import MoCoV3Loss, embedding_std
-from ssl_vit.pretext.base import PretextModule
+from ssl_vit.pretext.base import PretextModule, WeightDecayExempt
 from ssl_vit.pretext.ema import EMAPairs, make_target
 
 
@@ -41,7 +41,10 @@ class MoCoV3(PretextModule):
         freeze_patch_embed: random patch projection (§4.4): the projection is re-initialised as
             in the reference (Xavier-uniform over the flattened filter) and receives no gradient.
             On by default for ViTs; ignored for ResNets.
-        **kwargs: the shared arguments of :class:`PretextModule`.
+        weight_decay, warmup_epochs, weight_decay_exempt: the :class:`PretextModule` arguments
+            with MoCo v3's defaults (its ViT recipe: weight decay 0.1 on every parameter, as
+            ``main_moco.py`` builds ``AdamW(model.parameters(), ...)``; 40 warm-up epochs).
+        **kwargs: the other shared arguments of :class:`PretextModule` (base LR 1.5e-4 per 256).
     """
 
     def __init__(
@@ -53,9 +56,12 @@ class MoCoV3(PretextModule):
         momentum: float = 0.99,
         momentum_end: float = 1.0,
         freeze_patch_embed: bool = True,
+        weight_decay: float = 0.1,
+        warmup_epochs: float = 40.0,
+        weight_decay_exempt: WeightDecayExempt = "none",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(weight_decay=weight_decay, warmup_epochs=warmup_epochs, weight_decay_exempt=weight_decay_exempt, **kwargs)
         self.freeze_patch_embed = freeze_patch_embed and is_vit(self.backbone) and hasattr(self.backbone.patch_embed, "proj") and not hasattr(self.backbone.patch_embed, "backbone")
         if self.freeze_patch_embed:
             proj = self.backbone.patch_embed.proj

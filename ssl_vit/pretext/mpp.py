@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from ssl_vit.backbones import is_vit
@@ -48,6 +49,12 @@ class MPP(PretextModule):
         super().__init__(**kwargs)
         if not is_vit(self.backbone):
             raise ValueError(f"masked patch prediction needs a ViT or hybrid backbone, got {self.backbone_name!r}")
+        if hasattr(self.backbone.patch_embed, "backbone"):  # a hybrid's ResNet stem makes the tokens
+            rank_zero_info(
+                "[ssl_vit] note: MPP on a hybrid corrupts the stem's feature vectors, but the stem's receptive field spans "
+                "neighbouring patches: the uncorrupted tokens already saw the corrupted patches' pixels, an easier task "
+                "than on a ViT (the ViT paper ran MPP on ViT-B/16 only)"
+            )
         self.target = target
         self.corruption_ratio = corruption_ratio
         self.mask_prob = mask_prob
@@ -114,6 +121,8 @@ class MPP(PretextModule):
             target = mpp_targets(self.raw_pixels(x), self.backbone.patch_size, self.target, check_range=False)  # [B, N, ...]
             target = torch.gather(target, 1, idx.view(b, k, *[1] * (target.ndim - 2)).expand(b, k, *target.shape[2:]))  # [B, k, ...]
         loss = mpp_loss(pred, target, torch.ones(b, k, dtype=torch.bool, device=x.device))
+        # The online probe learns from the [CLS] of the corrupted images (a second, clean pass would
+        # cost a forward); it is validated on clean ones.
         out: dict[str, Tensor] = {"loss": loss, "features": tokens[:, 0].detach()}
         out["embedding_std"] = embedding_std(tokens[:, 0].detach())
         if self.target != "pixels":

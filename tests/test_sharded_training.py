@@ -1,0 +1,94 @@
+"""What FSDP's sharding must not change: which parameters get weight decay, and the gradient
+norms that clipping uses.
+
+Lightning refuses FSDP on a CPU, so two CPU processes (gloo) wrap the modules with torch's
+``FullyShardedDataParallel`` the way Lightning's ``FSDPStrategy`` does (one unit per Transformer
+block, ``use_orig_params=True``, the model wrapped before the optimiser is built) and compare with
+the same module unwrapped in the same process.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import TINY_BACKBONE, TINY_VIT
+
+from ssl_vit.backbones import create_backbone
+from ssl_vit.pretext import DINO, MoCoV3
+from ssl_vit.training.grad_clip import clip_gradients
+from ssl_vit.training.sharding import unwrapped_name
+
+WORLD = 2
+
+
+def _wrap(module: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ssl_vit.backbones.vit import Block
+
+    return FullyShardedDataParallel(module, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def _groups_by_name(model) -> list[tuple[float, set[str]]]:
+    names = {id(p): unwrapped_name(n) for n, p in model.named_parameters()}
+    return [(g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in model._param_groups()]
+
+
+def _check_weight_decay_groups() -> None:
+    heads = {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16}
+    for model in (DINO(**TINY_BACKBONE, num_classes=4, **heads),
+                  MoCoV3(**TINY_BACKBONE, num_classes=4, proj_hidden_dim=32, pred_hidden_dim=32, proj_output_dim=16)):
+        plain = copy.deepcopy(model)
+        model.setup("fit")  # as Lightning: before the strategy wraps the model
+        _wrap(model)
+        assert next(model.backbone.parameters()).ndim == 1  # each parameter is now a flat shard
+        assert _groups_by_name(model) == _groups_by_name(plain)
+        assert any(wd > 0 for wd, _ in _groups_by_name(model))
+
+
+def _check_clipping(mode: str) -> None:
+    torch.manual_seed(0)
+    backbone = create_backbone("vit", **TINY_VIT)
+    reference = copy.deepcopy(backbone)
+    wrapped = _wrap(backbone)
+    x = torch.randn(4, 1, 16, 16)  # the same batch on both processes: the averaged gradient is this one
+    weights = torch.randn(4, TINY_VIT["embed_dim"])
+    (wrapped(x) * weights).sum().backward()
+    (reference(x) * weights).sum().backward()
+    plain_norms = [p.grad.norm() for p in reference.parameters()]
+    max_norm = float(torch.stack(plain_norms).norm() / 2) if mode == "global" else float(torch.stack(plain_norms).median())
+    expected = clip_gradients(list(reference.parameters()), max_norm, mode)
+    norms = clip_gradients(list(backbone.parameters()), max_norm, mode, shard_group=dist.group.WORLD)
+    torch.testing.assert_close(norms, expected)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+        for (name, p), q in zip(backbone.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        _check_weight_decay_groups()
+        _check_clipping("global")
+        _check_clipping("per_param")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_sharding_keeps_weight_decay_groups_and_clipping_norms():
+    pytest.importorskip("torch.distributed.fsdp")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_worker, args=(port,), nprocs=WORLD, join=True)
