@@ -123,6 +123,11 @@ class DINOLoss(_LightlyDINOLoss):
 
     Call with lists of ``[B, K]`` tensors: ``teacher_out`` for the global views, ``student_out``
     for all views with the global views first and in the same order.
+
+    With ``defer_center`` (gradient accumulation: one optimiser step over several micro-batches)
+    the centre is not moved by each micro-batch: :meth:`step_center` moves it once per optimiser
+    step by the mean of the micro-batches' means, the mean over the step's whole batch, as the
+    reference does with the batch undivided.
     """
 
     def __init__(
@@ -134,6 +139,32 @@ class DINOLoss(_LightlyDINOLoss):
         super().__init__(
             output_dim=output_dim, student_temp=student_temp, center_momentum=center_momentum
         )
+        self.defer_center = False
+        self._pending: list[Tensor] = []  # the batch means of this step's micro-batches, [1, 1, K] each
+
+    @torch.no_grad()
+    def update_center(self, teacher_out: Tensor) -> None:
+        if not self.defer_center:
+            super().update_center(teacher_out)
+            return
+        # lightly's update without the move: the mean over views and the global batch [1, 1, K]
+        batch_center = teacher_out.mean(dim=(0, 1), keepdim=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(batch_center)
+            batch_center = batch_center / dist.get_world_size()
+        self._pending.append(batch_center)
+
+    @torch.no_grad()
+    def step_center(self) -> None:
+        """Move the centre by the deferred micro-batches' mean (once per optimiser step)."""
+        if self._pending:
+            batch_center = torch.stack(self._pending).mean(dim=0)  # [1, 1, K]
+            self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
+        self._pending.clear()
+
+    def discard_pending_center(self) -> None:
+        """Forget the deferred micro-batches of a step that was skipped."""
+        self._pending.clear()
 
     def forward(  # type: ignore[override]
         self, teacher_out: Sequence[Tensor], student_out: Sequence[Tensor], teacher_temp: float

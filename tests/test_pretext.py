@@ -180,6 +180,23 @@ def test_dino_center_is_updated_with_the_teacher_batch_mean():
     assert torch.allclose(model.criterion.center, expected, atol=1e-6)
 
 
+def test_dino_centre_moves_once_per_step_under_gradient_accumulation():
+    # Two micro-batches of 8 accumulated into one step move the centre as the batch of 16 in
+    # one step does (the reference has no accumulation: its batch is undivided).
+    views, labels = fixed_views(VIEW_SIZES["dino"], batch=16)
+    halves = [([v[:8] for v in views], labels[:8]), ([v[8:] for v in views], labels[8:])]
+    centres = []
+    for accumulate, batches in ((1, [(views, labels)] * 3), (2, halves * 3)):
+        torch.manual_seed(0)
+        model = make("dino", num_classes=None)
+        trainer = L.Trainer(max_steps=3, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(model, DataLoader(RepeatList(batches), batch_size=None))
+        centres.append(model.criterion.center.clone())
+    assert centres[0].abs().sum() > 0
+    torch.testing.assert_close(centres[1], centres[0], rtol=1e-4, atol=1e-6)
+
+
 def test_dino_last_layer_frozen_in_first_epoch_only():
     torch.manual_seed(0)
     model = make("dino", freeze_last_layer_epochs=1)

@@ -144,3 +144,17 @@ class DINO(PretextModule):
         # Reference main_dino.py: utils.cancel_gradients_last_layer(epoch, student, freeze_last_layer).
         if self.current_epoch < self.freeze_last_layer_epochs:
             self.head.cancel_last_layer_gradients()
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Gradient accumulation: the centre moves once per optimiser step, by the whole batch's
+        # mean, as the reference's undivided batch moves it (see DINOLoss).
+        self.criterion.defer_center = self.trainer.accumulate_grad_batches > 1
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        skipped = self._skipping
+        super().optimizer_step(*args, **kwargs)
+        if skipped:
+            self.criterion.discard_pending_center()
+        else:
+            self.criterion.step_center()
