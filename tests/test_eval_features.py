@@ -43,6 +43,9 @@ def test_modes_shapes_and_values(vit, data):
         assert torch.equal(labels, y)
         torch.testing.assert_close(f, expected, rtol=1e-5, atol=1e-5)
     assert vit.training, "extract_features must restore the training flag"
+    vit.blocks[0].eval()  # a submodule with its own mode (a frozen part) keeps it
+    extract_features(vit, ds, batch_size=4)
+    assert vit.training and vit.blocks[1].training and not vit.blocks[0].training
 
 
 def test_dataloader_input_and_gather_hook(vit, data):

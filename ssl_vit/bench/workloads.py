@@ -157,7 +157,7 @@ def peer(row: str, cfg: BenchConfig, device: torch.device) -> Workload:
 
         return Workload(backbone_step, model, views, labels, None)
 
-    # The same hyper-parameters as our modules' defaults (PretextModule: lr 1.5e-4, wd 0.05).
+    # AdamW as lightly's examples create it (the LR and weight decay values do not change a step's cost).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1.5e-4, weight_decay=0.05)
     counter = itertools.count()
 

@@ -2,7 +2,8 @@
 linear-probe protocols (DINO ``eval_linear.py`` / ``eval_knn.py``; specs §4, §5).
 
 Four read-outs of a ViT:
-    ``"cls"``     the [CLS] token after the final LayerNorm, i.e. ``backbone(x)`` (ViT paper §3.1);
+    ``"cls"``     the [CLS] token after the final LayerNorm, i.e. ``backbone(x)`` (ViT paper §3.1;
+                  a ViT built with ``global_pool="avg"`` returns the patch mean there, as timm);
     ``"last4"``   the [CLS] tokens of the last 4 blocks (each through the final LayerNorm),
                   concatenated: DINO's linear protocol for ViT-S (DINO §4 / ``eval_linear.py``);
     ``"avg"``     the mean of the patch tokens after the final LayerNorm (timm's ``global_pool="avg"``);
@@ -140,7 +141,7 @@ def extract_features(
     if isinstance(data, Dataset) and not isinstance(data, DataLoader):
         data = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
 
-    was_training = backbone.training
+    modes = {m: m.training for m in backbone.modules()}  # each submodule's own, restored after
     backbone.eval()  # dropout / drop path off, BatchNorm (ResNet) on running statistics
     amp = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
@@ -159,7 +160,8 @@ def extract_features(
             feats.append(f.float().to(out_device))
             labels.append(torch.as_tensor(y).long().reshape(-1).to(out_device))
     finally:
-        backbone.train(was_training)
+        for m, training in modes.items():
+            m.training = training
     if not feats:
         raise ValueError("extract_features got an empty dataset")
     features, targets = torch.cat(feats), torch.cat(labels)  # [N, F], [N]
