@@ -45,8 +45,22 @@ class EMAPairs:
         """Average every pair with the momentum of ``step``; returns that momentum."""
         m = self.momentum(step, total_steps)
         for online, target in self.pairs:
+            _check_same_layout(online, target)
             update_momentum(online, target, m)
         return m
+
+
+def _check_same_layout(online: nn.Module, target: nn.Module) -> None:
+    """The average is taken tensor by tensor over what this process holds: under FSDP the
+    online module and its target must be sharded alike (each its own FSDP unit), or a process
+    holds a piece of one and another piece, or nothing, of the other."""
+    for (name, p), q in zip(online.named_parameters(), target.parameters()):
+        if p.shape != q.shape:
+            raise RuntimeError(
+                f"EMA: {name} is {tuple(p.shape)} here in the online module but {tuple(q.shape)} in its target: FSDP "
+                "sharded the two differently. Wrap each module of an EMA pair as its own FSDP unit (the auto_wrap_policy "
+                "of recipes/trainer/fsdp.yaml: the ViT class and the heads besides the blocks)"
+            )
 
 
 def make_target(online: nn.Module) -> nn.Module:
