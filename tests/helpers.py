@@ -82,3 +82,33 @@ def fit_steps(
     )
     trainer.fit(model, DataLoader(RepeatBatch(views, labels, steps), batch_size=None))
     return recorder.losses
+
+
+FSDP_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "trainer" / "fsdp.yaml"
+
+
+def fsdp_recipe_policy() -> set[type]:
+    """The module classes ``recipes/trainer/fsdp.yaml`` wraps as FSDP units."""
+    import importlib
+
+    import yaml
+
+    init = yaml.safe_load(FSDP_RECIPE.read_text())["trainer"]["strategy"]["init_args"]
+    return {getattr(importlib.import_module(module), name) for module, _, name in (p.rpartition(".") for p in init["auto_wrap_policy"])}
+
+
+def cpu_fsdp_strategy() -> L.pytorch.strategies.FSDPStrategy:
+    """Lightning's FSDP strategy with the recipe's wrapping, on CPU processes (gloo): Lightning
+    refuses its FSDPStrategy on a CPU and passes FSDP no CPU device, so the model is wrapped here
+    with ``device_id=cpu`` and Lightning's own setup continues from the wrapped model."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            wrapped = FullyShardedDataParallel(model, sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+            self.kwargs.pop("auto_wrap_policy", None)
+            return super()._setup_model(wrapped)
+
+    return CPUFSDPStrategy(auto_wrap_policy=fsdp_recipe_policy(), process_group_backend="gloo")

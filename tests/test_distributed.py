@@ -1,6 +1,6 @@
 """Distributed training is the computation one process does with the whole batch.
 
-2 processes x batch b (DDP over gloo, on CPU) against 1 process x batch 2b, from the same initial
+2 processes x batch b (DDP over gloo, on CPU; FSDP too) against 1 process x batch 2b, from the same initial
 weights and the same data: MoCo v3 (keys gathered from both processes, SyncBN in the heads) and
 DINO (centre all-reduced) give the same logged loss, the same weights after two SGD steps
 (online and EMA), the same DINO centre, the same online-probe weights (its BatchNorm synchronised);
@@ -32,7 +32,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import TINY_BACKBONE, subprocess_env
+from helpers import TINY_BACKBONE, cpu_fsdp_strategy, subprocess_env
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
@@ -132,6 +132,11 @@ def _worker(out: Path) -> None:
         losses = fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy="ddp")
         result[name] = {"state": model.state_dict(), "losses": losses,
                         "sync_bn": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})}
+    for name in EQUIVALENT:  # FSDP with recipes/trainer/fsdp.yaml's wrapping: the full state dict, on rank 0
+        model = build(name)
+        model.load_state_dict(init[name])
+        fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy=cpu_fsdp_strategy())
+        result[f"fsdp_{name}"] = model.trainer.strategy.lightning_module_state_dict()
     model = build("mocov3")
     model.load_state_dict(init["mocov3"])
     fit(model, datamodule("mocov3", PER_DEVICE), devices=WORLD, strategy="ddp", precision="bf16-mixed")
@@ -227,6 +232,13 @@ def test_two_processes_end_with_the_one_process_weights(runs, name):
         assert any(k.startswith(prefix) for k in changed), prefix
     assert_same_update(rank0, want, runs["init"][name])
     assert_same_update(rank1, rank0, runs["init"][name])  # the replicas agree
+
+
+@pytest.mark.parametrize("name", EQUIVALENT)
+def test_fsdp_over_two_processes_ends_with_the_one_process_weights(runs, name):
+    # Parameters, gradients and optimiser state sharded over the processes: the same update,
+    # the EMA target averaged shard by shard, DINO's per-parameter clipping on whole gradients.
+    assert_same_update(runs["ranks"][0][f"fsdp_{name}"], runs["ref"][name]["state"], runs["init"][name])
 
 
 def test_mocov3_heads_and_probe_use_synchronised_batchnorm(runs):

@@ -11,17 +11,14 @@ unwrapped in the same process.
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
-from helpers import TINY_BACKBONE, TINY_VIT
+from helpers import TINY_BACKBONE, TINY_VIT, fsdp_recipe_policy
 
 from ssl_vit.backbones import create_backbone
 from ssl_vit.pretext import DINO, MoCoV3
@@ -31,19 +28,11 @@ from ssl_vit.training.sharding import unwrapped_name
 WORLD = 2
 
 
-FSDP_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "trainer" / "fsdp.yaml"
-
-
-def _recipe_policy() -> set[type]:
-    init = yaml.safe_load(FSDP_RECIPE.read_text())["trainer"]["strategy"]["init_args"]
-    return {getattr(importlib.import_module(path.rpartition(".")[0]), path.rpartition(".")[2]) for path in init["auto_wrap_policy"]}
-
-
 def _wrap(module: torch.nn.Module, policy: set[type] | None = None) -> torch.nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return FullyShardedDataParallel(module, auto_wrap_policy=ModuleWrapPolicy(policy or _recipe_policy()), use_orig_params=True,
+    return FullyShardedDataParallel(module, auto_wrap_policy=ModuleWrapPolicy(policy or fsdp_recipe_policy()), use_orig_params=True,
                                     device_id=torch.device("cpu"))
 
 
