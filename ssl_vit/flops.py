@@ -17,7 +17,7 @@ forward only. Everything is per image.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,11 +27,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.backbones.vit import as_pair
 from ssl_vit.heads import WeightNormLinear
+from ssl_vit.training.sharding import unwrap_module
 
 if TYPE_CHECKING:
     import lightning as L
 
 Shape = Sequence[int]
+ShapeOf = Callable[[Tensor], torch.Size]  # a parameter -> its shape before any FSDP wrapping
 
 # --------------------------------------------------------------------------------------------
 # analytic counts
@@ -98,15 +100,19 @@ def conv2d_flops(conv: nn.Conv2d, img_size: tuple[int, int]) -> float:
     return 2.0 * h * w * k * conv.out_channels
 
 
-def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int]) -> float:
+def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int], shape_of: ShapeOf | None = None) -> float:
     """Forward FLOPs per image of a backbone from the registry at an input resolution.
 
     Plain ViTs are counted analytically (:func:`vit_forward_flops`). The ResNet trunk of a hybrid
     and plain ResNets are counted by ``FlopCounterMode`` on the meta device (shapes only, no
-    memory, no compute); the hybrid's 1x1 projection and Transformer are then analytic.
+    memory, no compute); the hybrid's 1x1 projection and Transformer are then analytic. A backbone
+    wrapped by FSDP is counted as the module inside; ``shape_of`` gives its parameters' shapes
+    before wrapping (:meth:`PretextModule.shape_before_wrapping`), for the meta-device count.
     """
     size = as_pair(img_size)
     from ssl_vit.backbones.vit import PatchEmbed, VisionTransformer
+
+    backbone = unwrap_module(backbone)
 
     if isinstance(backbone, VisionTransformer):
         embed = backbone.patch_embed
@@ -119,22 +125,22 @@ def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int])
             n = (size[0] // p) * (size[1] // p)
             return vit_forward_flops(d, backbone.depth, backbone.num_heads, mlp_hidden / d, n, p, embed.in_chans, backbone.num_prefix_tokens)
         # Hybrid (or any other patch embedding): count the embedding on the meta device.
-        embed_flops, out = _meta_forward_flops(embed, (2, backbone.in_chans, *size))
+        embed_flops, out = _meta_forward_flops(embed, (2, backbone.in_chans, *size), shape_of)
         n = out[0].shape[1]
         return embed_flops + backbone.depth * vit_block_flops(d, mlp_hidden, n + backbone.num_prefix_tokens)
     if not hasattr(backbone, "forward_features"):
         raise TypeError(f"backbone_forward_flops needs a backbone from the registry, got {type(backbone).__name__}")
-    flops, _ = _meta_forward_flops(backbone, (2, backbone.in_chans, *size))
+    flops, _ = _meta_forward_flops(backbone, (2, backbone.in_chans, *size), shape_of)
     return flops
 
 
-def backbone_train_flops(backbone: nn.Module, img_size: int | tuple[int, int]) -> float:
+def backbone_train_flops(backbone: nn.Module, img_size: int | tuple[int, int], shape_of: ShapeOf | None = None) -> float:
     """Forward + backward FLOPs per image of a trained backbone: 3 x forward, less the first
     layer's input gradient (the image needs none) and, when that layer is frozen (MoCo v3's
     random patch projection), its weight gradient too."""
     size = as_pair(img_size)
-    forward = backbone_forward_flops(backbone, size)
-    stem = _first_conv(backbone)
+    forward = backbone_forward_flops(backbone, size, shape_of)
+    stem = _first_conv(unwrap_module(backbone))
     if stem is None:
         return 3.0 * forward
     stem_flops = conv2d_flops(stem, size)
@@ -174,6 +180,7 @@ def method_step_flops(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     batch = shapes[0][0]
     backbone = module.backbone
+    shape_of = module.shape_before_wrapping  # (FSDP flattens the parameters)
 
     if isinstance(module, MoCoV3):
         if len(shapes) != 2:
@@ -181,8 +188,8 @@ def method_step_flops(
         proj, pred = linear_flops(module.projector), linear_flops(module.predictor)
         total = 0.0
         for s in shapes:
-            total += backbone_train_flops(backbone, s[-2:]) + 3.0 * (proj + pred)
-            total += backbone_forward_flops(module.momentum_backbone, s[-2:]) + linear_flops(module.momentum_projector)
+            total += backbone_train_flops(backbone, s[-2:], shape_of) + 3.0 * (proj + pred)
+            total += backbone_forward_flops(module.momentum_backbone, s[-2:], shape_of) + linear_flops(module.momentum_projector)
         # ctr(q, k): logits [B, W·B] = q [B, C] @ k_allᵀ; forward and dL/dq, for both terms.
         ctr = 2.0 * world_size * batch * module.projector.output_dim
         total += 2 * (ctr + ctr)
@@ -191,8 +198,8 @@ def method_step_flops(
         if len(shapes) < max(g, 2):
             raise ValueError(f"DINO takes at least {max(g, 2)} views ({g} global first), got {len(shapes)} shapes")
         head, teacher_head = linear_flops(module.head), linear_flops(module.teacher_head)
-        total = sum(backbone_train_flops(backbone, s[-2:]) + 3.0 * head for s in shapes)
-        total += sum(backbone_forward_flops(module.teacher_backbone, s[-2:]) + teacher_head for s in shapes[:g])
+        total = sum(backbone_train_flops(backbone, s[-2:], shape_of) + 3.0 * head for s in shapes)
+        total += sum(backbone_forward_flops(module.teacher_backbone, s[-2:], shape_of) + teacher_head for s in shapes[:g])
         # lightly's DINOLoss: einsum("tbd,sbd->ts") is a [T, B·K] @ [B·K, S] product.
         out_dim = module.head.last_layer.out_features
         total += 2 * (2.0 * g * len(shapes) * out_dim)
@@ -202,9 +209,9 @@ def method_step_flops(
 
         n = (s[-2] // backbone.patch_size) * (s[-1] // backbone.patch_size)
         k = num_corrupted(n, module.corruption_ratio)  # the head reads the corrupted tokens only
-        total = backbone_train_flops(backbone, s[-2:]) + 3.0 * k * linear_flops(module.head)
+        total = backbone_train_flops(backbone, s[-2:], shape_of) + 3.0 * k * linear_flops(module.head)
     else:  # Supervised
-        total = backbone_train_flops(backbone, shapes[0][-2:]) + 3.0 * linear_flops(module.classifier)
+        total = backbone_train_flops(backbone, shapes[0][-2:], shape_of) + 3.0 * linear_flops(module.classifier)
     probe = getattr(module, "probe", None)
     if include_probe and probe is not None:
         total += 2.0 * linear_flops(probe)
@@ -243,11 +250,14 @@ def flop_counter() -> FlopCounterMode:
     return FlopCounterMode(display=False, custom_mapping=dict(_CPU_ATTENTION))
 
 
-def _meta_forward_flops(module: nn.Module, input_shape: Shape) -> tuple[float, Any]:
+def _meta_forward_flops(module: nn.Module, input_shape: Shape, shape_of: ShapeOf | None = None) -> tuple[float, Any]:
     """FLOPs per image of ``module(x)`` for an input of this shape, on the meta device (shapes
-    only). Give it two images at least: a module in training mode may need them (BatchNorm on a
+    only; ``shape_of`` gives each parameter's shape when it differs from the tensor's, as under
+    FSDP). Give it two images at least: a module in training mode may need them (BatchNorm on a
     1x1 feature map, e.g. a ResNet at 32 px or less)."""
-    state = {n: torch.empty_like(t, device="meta") for n, t in (*module.named_parameters(), *module.named_buffers())}
+    shape = shape_of or (lambda t: t.shape)
+    state = {n: torch.empty(shape(t), dtype=t.dtype, device="meta") for n, t in module.named_parameters()}
+    state |= {n: torch.empty_like(t, device="meta") for n, t in module.named_buffers()}
     x = torch.empty(tuple(input_shape), device="meta")
     with torch.no_grad(), flop_counter() as counter:
         out = torch.func.functional_call(module, state, (x,))

@@ -98,17 +98,44 @@ def fsdp_recipe_policy() -> set[type]:
 
 
 def cpu_fsdp_strategy() -> L.pytorch.strategies.FSDPStrategy:
-    """Lightning's FSDP strategy with the recipe's wrapping, on CPU processes (gloo): Lightning
-    refuses its FSDPStrategy on a CPU and passes FSDP no CPU device, so the model is wrapped here
-    with ``device_id=cpu`` and Lightning's own setup continues from the wrapped model."""
-    from lightning.pytorch.strategies import FSDPStrategy
+    """Lightning's FSDP strategy with the recipe's wrapping, on CPU processes (gloo)."""
+    return CPUFSDPStrategy()
 
-    class CPUFSDPStrategy(FSDPStrategy):
-        def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-            from torch.distributed.fsdp import FullyShardedDataParallel
 
-            wrapped = FullyShardedDataParallel(model, sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
-            self.kwargs.pop("auto_wrap_policy", None)
-            return super()._setup_model(wrapped)
+class CPUFSDPStrategy(L.pytorch.strategies.FSDPStrategy):
+    """Lightning's FSDP strategy on CPU processes (gloo), with ``recipes/trainer/fsdp.yaml``'s
+    wrapping unless given another: Lightning refuses its FSDPStrategy class on a CPU and passes
+    FSDP no CPU device, so the model is wrapped here with ``device_id=cpu`` and Lightning's own
+    setup continues from the wrapped model. (A class path for recipes: ``helpers.CPUFSDPStrategy``.)"""
 
-    return CPUFSDPStrategy(auto_wrap_policy=fsdp_recipe_policy(), process_group_backend="gloo")
+    def __init__(self, **kwargs: Any) -> None:
+        # (a recipe passes every argument of the signature, None where it gives none)
+        kwargs["auto_wrap_policy"] = kwargs.get("auto_wrap_policy") or fsdp_recipe_policy()
+        kwargs["process_group_backend"] = kwargs.get("process_group_backend") or "gloo"
+        super().__init__(**kwargs)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = FullyShardedDataParallel(model, sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+        self.kwargs.pop("auto_wrap_policy", None)
+        return super()._setup_model(wrapped)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # Lightning gathers the full optimiser state with offload_to_cpu=True. On a CPU device
+        # torch's FSDP then keeps each state as a view of one gather buffer (``.cpu()`` copies
+        # nothing), so every state reads the last one gathered (exp_avg = exp_avg_sq): a torch bug
+        # that only CPU devices meet. Without the offload, FSDP clones each state.
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            OptimStateKeyType,
+            StateDictType,
+        )
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                                  FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+            state = FSDP.optim_state_dict(self.model, optimizer)
+            return FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model) if self.global_rank == 0 else state

@@ -272,6 +272,7 @@ def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert torch.equal(got["state_dict"][key], value), key  # online, teacher, centre, probe
     for g, w in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values(), strict=True):
         assert all(torch.equal(g[k], w[k]) for k in w)  # AdamW moments and step counts
+    assert got["ssl_vit"]["pretrain_flops"] == want["ssl_vit"]["pretrain_flops"] > 0  # every step counted once
 
 
 @pytest.mark.parametrize(

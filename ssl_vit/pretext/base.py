@@ -195,6 +195,16 @@ class PretextModule(L.LightningModule):
             setattr(self, name, convert_sync_batchnorm(getattr(self, name), device_type))
 
     # ------------------------------------------------------------------ optimisation
+    def shape_before_wrapping(self, p: Tensor) -> torch.Size:
+        """A parameter's shape as built: under FSDP each parameter is a flat 1-D shard of it
+        (the shapes are recorded in ``setup``, before a strategy wraps the model)."""
+        if not self._shapes_before_wrapping:
+            return p.shape
+        names = getattr(self, "_wrapped_names", None)
+        if names is None or id(p) not in names:
+            names = self._wrapped_names = {id(q): unwrapped_name(n) for n, q in self.named_parameters()}
+        return self._shapes_before_wrapping.get(names.get(id(p), ""), p.shape)
+
     def _param_groups(self) -> list[dict[str, Any]]:
         rule = self.hparams.weight_decay_exempt
         tokens = {"mask_token"}

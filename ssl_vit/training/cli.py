@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             run=False,
             args=argv,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [PreemptionCheckpoint(), PretrainFlopsCounter()]},
+            # The FLOP counter first: a signal's checkpoint, written at the same batch end, then
+            # counts the batch it follows (Lightning runs callbacks in this order).
+            trainer_defaults={"callbacks": [PretrainFlopsCounter(), PreemptionCheckpoint()]},
             parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__},
         )
     except (ArgumentError, ValueError, TypeError, MisconfigurationException) as err:

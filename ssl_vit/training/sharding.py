@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 # Name parts that wrappers insert: FSDP, activation checkpointing, torch.compile.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -25,6 +26,16 @@ def unwrapped_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The module inside FSDP / activation-checkpointing / ``torch.compile`` wrappers (each keeps
+    the module it wraps; attribute access passes through them, ``isinstance`` does not)."""
+    while True:
+        inner = getattr(module, "_fsdp_wrapped_module", None) or getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
 
 
 def gradient_shard_group(strategy: Any) -> dist.ProcessGroup | None:
