@@ -388,6 +388,17 @@ def test_gradient_clipping_leaves_the_online_probe_out(mode):
         torch.testing.assert_close(p.grad, g)
 
 
+def test_lars_is_refused_under_fsdp(monkeypatch):
+    import ssl_vit.pretext.base as base
+
+    model = make("supervised", optimizer="lars")
+    model.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert isinstance(model.configure_optimizers(), torch.optim.Optimizer)  # one process: fine
+    monkeypatch.setattr(base, "gradient_shard_group", lambda strategy: object())  # as under FSDP
+    with pytest.raises(ValueError, match="'lars' does not run under FSDP"):
+        model.configure_optimizers()
+
+
 def test_online_probe_reports_accuracy_without_touching_the_backbone():
     torch.manual_seed(0)
     model = make("mocov3")

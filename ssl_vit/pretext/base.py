@@ -235,6 +235,10 @@ class PretextModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
+        if hp.optimizer == "lars" and self._trainer is not None and gradient_shard_group(self.trainer.strategy) is not None:
+            # lightly's LARS scales each tensor by |w| / |g|: under FSDP it would see each
+            # process's flat shard, not the tensor (and take every parameter for a 1-D one).
+            raise ValueError("optimizer 'lars' does not run under FSDP (its trust ratio needs whole tensors); use DDP, or adamw / sgd")
         groups = self._param_groups()
         for g in groups:
             g["lr"] = g.get("fixed_lr", hp.base_lr)
