@@ -153,6 +153,12 @@ def test_synthetic_is_deterministic_and_learnable():
 def test_drop_last_and_persistent_workers():
     with pytest.raises(ValueError, match="fewer than batch_size"):
         _synthetic(batch_size=64).train_dataloader()
+    # Each of 2 processes reads half: 32 images per process at batch 40 leave no batch either.
+    two = _synthetic(num_samples=64, batch_size=40)
+    two.trainer = type("Trainer", (), {"world_size": 2, "global_rank": 0})()
+    assert len(_synthetic(num_samples=64, batch_size=40).train_dataloader()) == 1  # one process: 64 images
+    with pytest.raises(ValueError, match=r"\(32 for each of 2 processes\), fewer than batch_size=40 per process"):
+        two.train_dataloader()
     dm = _synthetic(num_workers=1)
     assert dm.train_dataloader().persistent_workers
     assert not _synthetic().train_dataloader().persistent_workers  # needs workers

@@ -258,6 +258,38 @@ def test_a_resumed_epoch_continues_after_the_images_seen_whatever_the_new_layout
 
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_checkpoint_written_before_the_first_resumed_batch_keeps_the_position(num_workers):
+    # Lightning reruns an interrupted validation pass before the next training batch, and a
+    # requeue signal can save there: that checkpoint must hold the resumed position, not 0.
+    class Ids(torch.utils.data.Dataset):  # item: the dataset index of the image
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i):
+            return i.index
+
+    dataset = Ids()
+    sampler = ResumableSampler(dataset, num_replicas=2, rank=0, seed=1)
+    loader = ResumableLoader(dataset, sampler=sampler, batch_size=4, drop_last=True, num_workers=num_workers)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    saved = loader.state_dict()
+    assert saved["samples"] == 24 and saved["batches"] == 3
+    resumed = ResumableLoader(dataset, sampler=ResumableSampler(dataset, num_replicas=2, rank=0, seed=1), batch_size=4, drop_last=True,
+                              num_workers=num_workers)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved  # loaded
+    resumed.sampler.set_epoch(saved["epoch"])
+    assert resumed.state_dict() == saved  # the epoch set again, as Lightning does
+    it = iter(resumed)
+    assert resumed.state_dict() == saved  # the pass begun (workers draw ahead), no batch yet
+    next(it)
+    assert resumed.state_dict()["samples"] == 32 and resumed.state_dict()["batches"] == 4
+    del it
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp_path = tmp_path_factory.mktemp("uninterrupted")

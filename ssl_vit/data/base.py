@@ -247,16 +247,17 @@ class ImageDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumableLoader:
         dataset = self.train_dataset
-        if self.drop_last and len(dataset) < self.batch_size:
-            raise ValueError(
-                f"the training set has {len(dataset)} images, fewer than batch_size={self.batch_size}, "
-                "so drop_last=True leaves no batch; lower batch_size or set drop_last=False"
-            )
         # Each process reads its own share of the shuffled order (Lightning keeps this sampler
         # rather than injecting its own); outside a Trainer, torch.distributed says the layout.
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (None, None)
         sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=global_seed(self.seed))
+        if self.drop_last and sampler.num_samples < self.batch_size:
+            share = f" ({sampler.num_samples} for each of {sampler.num_replicas} processes)" if sampler.num_replicas > 1 else ""
+            raise ValueError(
+                f"the training set has {len(dataset)} images{share}, fewer than batch_size={self.batch_size} "
+                "per process, so drop_last=True leaves no batch; lower batch_size or set drop_last=False"
+            )
         return ResumableLoader(
             dataset,
             sampler=sampler,

@@ -87,6 +87,7 @@ class ResumableSampler(DistributedSampler):
         self._skip = 0  # samples of this process's share to skip at the start of the next pass
         self._skip_epoch = 0
         self.start = 0  # samples skipped at the start of the current pass
+        self._start_epoch: int | None = None  # the epoch of that pass
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -97,11 +98,20 @@ class ResumableSampler(DistributedSampler):
         self.set_epoch(epoch)
         self._skip, self._skip_epoch = num_samples, epoch
 
+    def resume_offset(self) -> int:
+        """This process's samples of the current epoch that come before its pass: the position
+        a resume asked for (until the pass begins), or where the pass under way began; 0 for a
+        fresh epoch."""
+        if self._skip and self._skip_epoch == self.epoch:
+            return self._skip
+        return self.start if self._start_epoch == self.epoch else 0
+
     def __iter__(self) -> Iterator[SeededIndex]:  # type: ignore[override]
         if not self._epoch_set:
             self.epoch += 1  # iterated again without set_epoch: a new epoch, not a repeat
         self._epoch_set = False
         self.start = self._skip if self._skip_epoch == self.epoch else 0
+        self._start_epoch = self.epoch
         self._skip = 0
         indices = list(super().__iter__())[self.start :]  # this process's share, in epoch order
         return map(SeededIndex, indices, sample_seeds(self.seed, self.epoch, indices))
@@ -147,15 +157,21 @@ class ResumableLoader(DataLoader):
 
     def state_dict(self) -> dict[str, int]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        # After set_epoch for a new epoch and before its first batch, nothing of it is consumed yet.
-        current = self._pass_epoch == sampler.epoch
+        if self._pass_epoch == sampler.epoch and self._batches:
+            batches, samples = self._batches, self._samples
+        else:
+            # No batch of this epoch handed out yet: a fresh epoch (0), or a resumed one whose
+            # position must survive a checkpoint written before its first batch (Lightning
+            # reruns an interrupted validation pass first, and a requeue can save there).
+            samples = sampler.resume_offset()
+            batches = -(-samples // (self.batch_size or 1))
         return {
             "seed": sampler.seed,
             "epoch": sampler.epoch,
-            "batches": self._batches if current else 0,
+            "batches": batches,
             # Process p's share is positions p, p + R, p + 2R ... of the epoch's permutation, so
             # s samples from each of R processes are its first s * R positions.
-            "samples": (self._samples if current else 0) * sampler.num_replicas,
+            "samples": samples * sampler.num_replicas,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
