@@ -223,13 +223,22 @@ def test_sincos_position_embedding_is_frozen_and_follows_the_formula():
     assert not m.pos_embed.requires_grad
     pe = m.pos_embed[0]  # [1+16, 384]
     assert torch.count_nonzero(pe[0]) == 0  # [CLS] gets no position
-    # MoCo v3 §4.2: first quarter sin(w * omega_k), omega_k = 10000^(-k / (D/4)); row-major grid.
+    # MoCo v3 §4.2: first quarter sin(r * omega_k) of the patch's row r, last cos(c * omega_k) of
+    # its column c, omega_k = 10000^(-k / (D/4)); row-major grid.
     d4 = 384 // 4
-    for idx, (h, w) in [(1, (0, 0)), (2, (0, 1)), (7, (1, 2)), (16, (3, 3))]:
+    for idx, (r, c) in [(1, (0, 0)), (2, (0, 1)), (7, (1, 2)), (16, (3, 3))]:
         for k in (0, 5, d4 - 1):
             omega = 1.0 / 10000 ** (k / d4)
-            assert abs(pe[idx, k].item() - torch.sin(torch.tensor(w * omega)).item()) < 1e-6
-            assert abs(pe[idx, 3 * d4 + k].item() - torch.cos(torch.tensor(h * omega)).item()) < 1e-6
+            assert abs(pe[idx, k].item() - torch.sin(torch.tensor(r * omega)).item()) < 1e-6
+            assert abs(pe[idx, 3 * d4 + k].item() - torch.cos(torch.tensor(c * omega)).item()) < 1e-6
+    # The reference's construction (vits.py), written out: meshgrid over (w, h) with the default
+    # "ij" indexing, flattened, the "w" grid first.
+    side, dim = 5, 64
+    gw, gh = torch.meshgrid(torch.arange(side, dtype=torch.float32), torch.arange(side, dtype=torch.float32), indexing="ij")
+    om = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ow, oh = torch.outer(gw.flatten(), om), torch.outer(gh.flatten(), om)
+    reference = torch.cat([ow.sin(), ow.cos(), oh.sin(), oh.cos()], dim=1)
+    assert torch.equal(sincos_2d_pos_embed(dim, (side, side))[0, 1:], reference)
     with pytest.raises(ValueError, match="divisible by 4"):
         sincos_2d_pos_embed(30, (2, 2))
 

@@ -16,8 +16,11 @@ def sincos_2d_pos_embed(
     """Fixed 2-D sin-cos position embedding, as in MoCo v3 (Chen et al. 2021, §4.2; reference
     ``vits.py: build_2d_sincos_position_embedding``).
 
-    A quarter of the channels each hold sin(w·ω), cos(w·ω), sin(h·ω), cos(h·ω) with
-    ω_k = 1 / temperature^(k / (D/4)); prefix tokens ([CLS]) get zeros.
+    For the patch in row r and column c, a quarter of the channels each hold sin(r·ω), cos(r·ω),
+    sin(c·ω), cos(c·ω) with ω_k = 1 / temperature^(k / (D/4)); prefix tokens ([CLS]) get zeros.
+    On the square grids MoCo v3 trains on this is the reference's table to the last bit: its
+    ``meshgrid(grid_w, grid_h)`` puts the row index in the first half (the half it calls w), so
+    weights trained there see the same positions here at any resolution.
 
     Returns:
         ``[1, num_prefix_tokens + H*W, embed_dim]`` in float32.
@@ -25,14 +28,14 @@ def sincos_2d_pos_embed(
     if embed_dim % 4 != 0:
         raise ValueError(f"2-D sin-cos position embedding needs embed_dim divisible by 4, got {embed_dim}")
     h, w = grid_size
-    grid_h, grid_w = torch.meshgrid(
+    rows, cols = torch.meshgrid(
         torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij"
     )  # each [H, W], row-major like the patch sequence
     pos_dim = embed_dim // 4
     omega = 1.0 / temperature ** (torch.arange(pos_dim, dtype=torch.float32) / pos_dim)  # [D/4]
-    out_w = grid_w.flatten()[:, None] * omega[None]  # [H*W, D/4]
-    out_h = grid_h.flatten()[:, None] * omega[None]  # [H*W, D/4]
-    pe = torch.cat([out_w.sin(), out_w.cos(), out_h.sin(), out_h.cos()], dim=1)  # [H*W, D]
+    out_r = rows.flatten()[:, None] * omega[None]  # [H*W, D/4]
+    out_c = cols.flatten()[:, None] * omega[None]  # [H*W, D/4]
+    pe = torch.cat([out_r.sin(), out_r.cos(), out_c.sin(), out_c.cos()], dim=1)  # [H*W, D]
     prefix = torch.zeros(num_prefix_tokens, embed_dim)
     return torch.cat([prefix, pe], dim=0)[None]
 
