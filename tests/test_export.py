@@ -149,6 +149,34 @@ def test_average_pooled_vit_rebuilds_in_timm_from_config(tmp_path):
     torch.testing.assert_close(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), model(x))
 
 
+def test_an_mlp_width_that_float_rounding_would_miss_rebuilds_in_timm(tmp_path):
+    # 176 x 8/3 -> a 469-wide MLP; 469 / 176 as timm's mlp_ratio gives int(176 * r) = 468.
+    kwargs = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 176, "depth": 1, "num_heads": 2, "mlp_ratio": 8 / 3}
+    out = export_backbone("random:vit", tmp_path / "exp", backbone_kwargs=kwargs).out_dir
+    model, _ = load_any_backbone(out)
+    assert model.blocks[0].mlp.fc1.out_features == 469
+    x = _x()
+    torch.testing.assert_close(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), model(x))
+
+
+def test_a_non_square_export_reloads_at_another_size_from_its_own_grid(tmp_path):
+    kwargs = {**TINY_VIT, "img_size": [16, 24]}  # a 4 x 6 grid: 1 + 24 positions, not 1 + a square
+    out = export_backbone("random:vit", tmp_path / "exp", backbone_kwargs=kwargs).out_dir
+    stored = load_file(out / "model.safetensors")["pos_embed"]
+    model, _ = load_any_backbone(out, backbone_kwargs={"img_size": 32})
+    torch.testing.assert_close(model.pos_embed.detach(), resample_abs_pos_embed(stored, (8, 8), (4, 6), num_prefix_tokens=1))
+
+
+def test_a_backbone_moved_to_another_size_exports_at_that_size(tmp_path):
+    torch.manual_seed(0)
+    model = create_backbone("vit", **TINY_VIT)
+    model.set_img_size(24)  # fine-tuning at a higher resolution
+    out = save_backbone(model, tmp_path / "exp").out_dir
+    assert json.loads((out / "config.json").read_text())["input_size"] == [1, 24, 24]
+    x = torch.randn(2, 1, 24, 24)
+    torch.testing.assert_close(load_any_backbone(out)[0](x), model.eval()(x))
+
+
 def test_a_resnet_classifier_exports_under_torchvision_names(tmp_path):
     # A fine-tuned ResNet's head goes in as torchvision's fc: resnet18(num_classes=K) loads the
     # file strictly and computes the same logits; the backbone loaders leave fc out.
@@ -232,6 +260,9 @@ def test_torchscript_and_onnx_match_eager(dino_ckpt, tmp_path):
         torch.testing.assert_close(scripted(x), ref(x), atol=1e-5, rtol=0)
         torch.testing.assert_close(exported(x), ref(x), atol=1e-5, rtol=0)
         torch.testing.assert_close(onnx_out, ref(x), atol=1e-5, rtol=0)
+        # The traced copy checks the size it was traced at (a trace would crop a larger image).
+        with pytest.raises(torch.jit.Error, match=r"takes images \[batch, 1, 16, 16\] \(traced at that size\), got \[2, 1, 20, 20\]"):
+            scripted(torch.randn(2, 1, 20, 20))
     files = json.loads((result.out_dir / "config.json").read_text())["ssl_vit"]["files"]
     assert files["model.onnx"]["max_abs_diff"] < 1e-4 and "sha256" in files["model.torchscript.pt"]
     assert files["model.pt2"]["max_abs_diff"] < 1e-4
@@ -258,6 +289,16 @@ def test_hybrid_exports_reloads_and_traces(tmp_path):
         torch.testing.assert_close(rebuilt(x), ref, atol=0, rtol=0)
         torch.testing.assert_close(scripted(x), ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(onnx_out, ref, atol=1e-4, rtol=0)
+
+
+def test_onnx_without_its_packages_is_refused_before_anything_is_written(monkeypatch, tmp_path):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"ONNX export needs onnxruntime: pip install 'ssl_vit\[onnx\]'"):
+        export_backbone("random:vit", tmp_path / "exp", backbone_kwargs=TINY_VIT, formats=["onnx"])
+    assert not (tmp_path / "exp").exists()
 
 
 def test_a_trace_that_disagrees_is_an_error_and_leaves_no_file(monkeypatch, tmp_path):

@@ -287,6 +287,9 @@ class VisionTransformer(nn.Module):
         self.grid_size = new_grid
         self.patch_embed.img_size = img_size
         self.patch_embed.grid_size = new_grid
+        kwargs = getattr(self, "backbone_kwargs", None)  # the record create_backbone keeps (export rebuilds from it)
+        if isinstance(kwargs, dict):
+            kwargs["img_size"] = img_size[0] if img_size[0] == img_size[1] else list(img_size)
 
     # --------------------------------------------------------------- forward
     def _pos_embed_for(self, grid: tuple[int, int]) -> Tensor:

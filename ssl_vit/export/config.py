@@ -78,7 +78,7 @@ def timm_architecture(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
             "embed_dim": model.embed_dim,
             "depth": model.depth,
             "num_heads": model.num_heads,
-            "mlp_ratio": block.mlp.fc1.out_features / model.embed_dim,
+            "mlp_ratio": _mlp_ratio(block.mlp.fc1.out_features, model.embed_dim),
             "qkv_bias": block.attn.qkv.bias is not None,
             "class_token": True,
             "global_pool": model.global_pool,
@@ -93,6 +93,14 @@ def timm_architecture(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
     if isinstance(model, ResNetBackbone) and not model.small_input and model.num_stages == 4 and kwargs.get("layers") is None:
         return model.arch, {"in_chans": model.in_chans}  # timm's ResNets share torchvision's names
     return None
+
+
+def _mlp_ratio(hidden: int, dim: int) -> float:
+    """The ``mlp_ratio`` from which timm (and our ViT) build an MLP ``hidden`` wide:
+    ``int(dim * ratio)``, which ``hidden / dim`` can miss by one in float rounding (176 x
+    (469 / 176) = 468.99...); half a unit above it cannot."""
+    ratio = hidden / dim
+    return ratio if int(dim * ratio) == hidden else (hidden + 0.5) / dim
 
 
 def file_record(path: Path) -> dict[str, Any]:

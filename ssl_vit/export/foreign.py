@@ -80,8 +80,9 @@ def _grid_of(tokens: int) -> tuple[int, int] | None:
     return (side, side) if side * side == tokens and side > 0 else None
 
 
-def _fit_pos_embed(pos: Tensor, model: nn.Module) -> Tensor:
-    """Bring a ``[1, T, D]`` position embedding to the model's prefix count and grid."""
+def _fit_pos_embed(pos: Tensor, model: nn.Module, source_grid: tuple[int, int] | None = None) -> Tensor:
+    """Bring a ``[1, T, D]`` position embedding to the model's prefix count and grid;
+    ``source_grid``: the grid it was made for when known (else a square one is inferred)."""
     target = model.pos_embed
     if pos.shape == target.shape:
         return pos
@@ -90,6 +91,8 @@ def _fit_pos_embed(pos: Tensor, model: nn.Module) -> Tensor:
     prefix = int(getattr(model, "num_prefix_tokens", 1))
     if getattr(model, "pos_embed_type", "learn") == "sincos":  # a fixed table: recompute it for the grid
         return sincos_2d_pos_embed(target.shape[-1], tuple(model.grid_size), prefix).to(pos.dtype)
+    if source_grid is not None and prefix + source_grid[0] * source_grid[1] == pos.shape[1]:
+        return resample_pos_embed(pos, tuple(model.grid_size), tuple(source_grid), prefix)
     if _grid_of(pos.shape[1] - prefix) is None and _grid_of(pos.shape[1]) is not None:
         # No class-token position (timm no_embed_class): [CLS] got no position, i.e. zeros.
         pos = torch.cat([pos.new_zeros(1, prefix, pos.shape[-1]), pos], dim=1)
@@ -115,13 +118,15 @@ def filter_foreign_state_dict(state_dict: Mapping[str, Any], model: nn.Module, w
     return fit_state_dict(_unwrap(state_dict, which), model)
 
 
-def fit_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+def fit_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module, source_grid: tuple[int, int] | None = None) -> dict[str, Tensor]:
     """The shape fixes of :func:`filter_foreign_state_dict` for an already prefix-free state dict:
-    drop classifier keys the model lacks, fit the position embedding and the input channels."""
+    drop classifier keys the model lacks, fit the position embedding (from ``source_grid``, the
+    patch grid the weights were trained at when it is recorded, e.g. a non-square one) and the
+    input channels."""
     own = model.state_dict()
     sd = {k: v for k, v in state_dict.items() if k in own or not k.startswith(_DROP_PREFIXES)}
     if "pos_embed" in sd and "pos_embed" in own:
-        sd["pos_embed"] = _fit_pos_embed(sd["pos_embed"], model)
+        sd["pos_embed"] = _fit_pos_embed(sd["pos_embed"], model, source_grid)
     for key in ("patch_embed.proj.weight", "conv1.weight"):
         if key in sd and key in own and sd[key].ndim == 4 and sd[key].shape[1] != own[key].shape[1]:
             from timm.models import adapt_input_conv  # sums (to grey) or repeats and rescales

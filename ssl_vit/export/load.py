@@ -45,16 +45,31 @@ def build_from_source(
     """Create the backbone and load the source's weights (strict; one-line errors). Updates
     ``source.backbone`` / ``backbone_kwargs`` to what was built."""
     name, kwargs = _merged_kwargs(source, backbone, backbone_kwargs)
-    model = instantiate(name, kwargs, source.path, lambda m: _state_for(source, m))
+    grid = _recorded_grid(source)
+    model = instantiate(name, kwargs, source.path, lambda m: _state_for(source, m, grid))
     source.backbone, source.backbone_kwargs = name, dict(kwargs)
     return model.to(map_location).eval()
 
 
-def _state_for(source: BackboneSource, model: nn.Module) -> dict[str, Tensor]:
+def _recorded_grid(source: BackboneSource) -> tuple[int, int] | None:
+    """The patch grid of the architecture the source records (its position embedding's grid,
+    which need not be square); None when it records none."""
+    if source.backbone is None or source.kind == "random":
+        return None
+    try:
+        with torch.device("meta"):
+            recorded = create_backbone(source.backbone, **source.backbone_kwargs)
+    except (TypeError, ValueError):
+        return None  # the load reports what is wrong with it
+    grid = getattr(recorded, "grid_size", None)
+    return (int(grid[0]), int(grid[1])) if grid is not None else None
+
+
+def _state_for(source: BackboneSource, model: nn.Module, grid: tuple[int, int] | None = None) -> dict[str, Tensor]:
     try:
         if source.kind == "state_dict":
             return filter_foreign_state_dict(source.weights, model, which=source.which)
-        return fit_state_dict(source.weights, model)
+        return fit_state_dict(source.weights, model, grid)
     except ValueError as err:
         raise ValueError(f"{source.path}: {err}") from None
 

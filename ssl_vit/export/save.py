@@ -33,6 +33,7 @@ from ssl_vit.export.traced import (
     EXPORTED_FILE,
     ONNX_FILE,
     TORCHSCRIPT_FILE,
+    ExportParityError,
     check_parity,
     example_input,
     write_exported_program,
@@ -99,6 +100,12 @@ def save_backbone(
         raise ValueError(f"unknown export format(s) {unknown}; choose from {', '.join(FORMATS)}")
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if "onnx" in formats:  # before anything is written
+        import importlib.util
+
+        missing = [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"ONNX export needs {', '.join(missing)}: pip install 'ssl_vit[onnx]'")
     source = source or _source_of(model)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -138,7 +145,11 @@ def _write(
     weights = save_safetensors(out_dir / WEIGHTS_FILE, state)
     # (fit_state_dict leaves the classifier out, as the backbone loaders do)
     rebuilt = instantiate(source.backbone, source.backbone_kwargs, str(weights), lambda m: fit_state_dict(read_safetensors(weights), m)).eval()
-    parity[WEIGHTS_FILE] = check_parity(rebuilt, model, example_input(model, 2), f"weights {WEIGHTS_FILE}", tolerance)
+    try:
+        parity[WEIGHTS_FILE] = check_parity(rebuilt, model, example_input(model, 2), f"weights {WEIGHTS_FILE}", tolerance)
+    except ExportParityError:
+        weights.unlink(missing_ok=True)  # the folder holds no weights that rebuild something else
+        raise
     written = [weights]
 
     # 2. traced copies, checked in a staging folder before they are moved in

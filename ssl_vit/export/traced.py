@@ -63,11 +63,32 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+class _SizeChecked(nn.Module):
+    """A traced backbone behind a check of the input's size: tracing drops the model's own
+    Python checks, and a traced ViT would silently crop an image larger than its trace's."""
+
+    def __init__(self, traced: nn.Module, channels: int, height: int, width: int) -> None:
+        super().__init__()
+        self.traced = traced
+        self.channels, self.height, self.width = channels, height, width
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.size(1) != self.channels or x.size(2) != self.height or x.size(3) != self.width:
+            raise RuntimeError(
+                "this TorchScript backbone takes images [batch, " + str(self.channels) + ", " + str(self.height) + ", "
+                + str(self.width) + "] (traced at that size), got " + str(x.shape)
+            )
+        return self.traced(x)
+
+
 def write_torchscript(model: nn.Module, folder: Path, tolerance: float) -> tuple[Path, float]:
-    """``torch.jit.trace`` the backbone into ``folder/model.torchscript.pt`` and check it."""
+    """``torch.jit.trace`` the backbone into ``folder/model.torchscript.pt`` (behind a check of
+    the input size it was traced at) and check it."""
     path = folder / TORCHSCRIPT_FILE
     with _quiet(), torch.no_grad():
         traced = torch.jit.trace(model, example_input(model, 2), check_trace=False)
+        h, w = model.img_size
+        traced = torch.jit.script(_SizeChecked(traced, int(model.in_chans), int(h), int(w)))
         torch.jit.save(traced, str(path))
         loaded = torch.jit.load(str(path), map_location="cpu")
     diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"TorchScript {TORCHSCRIPT_FILE}", tolerance)
