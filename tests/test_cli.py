@@ -321,3 +321,24 @@ def test_trainer_devices_of_the_device_options():
     assert _trainer_devices("cuda", 4) == 4 and _trainer_devices("cpu", 2) == 2
     with pytest.raises(ValueError, match="--device cuda:1 names one GPU; with --devices 2 use --device cuda"):
         _trainer_devices("cuda:1", 2)
+
+
+def test_eval_data_is_normalised_as_the_backbone_was_trained_or_else_as_the_dataset():
+    from ssl_vit.data import FashionMNISTDataModule
+    from ssl_vit.eval.cli import build_datamodule
+    from ssl_vit.export import load_any_backbone
+
+    grey, info = load_any_backbone("random:vit", backbone_kwargs={**json.loads(TINY), "in_chans": 1})
+    own = FashionMNISTDataModule.dataset_mean
+    # A random initialisation records nothing: the dataset's statistics, as the demo's random row.
+    assert tuple(build_datamodule("fashion_mnist", grey, info, {}, None).mean) == tuple(own)
+    # Statistics a pretraining recorded are the ones its backbone learned with.
+    recorded = {**info, "kind": "lightning", "normalization_source": "recorded", "mean": [0.3], "std": [0.2]}
+    assert tuple(build_datamodule("fashion_mnist", grey, recorded, {}, None).mean) == (0.3,)
+    # Foreign 3-channel weights that record nothing: ImageNet's, what timm's weights expect.
+    rgb, rgb_info = load_any_backbone("random:vit", backbone_kwargs=json.loads(TINY))
+    assert rgb_info["normalization_source"].startswith("default (ImageNet")  # a random one: still the dataset's
+    assert tuple(build_datamodule("fashion_mnist", rgb, rgb_info, {}, None).mean) == tuple(own) * 3
+    foreign = {**info, "kind": "state_dict", "normalization_source": "default (ImageNet statistics)", "mean": [0.485, 0.456, 0.406],
+               "std": [0.229, 0.224, 0.225]}
+    assert tuple(build_datamodule("fashion_mnist", rgb, foreign, {}, None).mean) == (0.485, 0.456, 0.406)

@@ -78,6 +78,14 @@ def test_idx_reader_rejects_bad_files(tmp_path):
     (tmp_path / "img").write_bytes(good)
     with pytest.raises(ValueError, match="2 images but .* 4 labels"):
         read_idx_images_labels(tmp_path / "img", tmp_path / "labels")
+    (tmp_path / "none-img").write_bytes(_idx_bytes(np.zeros((0, 3, 3), dtype=np.uint8)))
+    (tmp_path / "none-lab").write_bytes(_idx_bytes(np.zeros(0, dtype=np.uint8)))
+    with pytest.raises(ValueError, match="none-img: holds no images"):
+        read_idx_images_labels(tmp_path / "none-img", tmp_path / "none-lab")
+    # gzip is told by its magic bytes, whatever the file is called
+    (tmp_path / "IMG.GZ").write_bytes(gzip.compress(good))
+    (tmp_path / "renamed").write_bytes(gzip.compress(good))
+    assert read_idx(tmp_path / "IMG.GZ").shape == read_idx(tmp_path / "renamed").shape == (2, 3, 3)
 
 
 # -- view transforms --------------------------------------------------------------------------

@@ -29,11 +29,9 @@ def read_idx(path: str | PathLike[str], expected_ndim: int | None = None) -> np.
     """
     path = Path(path)
     try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = path.read_bytes()
+        data = path.read_bytes()
+        if data[:2] == b"\x1f\x8b" or path.suffix.lower() == ".gz":  # gzip's magic, whatever the name
+            data = gzip.decompress(data)
     except (OSError, EOFError, zlib.error) as err:
         if isinstance(err, FileNotFoundError):
             raise
@@ -82,4 +80,6 @@ def read_idx_images_labels(
         raise ValueError(
             f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels"
         )
+    if len(images) == 0:
+        raise ValueError(f"{images_path}: holds no images")
     return images, labels.astype(np.int64)

@@ -191,7 +191,13 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
 
     cls = getattr(data, DATASETS[name])
     kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans, "subset": train_subset}
-    if info.get("normalization_source") not in (None, "default") and info.get("mean") is not None:
+    # The statistics the backbone was trained with when it records them, ImageNet's for foreign
+    # 3-channel weights that record none (what timm's expect); else (a random initialisation,
+    # nothing known) the dataset's own, as the pretrained backbones of that dataset recorded.
+    source = str(info.get("normalization_source") or "")
+    recorded = not source.startswith("default")
+    foreign_imagenet = source.startswith("default (ImageNet") and info.get("kind") != "random"
+    if info.get("mean") is not None and (recorded or foreign_imagenet):
         kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
     kwargs.update(extra)
     params = _init_params(cls)
