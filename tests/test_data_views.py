@@ -209,3 +209,10 @@ def test_bench_helpers_run():
     assert len(out) == 4 and tuple(out[2].shape) == (1, 12, 12)
     with pytest.raises(ValueError):
         views_per_second(ours, [], 1)
+
+
+def test_16_bit_grey_images_are_scaled_to_8_bits_not_clipped():
+    ramp = (np.arange(1024, dtype=np.uint32).reshape(16, 64) * 64).astype(np.uint16)  # 0 .. 65472
+    grey = to_pil(Image.fromarray(ramp))
+    assert grey.mode == "L"
+    np.testing.assert_array_equal(np.asarray(grey), (ramp >> 8).astype(np.uint8))  # not 255 above 255

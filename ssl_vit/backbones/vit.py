@@ -189,7 +189,8 @@ class VisionTransformer(nn.Module):
             about 1 % more compute), and give GELU's backward fc2's gradient buffer
             (``gelu_linear``). The same function and gradients either way; ``False`` runs the plain
             modules (two autograd nodes fewer per block in Python, which a launch-bound GPU run
-            with a small model may prefer).
+            with a small model may prefer) and is needed for a second derivative (gradient
+            penalties, ``create_graph=True``): the fused backward passes are first-order only.
     """
 
     num_prefix_tokens = 1

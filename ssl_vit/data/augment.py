@@ -45,8 +45,12 @@ def to_pil(image: Image.Image | torch.Tensor | np.ndarray) -> Image.Image:
     if isinstance(image, Image.Image):
         if image.mode in ("L", "RGB"):
             return image
+        if image.mode.startswith("I;16"):
+            # 16-bit grey: scaled to 8 bits (PIL's convert("L") clips every value above 255).
+            array = np.asarray(image, dtype=np.uint16)
+            return Image.fromarray((array >> 8).astype(np.uint8), mode="L")
         # Modes without colour become grey, everything else (P, RGBA, CMYK, YCbCr, ...) RGB.
-        grey = image.mode in ("1", "I", "I;16", "I;16B", "I;16L", "F", "LA", "La")
+        grey = image.mode in ("1", "I", "F", "LA", "La")
         return image.convert("L" if grey else "RGB")
     if isinstance(image, torch.Tensor):
         if image.dtype != torch.uint8:
