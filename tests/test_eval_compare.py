@@ -150,3 +150,44 @@ def test_compute_axis_ticks_are_few_and_round(lo, hi, want):
 
 def test_backbone_families_of_figure_5():
     assert [backbone_family(n) for n in ("vit_small", "vit", "resnet50", "hybrid_r50_vit_base")] == ["ViT", "ViT", "ResNet", "hybrid"]
+
+
+def test_image_folder_datasets_are_told_apart_in_rows_baselines_files_and_the_compute_plot(tmp_path, monkeypatch):
+    from ssl_vit.eval import compare
+    from ssl_vit.eval.run import result_path
+
+    def record(method, train_dir, top1, flops):
+        data = {"name": "imagefolder", "train_dir": train_dir, "val_dir": train_dir.replace("train", "val")}
+        return EvalResult(method, BACKBONE, data, "linear", {"top1": top1}, pretrain={"flops": flops} if flops else {})
+
+    records = [record("dino", "/data/imagenet/train", 0.70, 2e15), record("supervised", "/data/flowers/train", 0.95, 1e15),
+               record("dino", "/data/flowers/train", 0.90, 2e15)]
+    cmp = build_comparison(records)
+    imagenet, flowers = ("dino", "vit_tiny/4", "imagefolder:imagenet/train"), ("dino", "vit_tiny/4", "imagefolder:flowers/train")
+    assert cmp.get(imagenet, "linear", "top1") == pytest.approx(0.70) and cmp.get(flowers, "linear", "top1") == pytest.approx(0.90)
+    assert cmp.get(imagenet, "linear", "Δ sup") is None  # no supervised record on that dataset
+    assert cmp.get(flowers, "linear", "Δ sup") == pytest.approx(0.90 - 0.95)
+    assert len({result_path(tmp_path, r) for r in records}) == 3  # no record overwrites another on disk
+    axes = []
+    real_figure = compare._figure
+
+    def spy(*args, **kwargs):
+        fig, made = real_figure(*args, **kwargs)
+        axes.extend(made)
+        return fig, made
+
+    monkeypatch.setattr(compare, "_figure", spy)
+    compare.plot_compute(records, tmp_path / "compute.png")
+    lines = sorted((line.get_label(), len(line.get_xdata())) for ax in axes for line in ax.get_lines())
+    assert lines == [("dino, imagefolder:flowers/train", 1), ("dino, imagefolder:imagenet/train", 1),
+                     ("supervised, imagefolder:flowers/train", 1)]
+
+
+def test_a_folder_with_the_demos_records_and_its_list_reads_each_record_once(results_dir, tmp_path):
+    records = load_results([results_dir])
+    (results_dir / "results.json").write_text(json.dumps([r.to_dict() for r in records]))
+    assert len(load_results([results_dir])) == len(records)
+    only_list = tmp_path / "demo_out"
+    only_list.mkdir()
+    (only_list / "results.json").write_text(json.dumps([r.to_dict() for r in records]))
+    assert len(load_results([only_list])) == len(records)

@@ -120,3 +120,16 @@ def test_a_checkpoint_of_another_module_is_refused():
     probe = AugmentedLinearProbe(tiny_vit(), 3)
     with pytest.raises(ValueError, match="not a checkpoint of this linear probe: it lacks head.linear.bias"):
         probe.on_load_checkpoint({"state_dict": {"head.linear.weight": torch.zeros(3, 32)}})
+
+
+def test_lars_trains_the_probe_and_the_runner_gives_the_backbone_back_as_it_was():
+    # Lightning hands the optimiser a closure (forward + backward) to run inside step.
+    backbone = tiny_vit()
+    metrics = run_linear_augmented(backbone, _data(24), _data(12), 3, epochs=2, batch_size=8, optimizer="lars", warmup_epochs=0)
+    assert metrics is not None and 0.0 <= metrics["top1"] <= 1.0
+    probe = AugmentedLinearProbe(tiny_vit(), 3, optimizer="lars", batch_size=8, total_steps=3, steps_per_epoch=3, warmup_epochs=0)
+    before = probe.head.linear.weight.detach().clone()
+    _trainer(3).fit(probe, DataLoader(_data(24), batch_size=8))
+    assert not torch.equal(before, probe.head.linear.weight)
+    # The runner froze the backbone for the probe only: a fine-tuning after it trains every weight.
+    assert all(p.requires_grad for p in backbone.parameters())

@@ -42,9 +42,10 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     print(f"compare: skipping {f} (not JSON)", file=sys.stderr)
                     continue
-                if not (isinstance(d, dict) and "protocol" in d and "metrics" in d):
+                records = d if isinstance(d, list) else [d]  # a list: the demo's results.json
+                if not records or not all(isinstance(r, dict) and "protocol" in r and "metrics" in r for r in records):
                     continue
-                results.append(EvalResult.from_dict(d, where=str(f)))
+                results += [EvalResult.from_dict(r, where=str(f) if r is d else f"{f}[{i}]") for i, r in enumerate(records)]
         elif p.is_file():
             d = read_json(p)
             if isinstance(d, list):  # a list of records (the demo's results.json)
@@ -55,7 +56,11 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
             raise FileNotFoundError(f"no result file or folder at {p}")
     if not results:
         raise ValueError(f"no result records found in {', '.join(map(str, paths))}")
-    return results
+    # The same record read twice (a folder holding the demo's records and its results.json list).
+    unique: dict[tuple, EvalResult] = {}
+    for r in results:
+        unique.setdefault((r.method, r.label, r.data_label, r.protocol, r.created, json.dumps(r.metrics, sort_keys=True)), r)
+    return list(unique.values())
 
 
 # -------------------------------------------------------------------------------------- table
@@ -94,7 +99,7 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
     once, the newest record (``created``) wins and a note goes to stderr."""
     latest: dict[tuple[RowKey, str], EvalResult] = {}
     for r in results:
-        key = ((r.method, r.label, r.data["name"]), r.protocol)
+        key = ((r.method, r.label, r.data_label), r.protocol)
         if key in latest:
             print(f"compare: several {r.protocol} results for {key[0]}; keeping the newest", file=sys.stderr)
             if r.created < latest[key].created:
@@ -250,17 +255,23 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
     markers = {"ViT": "o", "ResNet": "s", "hybrid": "D"}
     methods = sorted({r.method for r in with_flops}, key=_method_order)
     families = sorted({backbone_family(r.backbone.get("name", "")) for r in with_flops}, key=list(markers).index)
+    # A line joins results of one method, family, dataset and representation (the sizes of a
+    # family, or one size at several training lengths); lines never cross datasets.
+    datasets = sorted({r.data_label for r in with_flops})
     for ax, protocol in zip(axes, protocols):
         for i, method in enumerate(methods):
             for family in families:
-                pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label) for r in with_flops
-                             if r.protocol == protocol and r.method == method and backbone_family(r.backbone.get("name", "")) == family)
-                if not pts:
-                    continue
-                label = method if len(families) == 1 else f"{method}, {family}"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[family], color=f"C{i % 10}", label=label)
-                for x, y, name in pts:
-                    ax.annotate(name, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
+                here = [r for r in with_flops
+                        if r.protocol == protocol and r.method == method and backbone_family(r.backbone.get("name", "")) == family]
+                for j, (data, features) in enumerate(sorted({(r.data_label, r.features or "") for r in here})):
+                    pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label) for r in here
+                                 if r.data_label == data and (r.features or "") == features)
+                    tags = [method] + ([family] if len(families) > 1 else []) + ([data] if len(datasets) > 1 else [])
+                    tags += [f"[{features}]"] if features else []
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[family], color=f"C{i % 10}",
+                            linestyle=["-", "--", ":", "-."][j % 4], label=", ".join(tags))
+                    for x, y, name in pts:
+                        ax.annotate(name, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
         ax.set_xscale("log")
         ax.margins(0.15)
         # Ticks chosen here: matplotlib labels the minor ticks of a log axis that spans less than

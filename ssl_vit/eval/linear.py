@@ -42,6 +42,10 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:  # Lightning's automatic optimisation runs forward + backward here
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -56,7 +60,7 @@ class LARS(torch.optim.Optimizer):
                 buf = update.clone() if buf is None else buf.mul_(group["momentum"]).add_(update)
                 self.state[p]["mu"] = buf
                 p.add_(buf, alpha=-group["lr"])
-        return None
+        return loss
 
 
 # A linear probe's base LR (per 256 examples) when none is given, by optimiser. LARS scales each

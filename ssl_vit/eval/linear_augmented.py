@@ -159,11 +159,16 @@ def run_linear_augmented(
             return AugmentedLinearProbe(backbone, num_classes, batch_size=batch_size * world_size, total_steps=total_steps,
                                         steps_per_epoch=steps_per_epoch, **module_kwargs)
 
+    trainable = [p for p in backbone.parameters() if p.requires_grad]  # the module freezes them; given back after
     with warnings.catch_warnings():
         # The frozen backbone is in eval mode on purpose.
         warnings.filterwarnings("ignore", message="Found .* module\\(s\\) in eval mode at the start of training")
-        return train_and_test(
-            make_module, train_ds, test_ds, what="linear probe", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
-            num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
-            run_dir=run_dir, resume=resume, checkpoint_every=checkpoint_every,
-        )
+        try:
+            return train_and_test(
+                make_module, train_ds, test_ds, what="linear probe", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
+                num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
+                run_dir=run_dir, resume=resume, checkpoint_every=checkpoint_every,
+            )
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)

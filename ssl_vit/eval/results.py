@@ -150,6 +150,16 @@ class EvalResult:
         return f"{self.backbone_label} [{', '.join(tags)}]"
 
     @property
+    def data_label(self) -> str:
+        """The dataset: its name, with the (last two parts of the) folder an image-folder
+        dataset was read from (``imagefolder:flowers/train``), since every such dataset has the
+        one name."""
+        folders = [self.data[k] for k in ("train_dir", "val_dir") if isinstance(self.data.get(k), str)]
+        if not folders:
+            return self.data["name"]
+        return f"{self.data['name']}:" + "/".join(Path(folders[0]).parts[-2:])
+
+    @property
     def main_metric(self) -> float | None:
         """The protocol's headline number (``MAIN_METRIC``), or ``None`` when absent."""
         return self.metrics.get(MAIN_METRIC[self.protocol])
@@ -157,7 +167,7 @@ class EvalResult:
     def summary_line(self) -> str:
         """e.g. ``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%``."""
         shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
-        return f"{self.protocol:<9} {self.method}  {self.label}  {self.data['name']}  {' '.join(shown)}"
+        return f"{self.protocol:<9} {self.method}  {self.label}  {self.data_label}  {' '.join(shown)}"
 
     # ------------------------------------------------------------------------ I/O
     def to_dict(self) -> dict[str, Any]:

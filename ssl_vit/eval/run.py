@@ -75,14 +75,16 @@ def names_a_record(out: str | Path) -> bool:
 
 def result_path(out: str | Path, result: EvalResult) -> Path:
     """Where a result record goes: ``out`` itself when it names a ``.json`` file, else a file in
-    the folder ``out`` named after the method, backbone, data and protocol (and the
+    the folder ``out`` named after the method, backbone, data (with an image folder's own
+    folder) and protocol (and the
     representation when it is not [CLS]: ``..._linear-last4.json``; the encoder when it is not
     the method's default: ``dino_vit_small-16-student_...``)."""
     if names_a_record(out):
         return Path(out)
     label = result.backbone_label.replace("/", "-") + (f"-{result.encoder}" if result.encoder else "")
     protocol = result.protocol + (f"-{result.features}" if result.features else "")
-    return Path(out) / f"{result.method}_{label}_{result.data['name']}_{protocol}.json"
+    data = result.data_label.replace(":", "-").replace("/", "-")
+    return Path(out) / f"{result.method}_{label}_{data}_{protocol}.json"
 
 
 def evaluate_features(
