@@ -140,6 +140,16 @@ def test_resume_picks_the_newest_checkpoint_a_slurm_requeue_one_included(tmp_pat
     (ckpts / "notes.txt").write_text("")
     assert newest_checkpoint(ckpts, tmp_path) == tmp_path / "hpc_ckpt_1.ckpt"
     assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
+    # The step each checkpoint records comes first: a copied run folder (new times) or a file
+    # system of whole seconds (equal times) must not roll the run back to an older step file.
+    import torch
+
+    for step, path in ((3, ckpts / "last.ckpt"), (2, ckpts / "step00000002.ckpt")):
+        torch.save({"global_step": step, "state_dict": {"w": torch.zeros(2)}}, path)
+    os.utime(ckpts / "step00000002.ckpt", ns=(10**18 + 10**9,) * 2)  # the older step, the newer time
+    assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
+    os.utime(ckpts / "last.ckpt", ns=(10**18 + 10**9,) * 2)  # a tie in time
+    assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
 
 
 def test_a_rerun_without_resume_does_not_overwrite_the_run(tmp_path, capsys):
@@ -176,16 +186,21 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--model.init_args.backbone_kwargs.patch_size", "5"], "image size 16x16 is not divisible by the patch size 5"),
         (["--data.init_args.img_size", "18", "--data.init_args.views.init_args.global_size", "18"], "data.img_size 18 is not divisible by the backbone's patch size 4"),
         (["--data.init_args.in_chans", "1"], "the data gives 1-channel images but the backbone was built with in_chans=3"),
+        (["--data.init_args.views.init_args.local_size", "10"], "data.views MultiCrop.local_size 10 is not divisible by the backbone's patch size 4"),
         (["--global_batch_size", "7", "--trainer.accumulate_grad_batches", "2"], "global_batch_size 7 is not divisible by devices x nodes x accumulate_grad_batches = 2"),
+        (["--global_batch_size", "0"], "global_batch_size must be a positive number of images, got 0"),
         (["--trainer.max_step", "3"], "unrecognized arguments: --trainer.max_step"),
         (["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1", "--trainer.max_time", "00:00:01:00"],
          "the schedules need the length of training: set trainer.max_steps or trainer.max_epochs"),
         (["--evaluate.protocols", "[linear]", "--evaluate.linear", "{epoch: 3}"], "evaluate.linear: LinearProbe.__init__() got an unexpected keyword argument 'epoch'"),
+        (["--evaluate.protocols", "[knn]", "--evaluate.linear", "{epochz: 3}"], "evaluate.linear: LinearProbe.__init__() got an unexpected keyword argument 'epochz'"),
+        (["--evaluate.protocols", "[knn]", "--evaluate.which", "momentum"], "evaluate.which: a DINO checkpoint has no momentum backbone (momentum_backbone.*); it holds student, teacher"),
+        (["--evaluate.protocols", "[knn]", "--evaluate.features", "last4"], "evaluate.features: n_last_blocks=4 is out of range for a backbone of depth 1"),
         pytest.param(["--trainer.accelerator", "mps"], "`MPSAccelerator` can not run on your system",
                      marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")),
     ],
-    ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "global-batch", "abbreviation",
-         "no-length", "evaluate-argument", "missing-accelerator"],
+    ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "local-crop-size", "global-batch", "global-batch-zero", "abbreviation",
+         "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-which", "evaluate-features", "missing-accelerator"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
     cfg = tiny_config(tmp_path)
@@ -216,6 +231,19 @@ def test_a_recipe_that_is_not_yaml_is_one_line_naming_file_and_line(tmp_path, ca
     assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--config", str(broken)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{broken}: not valid YAML (line 4, column 1)" in err[0]
+
+
+def test_a_later_config_that_replaces_a_dict_setting_says_what_it_drops(tmp_path, capsys):
+    # jsonargparse merges namespaces but replaces a dict-valued argument whole.
+    cfg = tiny_config(tmp_path)
+    overlay = tmp_path / "drop_path.yaml"
+    overlay.write_text(yaml.safe_dump({"model": {"init_args": {"backbone_kwargs": {"drop_path_rate": 0.1}}}}))
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--print_config"])
+    err = capsys.readouterr().err
+    assert f"{overlay} sets model.init_args.backbone_kwargs again and replaces the whole value from {cfg}" in err
+    assert "depth, embed_dim, img_size, in_chans, num_heads, patch_size no longer set" in err
+    assert "--model.init_args.backbone_kwargs.depth VALUE" in err
 
 
 def test_print_config_resolves_the_recipe(tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 The recipe maps straight onto typed constructors (``model: {class_path, init_args}``,
 ``data: {class_path, init_args}``, ``trainer: {...}``); several ``--config`` files merge left to
-right; ``--print_config`` prints the resolved recipe. Everything is checked before training starts:
+right (a dict-valued setting, such as ``backbone_kwargs``, is replaced whole: what that drops is
+named); ``--print_config`` prints the resolved recipe. Everything is checked before training starts:
 unknown keys and wrong types (jsonargparse), unknown methods or backbones, a global batch that does
 not split over the devices, images whose size the patch size does not divide, a channel mismatch
 between the data and the backbone.
@@ -98,6 +99,8 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
     accum = int(trainer.accumulate_grad_batches)
     if global_batch_size is not None:
         split = devices * accum
+        if global_batch_size <= 0:
+            raise ConfigError(f"global_batch_size must be a positive number of images, got {global_batch_size}")
         if global_batch_size % split:
             raise ConfigError(
                 f"global_batch_size {global_batch_size} is not divisible by devices x nodes x accumulate_grad_batches = {split}"
@@ -110,12 +113,28 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         sizes = (img, img) if isinstance(img, int) else tuple(img)
         if sizes[0] % stride or sizes[1] % stride:
             raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {stride}")
+    views = getattr(datamodule, "views", None)
+    if stride and views is not None:
+        for name, size in _view_sizes(views, img).items():
+            if size % stride:
+                raise ConfigError(f"data.views {type(views).__name__}.{name} {size} is not divisible by the backbone's patch size {stride}")
     chans = getattr(datamodule, "in_chans", None)
     if chans is not None and chans != backbone.in_chans:
         raise ConfigError(
             f"the data gives {chans}-channel images but the backbone was built with in_chans={backbone.in_chans}; "
             "set data in_chans or model backbone_kwargs.in_chans to match"
         )
+
+
+def _view_sizes(views: Any, img: Any) -> dict[str, int]:
+    """The crop sizes a view transform makes (a multi-crop's local size as it resolves it, its
+    global size from the data's when not set)."""
+    if getattr(views, "global_size", 0) is None and isinstance(img, int) and hasattr(views, "with_img_size"):
+        views = views.with_img_size(img)
+    sizes = {n: v for n in ("size", "global_size") if isinstance(v := getattr(views, n, None), int)}
+    if "global_size" in sizes and hasattr(views, "resolved_local_size"):
+        sizes["local_size"] = int(views.resolved_local_size)
+    return sizes
 
 
 def _check_yaml_files(argv: list[str]) -> None:
@@ -125,16 +144,41 @@ def _check_yaml_files(argv: list[str]) -> None:
 
     paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    dict_settings: dict[str, list[tuple[Path, dict]]] = {}
     for path in map(Path, paths):
         if not path.is_file():
             continue  # the parser says so
         try:
-            yaml.safe_load(path.read_text(encoding="utf-8"))
+            cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err)
             raise ConfigError(f"{path}: not valid YAML{where}: {_one_line(str(problem))}") from None
+        for key, value in _dict_valued_settings(cfg):
+            dict_settings.setdefault(key, []).append((path, value))
+    # Settings whose value is a dict are replaced whole by a later file, not merged: say what a
+    # later file drops (MoCo v3's pos_embed: sincos under a drop-path overlay, say).
+    for key, found in dict_settings.items():
+        for (first, old), (later, new) in zip(found, found[1:]):
+            dropped = sorted(set(old) - set(new))
+            if dropped:
+                print(f"ssl-vit fit: note: {later} sets {key} again and replaces the whole value from {first}: "
+                      f"{', '.join(dropped)} no longer set (change one entry with --{key}.{dropped[0]} VALUE)", file=sys.stderr)
+
+
+def _dict_valued_settings(cfg: Any) -> list[tuple[str, dict]]:
+    """The recipe settings whose values are plain dicts (a backbone's kwargs, a protocol's
+    settings under ``evaluate``), as (dotted key, value)."""
+    found: list[tuple[str, dict]] = []
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    init = model.get("init_args") if isinstance(model, dict) else None
+    if isinstance(init, dict):
+        found += [(f"model.init_args.{k}", v) for k, v in init.items() if isinstance(v, dict) and "class_path" not in v]
+    evaluate = cfg.get("evaluate") if isinstance(cfg, dict) else None
+    if isinstance(evaluate, dict):
+        found += [(f"evaluate.{k}", v) for k, v in evaluate.items() if isinstance(v, dict)]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     # The resolved recipe travels inside every checkpoint (export writes it into config.json).
     cli.model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)
     validate_run(cli.model, cli.datamodule, cli.trainer, cfg.get("global_batch_size"))
+    evaluation = cli.config_init.get("evaluate")
+    if isinstance(evaluation, RecipeEvaluation):
+        try:
+            evaluation.check_model(cli.model)
+        except ValueError as err:
+            raise ConfigError(_one_line(str(err))) from None
     # The checkpoint directory is fixed before anything is restored: the restored bookkeeping must
     # match it (else last.ckpt would get a last-v1.ckpt sibling and keep_last would not prune).
     ckpt_dir = _checkpoint_dir(cli.trainer)

@@ -14,6 +14,7 @@ datamodule's ``eval_datasets()``, and each protocol writes its own result record
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,11 +70,34 @@ class RecipeEvaluation:
         # not after it.
         from ssl_vit.eval.run import FEATURE_PROTOCOLS
 
-        for protocol in self.protocols:
+        given = [p for p, kwargs in self.kwargs.items() if kwargs]  # settings of protocols not run are checked too
+        for protocol in dict.fromkeys([*self.protocols, *given]):
             try:
                 FEATURE_PROTOCOLS[protocol](**self.protocol_kwargs(protocol))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"evaluate.{protocol}: {err}") from None
+        unused = [p for p in given if p not in self.protocols]
+        if unused:
+            print(f"ssl-vit fit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols "
+                  f"({', '.join(self.protocols) or 'none'}) does not run", file=sys.stderr)
+
+    def check_model(self, model: Any) -> None:
+        """What can be checked against the model before training (not after hours of it): the
+        encoder ``which`` names exists in this method's checkpoints, and the backbone has the
+        representation ``features`` reads."""
+        if not self.protocols:
+            return
+        from ssl_vit.eval.features import feature_dim
+        from ssl_vit.export.sources import ENCODER_PREFIXES, normalize_which
+
+        which = normalize_which(self.which)
+        if which is not None and not hasattr(model, ENCODER_PREFIXES[which].rstrip(".")):
+            raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone "
+                             f"({ENCODER_PREFIXES[which]}*); it holds {', '.join(k for k, v in ENCODER_PREFIXES.items() if hasattr(model, v.rstrip('.')))}")
+        try:
+            feature_dim(model.backbone, self.features)
+        except ValueError as err:
+            raise ValueError(f"evaluate.features: {err}") from None
 
     def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
         """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""

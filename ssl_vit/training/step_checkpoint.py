@@ -135,13 +135,29 @@ def _rebased(state_dict: dict[str, Any], dirpath: str) -> dict[str, Any]:
 
 
 def newest_checkpoint(dirpath: str | Path, root_dir: str | Path | None = None) -> Path | None:
-    """The newest ``*.ckpt`` in ``dirpath``, or a SLURM requeue checkpoint
-    (``<root_dir>/hpc_ckpt_<n>.ckpt``, Lightning's) if that is newer; None when there is none.
-    Newest by modification time: checkpoints are written to a temporary file and renamed, so
-    that is when each was completed."""
+    """The furthest-trained ``*.ckpt`` in ``dirpath``, or a SLURM requeue checkpoint
+    (``<root_dir>/hpc_ckpt_<n>.ckpt``, Lightning's) if that is further; None when there is none.
+
+    Furthest by the optimiser step each file records, then by modification time (checkpoints
+    are written to a temporary file and renamed, so that is when each was completed): the
+    times alone mislead in a copied run folder (``cp -r`` stamps the copy time) and on file
+    systems that keep whole seconds, where a step file can tie with ``last.ckpt``."""
     files = list(Path(dirpath).glob("*.ckpt")) + (hpc_checkpoints(root_dir) if root_dir is not None else [])
     files = [p for p in files if p.is_file()]
-    return max(files, key=lambda p: (p.stat().st_mtime_ns, p.name)) if files else None
+    return max(files, key=lambda p: (recorded_step(p), p.stat().st_mtime_ns, p.name == "last.ckpt", p.name)) if files else None
+
+
+def recorded_step(path: str | Path) -> int:
+    """The ``global_step`` a Lightning checkpoint records (its tensors memory-mapped, not read);
+    -1 for a file that is not one."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # not a checkpoint (or not of this torch): ordered by time alone
+        return -1
+    step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+    return int(step) if isinstance(step, int) else -1
 
 
 def hpc_checkpoints(root_dir: str | Path) -> list[Path]:
