@@ -41,7 +41,28 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)  # the rename itself survives a power loss
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def stale_temporaries(folder: str | os.PathLike[str], suffix: str = "") -> list[Path]:
+    """Temporary files :func:`atomic_write` left in ``folder`` when its process was killed
+    mid-write (``.<name>.<random>.tmp``; with ``suffix``, only those of ``*<suffix>`` targets).
+    Never a complete file: the rename did not happen."""
+    return sorted(p for p in Path(folder).glob(f".*{suffix}.*.tmp") if p.is_file())
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:

@@ -85,6 +85,18 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
 
 
+def test_a_resumed_run_removes_the_unfinished_writes_of_a_killed_job(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / ".last.ckpt.k1ll3d.tmp").write_bytes(b"half a checkpoint")  # atomic_write's name, the rename never came
+    (ckpts / ".notes.txt.k1ll3d.tmp").write_bytes(b"not a checkpoint's")
+    capsys.readouterr()
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "4", "--resume"]) == 0
+    assert "removed 1 unfinished checkpoint write(s) of an interrupted job: .last.ckpt.k1ll3d.tmp" in capsys.readouterr().err
+    assert not (ckpts / ".last.ckpt.k1ll3d.tmp").exists() and (ckpts / ".notes.txt.k1ll3d.tmp").exists()
+
+
 def test_resume_with_a_logger_and_a_relative_run_directory(tmp_path, monkeypatch):
     """A recipe as users write it: the default TensorBoard logger on (Lightning would look for
     checkpoints in its new version directory) and a run directory relative to the working one."""

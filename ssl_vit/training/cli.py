@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
 from ssl_vit.flops import PretrainFlopsCounter
+from ssl_vit.io import stale_temporaries
 from ssl_vit.pretext.base import NO_LENGTH, PretextModule
 from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
@@ -235,6 +236,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     if ckpt_path is not None:
         check_continuable(cli.model, ckpt_path)
+    if rank_zero_only.rank == 0 and ckpt_dir.is_dir():
+        # A job killed while writing a checkpoint leaves its temporary file (the old checkpoint
+        # is whole); one of full checkpoint size each time, so they go.
+        stale = stale_temporaries(ckpt_dir, ".ckpt")
+        for tmp in stale:
+            tmp.unlink(missing_ok=True)
+        if stale:
+            print(f"ssl-vit fit: removed {len(stale)} unfinished checkpoint write(s) of an interrupted job: "
+                  f"{', '.join(p.name for p in stale)}", file=sys.stderr)
     stopped_by = None
     try:
         with warnings.catch_warnings():
