@@ -98,6 +98,24 @@ def test_two_steps_change_weights_and_lr_groups_follow_the_decay():
     assert vit.blocks[1].drop_path.p == pytest.approx(0.1)
 
 
+def test_a_sincos_position_embedding_trains_in_fine_tuning_from_the_table():
+    # MAE / MoCo v3 fine-tune timm's ViT, whose pos_embed is a learnable parameter loaded with
+    # the pretraining's table: every weight trains (specs §5).
+    vit = create_backbone("vit", img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2, pos_embed="sincos")
+    table = vit.pos_embed.detach().clone()
+    module = FineTuneModule(vit, 3, base_lr=1e-2, batch_size=8, warmup_epochs=0, img_size=24)
+    assert vit.pos_embed.requires_grad and vit.backbone_kwargs["pos_embed"] == "learn" and vit.backbone_kwargs["img_size"] == 24
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu")
+    trainer.fit(module, DataLoader(_data(size=24), batch_size=8))
+    names = {id(p): n for n, p in vit.named_parameters()}
+    assert "pos_embed" in {names.get(id(p)) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    resampled_table = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
+    resampled_table.pos_embed.data.copy_(table)
+    resampled_table.set_img_size(24)
+    assert not torch.equal(vit.pos_embed, resampled_table.pos_embed)  # it moved from where it started
+
+
 class _Modes(L.Callback):
     def __init__(self) -> None:
         self.seen: list[tuple[bool, bool]] = []

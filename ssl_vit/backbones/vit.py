@@ -292,6 +292,18 @@ class VisionTransformer(nn.Module):
         if isinstance(kwargs, dict):
             kwargs["img_size"] = img_size[0] if img_size[0] == img_size[1] else list(img_size)
 
+    def make_pos_embed_learnable(self) -> None:
+        """Turn a fixed sin-cos table into a learned position embedding that starts from it
+        (fine-tuning: MAE's and MoCo v3's fine-tuning code load the table into timm's learnable
+        ``pos_embed``); from then on other resolutions resample it as any learned one."""
+        if self.pos_embed_type != "sincos":
+            return
+        self.pos_embed_type = "learn"
+        self.pos_embed.requires_grad_(True)
+        kwargs = getattr(self, "backbone_kwargs", None)
+        if isinstance(kwargs, dict):
+            kwargs["pos_embed"] = "learn"
+
     # --------------------------------------------------------------- forward
     def _pos_embed_for(self, grid: tuple[int, int]) -> Tensor:
         if grid == self.grid_size:

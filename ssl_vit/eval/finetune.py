@@ -10,7 +10,9 @@ recipe (MAE Appendix A.1, ``main_finetune.py``; DeiT for the regularisers).
 - drop path increasing linearly with depth, label smoothing 0.1, optional mixup/cutmix
   (torchvision ``transforms.v2`` MixUp/CutMix; off by default);
 - optionally a new resolution: the position embedding is interpolated (``set_img_size``, bicubic,
-  ViT paper §3.2).
+  ViT paper §3.2);
+- every weight trains: a fixed sin-cos position embedding (MoCo v3) becomes a learned one that
+  starts from the table, as MAE's and MoCo v3's fine-tuning (timm's ViT) load it.
 
 ResNets get one layer id per stage (stem 0, ``layer{i}`` i, head ``num_stages + 1``), so the decay
 acts as in ViTs at coarser grain (``layer_decay=1`` switches it off). Hybrids are ViTs whose
@@ -216,6 +218,7 @@ class FineTuneModule(L.LightningModule):
             if tuple(backbone.img_size) != size:
                 backbone.set_img_size(size)
         if is_vit(backbone):
+            backbone.make_pos_embed_learnable()  # all weights train (a MoCo v3 sin-cos table too)
             set_drop_path(backbone, drop_path_rate)
         elif drop_path_rate > 0:
             rank_zero_warn(f"drop_path_rate={drop_path_rate} ignored: {type(backbone).__name__} has no blocks")
