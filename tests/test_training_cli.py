@@ -97,6 +97,17 @@ def test_a_resumed_run_removes_the_unfinished_writes_of_a_killed_job(tmp_path, c
     assert not (ckpts / ".last.ckpt.k1ll3d.tmp").exists() and (ckpts / ".notes.txt.k1ll3d.tmp").exists()
 
 
+def test_a_strategy_with_its_own_checkpoint_io_keeps_it(tmp_path):
+    # Lightning refuses a CheckpointIO on both the strategy and the plugins: ours stays out then.
+    cfg = tiny_config(tmp_path)
+    overlay = tmp_path / "strategy.yaml"
+    overlay.write_text(yaml.safe_dump({"trainer": {"strategy": {
+        "class_path": "lightning.pytorch.strategies.SingleDeviceStrategy",
+        "init_args": {"device": "cpu", "checkpoint_io": {"class_path": "lightning.pytorch.plugins.io.TorchCheckpointIO"}}}}}))
+    assert cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--trainer.max_steps", "1"]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_resume_with_a_logger_and_a_relative_run_directory(tmp_path, monkeypatch):
     """A recipe as users write it: the default TensorBoard logger on (Lightning would look for
     checkpoints in its new version directory) and a run directory relative to the working one."""

@@ -70,9 +70,12 @@ class SSLViTCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         # Checkpoints are always written atomically, whatever plugins a recipe lists (SLURM ...).
+        # (Unless the recipe chose a CheckpointIO itself: as a plugin, or on its strategy, where
+        # Lightning refuses a second one.)
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
+        strategy_io = getattr(config.get("strategy"), "_checkpoint_io", None)
+        if not any(isinstance(p, CheckpointIO) for p in plugins) and strategy_io is None:
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins
         return super()._instantiate_trainer(config, callbacks)
