@@ -259,23 +259,22 @@ def main(argv: list[str] | None = None) -> int:
     # Every process ended the run at the same step (a finished run, or a signal all agreed on):
     # the process group can go. Not after an exception: another process may still be waiting in a
     # collective, and tearing the group down under it can hang both.
-    try:
-        stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
-        if stopped_by is not None:
-            if rank_zero_only.rank == 0:
-                print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
-            return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
-        evaluation = cli.config_init.get("evaluate")
-        if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols and rank_zero_only.rank == 0:
-            # The run's result, evaluated as `ssl-vit eval` would (the other processes are done).
-            last = newest_checkpoint(ckpt_dir)
-            if last is None:
-                raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
-            for result in evaluation.run(last, cli.datamodule, cli.trainer):
-                print(result.summary_line())
-        return 0
-    finally:
-        release_process_group()
+    # (Before process 0's evaluation, which the others do not wait for.)
+    release_process_group()
+    stopped_by = next((cb.stopped_by for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
+    if stopped_by is not None:
+        if rank_zero_only.rank == 0:
+            print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
+        return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
+    evaluation = cli.config_init.get("evaluate")
+    if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols and rank_zero_only.rank == 0:
+        # The run's result, evaluated as `ssl-vit eval` would (the other processes are done).
+        last = newest_checkpoint(ckpt_dir)
+        if last is None:
+            raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
+        for result in evaluation.run(last, cli.datamodule, cli.trainer):
+            print(result.summary_line())
+    return 0
 
 
 # Backbone arguments that do not change the parameters' shapes: a run may continue with others.
