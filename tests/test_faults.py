@@ -222,19 +222,25 @@ def test_the_training_loader_resumes_its_epoch_at_the_next_batch():
     assert not same(list(at_end), epoch2)  # iterated again without set_epoch: the next epoch, not a repeat
 
 
+class Ids(torch.utils.data.Dataset):
+    """``length`` images whose item is the dataset index the sampler drew."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        return i.index
+
+
 @pytest.mark.parametrize("batch, world, new_batch, new_world", [(4, 1, 2, 1), (2, 1, 4, 2), (4, 2, 4, 1), (2, 2, 3, 1)])
 def test_a_resumed_epoch_continues_after_the_images_seen_whatever_the_new_layout(batch, world, new_batch, new_world):
     # Every process shards the same permutation of the epoch (position p, p + R, ...): after k
     # images per process on R processes, the first k * R positions are seen. A run resumed with
     # another batch size or number of processes starts each process after them.
-    class Ids(torch.utils.data.Dataset):  # item: the dataset index of the image
-        def __len__(self) -> int:
-            return 24
-
-        def __getitem__(self, i):
-            return i.index
-
-    dataset = Ids()
+    dataset = Ids(24)
 
     def loader(batch_size: int, replicas: int, rank: int) -> ResumableLoader:
         sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, seed=3)
@@ -262,14 +268,7 @@ def test_a_resumed_epoch_continues_after_the_images_seen_whatever_the_new_layout
 def test_a_checkpoint_written_before_the_first_resumed_batch_keeps_the_position(num_workers):
     # Lightning reruns an interrupted validation pass before the next training batch, and a
     # requeue signal can save there: that checkpoint must hold the resumed position, not 0.
-    class Ids(torch.utils.data.Dataset):  # item: the dataset index of the image
-        def __len__(self) -> int:
-            return 40
-
-        def __getitem__(self, i):
-            return i.index
-
-    dataset = Ids()
+    dataset = Ids(40)
     sampler = ResumableSampler(dataset, num_replicas=2, rank=0, seed=1)
     loader = ResumableLoader(dataset, sampler=sampler, batch_size=4, drop_last=True, num_workers=num_workers)
     it = iter(loader)

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ssl_vit.analysis.inputs import batch_images, eval_mode, image_grid
+from ssl_vit.analysis.inputs import batch_images, image_grid
+from ssl_vit.backbones import eval_mode
 
 PAPER_NUM_IMAGES = 128  # ViT paper Appendix D.7: the distance is computed over 128 example images
 CHUNK_SIZE = 32  # images per forward pass: bounds the memory held by one pass's attention maps

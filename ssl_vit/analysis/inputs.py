@@ -1,10 +1,9 @@
 """What every analysis needs from its inputs: images out of a batch, the token grid of an image,
-a backbone temporarily in eval mode, and images back in [0, 1] for display."""
+and images back in [0, 1] for display (a backbone in eval mode: ``ssl_vit.backbones.eval_mode``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -60,20 +59,6 @@ def image_grid(backbone: nn.Module, images: Tensor) -> tuple[int, int]:
     if h % p or w % p:
         raise ValueError(f"image size {h}x{w} is not divisible by the backbone's patch size {p}")
     return h // p, w // p
-
-
-@contextmanager
-def eval_mode(module: nn.Module) -> Iterator[torch.device]:
-    """Run ``module`` in eval mode (no dropout / drop path, BN running stats) and restore every
-    submodule's own training flag afterwards; yields the module's device."""
-    modes = {m: m.training for m in module.modules()}
-    module.eval()
-    try:
-        param = next(module.parameters(), None)
-        yield param.device if param is not None else torch.device("cpu")
-    finally:
-        for m, training in modes.items():
-            m.training = training
 
 
 def denormalize(

@@ -37,8 +37,9 @@ from ssl_vit.analysis.draw import (
     write_attention_distance_csv,
 )
 from ssl_vit.analysis.filters import PAPER_NUM_FILTERS, FilterPCA, backbone_filters
-from ssl_vit.analysis.inputs import denormalize, eval_mode, has_tokens, image_grid, require_vit
+from ssl_vit.analysis.inputs import denormalize, has_tokens, image_grid, require_vit
 from ssl_vit.analysis.pos_embed import position_similarity
+from ssl_vit.backbones import eval_mode
 
 FIGURES: tuple[str, ...] = ("filters", "pos_embed", "attention_distance", "attention_rollout", "attention_dino")
 """Names of the figures (``figures=`` selects a subset); also the PNG file stems."""

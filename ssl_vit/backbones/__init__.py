@@ -7,6 +7,12 @@ The contract (ViT, hybrid and ResNet alike):
     ``forward_features`` to replace patch embeddings before the position embedding is added.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
 from ssl_vit.backbones import zoo as _zoo  # noqa: F401  (registers the backbones)
 from ssl_vit.backbones.hybrid import HybridEmbed
 from ssl_vit.backbones.registry import create_backbone, get_spec, list_backbones, register_backbone
@@ -19,6 +25,7 @@ __all__ = [
     "ResNetBackbone",
     "VisionTransformer",
     "create_backbone",
+    "eval_mode",
     "get_spec",
     "is_vit",
     "list_backbones",
@@ -29,3 +36,17 @@ __all__ = [
 def is_vit(model: object) -> bool:
     """True for backbones with a token sequence (plain ViT and hybrid)."""
     return isinstance(model, VisionTransformer)
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[torch.device]:
+    """Run ``module`` in eval mode (no dropout / drop path, BN running stats) and restore every
+    submodule's own training flag afterwards; yields the module's device."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        param = next(module.parameters(), None)
+        yield param.device if param is not None else torch.device("cpu")
+    finally:
+        for m, training in modes.items():
+            m.training = training

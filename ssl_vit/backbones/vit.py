@@ -11,7 +11,7 @@ model loads into the timm model of the same shape with ``strict=True`` and compu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -288,9 +288,7 @@ class VisionTransformer(nn.Module):
         self.grid_size = new_grid
         self.patch_embed.img_size = img_size
         self.patch_embed.grid_size = new_grid
-        kwargs = getattr(self, "backbone_kwargs", None)  # the record create_backbone keeps (export rebuilds from it)
-        if isinstance(kwargs, dict):
-            kwargs["img_size"] = img_size[0] if img_size[0] == img_size[1] else list(img_size)
+        self._record_kwarg("img_size", img_size[0] if img_size[0] == img_size[1] else list(img_size))
 
     def make_pos_embed_learnable(self) -> None:
         """Turn a fixed sin-cos table into a learned position embedding that starts from it
@@ -300,9 +298,14 @@ class VisionTransformer(nn.Module):
             return
         self.pos_embed_type = "learn"
         self.pos_embed.requires_grad_(True)
+        self._record_kwarg("pos_embed", "learn")
+
+    def _record_kwarg(self, name: str, value: Any) -> None:
+        """Keep the kwargs record ``create_backbone`` attaches (export and resume rebuild the
+        backbone from it) in step with a change made after construction."""
         kwargs = getattr(self, "backbone_kwargs", None)
         if isinstance(kwargs, dict):
-            kwargs["pos_embed"] = "learn"
+            kwargs[name] = value
 
     # --------------------------------------------------------------- forward
     def _pos_embed_for(self, grid: tuple[int, int]) -> Tensor:

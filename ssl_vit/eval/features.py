@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ssl_vit.backbones import is_vit
+from ssl_vit.backbones import eval_mode, is_vit
 from ssl_vit.runtime import world_info
 
 FeatureMode = Literal["cls", "last4", "avg", "cls_avg"]
@@ -141,8 +141,6 @@ def extract_features(
     if isinstance(data, Dataset) and not isinstance(data, DataLoader):
         data = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
 
-    modes = {m: m.training for m in backbone.modules()}  # each submodule's own, restored after
-    backbone.eval()  # dropout / drop path off, BatchNorm (ResNet) on running statistics
     amp = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
@@ -150,7 +148,9 @@ def extract_features(
     )
     feats: list[Tensor] = []
     labels: list[Tensor] = []
-    try:
+    # Dropout / drop path off, BatchNorm (ResNet) on running statistics; each submodule's own
+    # mode comes back after.
+    with eval_mode(backbone):
         for batch in data:
             if not isinstance(batch, (tuple, list)) or len(batch) < 2:
                 raise ValueError("extract_features expects batches of (images, labels)")
@@ -159,9 +159,6 @@ def extract_features(
                 f = embed(backbone, x.to(device, non_blocking=True), mode, n_last_blocks)  # [B, F]
             feats.append(f.float().to(out_device))
             labels.append(torch.as_tensor(y).long().reshape(-1).to(out_device))
-    finally:
-        for m, training in modes.items():
-            m.training = training
     if not feats:
         raise ValueError("extract_features got an empty dataset")
     features, targets = torch.cat(feats), torch.cat(labels)  # [N, F], [N]
