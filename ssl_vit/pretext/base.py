@@ -205,20 +205,24 @@ class PretextModule(L.LightningModule):
             names = self._wrapped_names = {id(q): unwrapped_name(n) for n, q in self.named_parameters()}
         return self._shapes_before_wrapping.get(names.get(id(p), ""), p.shape)
 
+    def _probe_param_ids(self) -> set[int]:
+        """The online probe's parameters (by identity: FSDP renames them, never replaces them)."""
+        return {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
+
     def _param_groups(self) -> list[dict[str, Any]]:
         rule = self.hparams.weight_decay_exempt
         tokens = {"mask_token"}
         for prefix, module in self.named_children():
             if hasattr(module, "no_weight_decay"):
                 tokens |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
-        probe_ids = {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
+        probe_ids = self._probe_param_ids()
         decay, no_decay, probe = [], [], []
         for wrapped, p in self.named_parameters():
             if not p.requires_grad:
                 continue
             name = unwrapped_name(wrapped)
             # Under FSDP every parameter is a 1-D shard by now: judge the shape it had before.
-            ndim = len(self._shapes_before_wrapping.get(name, p.shape))
+            ndim = len(self.shape_before_wrapping(p))
             if id(p) in probe_ids:
                 probe.append(p)
             elif rule != "none" and (ndim <= 1 or (rule == "bias_norm_tokens" and (name in tokens or name.endswith(".mask_token")))):
@@ -327,7 +331,7 @@ class PretextModule(L.LightningModule):
         # A Trainer-level clip (Lightning's, over every parameter) still works on top.
         clip = self.hparams.grad_clip
         if clip:
-            probe_ids = {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
+            probe_ids = self._probe_param_ids()
             # Every parameter, with or without a gradient, in the optimiser's order: under FSDP
             # each process must sum the same list.
             params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in probe_ids]
