@@ -35,7 +35,8 @@ def results_dir(tmp_path):
         EvalResult(method, BACKBONE, DATA, protocol, metrics, pretrain=pretrain, created=f"2025-01-01T00:00:{i:02d}",
                    source="random" if method == "random" else f"{method}.ckpt").to_json(d / f"{method}_{protocol}.json")
     # an older duplicate (must lose to the newer record) and a JSON that is no result (skipped)
-    EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.10}, created="2024-01-01T00:00:00").to_json(d / "old" / "dino_knn.json")
+    EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.10}, created="2024-01-01T00:00:00", pretrain={"flops": 2e15},
+               source="dino.ckpt").to_json(d / "old" / "dino_knn.json")
     (d / "config.json").write_text(json.dumps({"backbone": "vit_tiny", "img_size": 28}))
     return d
 
@@ -57,7 +58,7 @@ def test_delta_values(results_dir):
 
 def test_the_probe_on_augmented_images_is_its_own_column_beside_the_fixed_one(results_dir):
     for method, top1 in (("dino", 0.85), ("supervised", 0.90)):
-        EvalResult(method, BACKBONE, DATA, "linear_aug", {"top1": top1}).to_json(results_dir / f"{method}_linear_aug.json")
+        EvalResult(method, BACKBONE, DATA, "linear_aug", {"top1": top1}, source=f"{method}.ckpt").to_json(results_dir / f"{method}_linear_aug.json")
     cmp = build_comparison(load_results([results_dir]))
     dino = ("dino", "vit_tiny/4", "fashion_mnist")
     assert cmp.get(dino, "linear", "top1") == pytest.approx(0.83)  # not replaced by the other protocol's record
@@ -191,3 +192,76 @@ def test_a_folder_with_the_demos_records_and_its_list_reads_each_record_once(res
     only_list.mkdir()
     (only_list / "results.json").write_text(json.dumps([r.to_dict() for r in records]))
     assert len(load_results([only_list])) == len(records)
+
+
+def knn_of(source, top1, created="2025-01-01T00:00:00", method="dino", **pretrain):
+    return EvalResult(method, BACKBONE, DATA, "knn", {"top1": top1}, pretrain=pretrain, source=source, created=created)
+
+
+def test_each_pretraining_is_a_row_of_its_own_and_a_point_of_the_compute_plot(tmp_path, monkeypatch):
+    # The same run's last.ckpt at two lengths and another run: three rows told apart by their
+    # epochs, each compared with the supervised row; re-evaluating one pretraining replaces it.
+    from ssl_vit.eval import compare
+
+    records = [knn_of("runs/a/last.ckpt", 0.70, steps=100, epochs=10, flops=1e15),
+               knn_of("runs/a/last.ckpt", 0.80, steps=300, epochs=30, flops=3e15),
+               knn_of("runs/a/last.ckpt", 0.81, "2025-01-02T00:00:00", steps=300, epochs=30, flops=3e15),  # evaluated again
+               knn_of("./runs/b/../b/last.ckpt", 0.75, steps=200, epochs=20, flops=2e15),
+               knn_of("sup.ckpt", 0.85, method="supervised", steps=100, epochs=10)]
+    cmp = build_comparison(records)
+    rows = {row[1]: row for row in cmp.rows if row[0] == "dino"}
+    assert sorted(rows) == ["vit_tiny/4 (10 ep)", "vit_tiny/4 (20 ep)", "vit_tiny/4 (30 ep)"]
+    assert cmp.get(rows["vit_tiny/4 (30 ep)"], "knn", "top1") == pytest.approx(0.81)
+    assert cmp.get(rows["vit_tiny/4 (10 ep)"], "knn", "Δ sup") == pytest.approx(0.70 - 0.85)
+    assert ("supervised", "vit_tiny/4", "fashion_mnist") in cmp.rows  # one pretraining: no tag
+    lines = []
+    real_figure = compare._figure
+
+    def spy(*args, **kwargs):
+        fig, axes = real_figure(*args, **kwargs)
+        lines.append(axes)
+        return fig, axes
+
+    monkeypatch.setattr(compare, "_figure", spy)
+    compare.plot_compute(cmp.results, tmp_path / "compute.png")
+    (dino_line,) = [line for line in lines[0][0].get_lines() if line.get_label() == "dino"]
+    assert list(dino_line.get_xdata()) == [1e15, 2e15, 3e15]
+
+
+def test_pretraining_tags_say_what_differs():
+    from ssl_vit.eval.compare import pretraining_tags
+
+    same_length = [knn_of("runs/a/checkpoints/last.ckpt", 0.7, steps=100), knn_of("runs/b/checkpoints/last.ckpt", 0.7, steps=100)]
+    assert pretraining_tags(same_length) == ["a/checkpoints/last.ckpt", "b/checkpoints/last.ckpt"]
+    other_data = [knn_of("a.ckpt", 0.7, steps=100, epochs=10, data="fashion_mnist"),
+                  knn_of("b.ckpt", 0.7, steps=100, epochs=10, data="imagefolder:imagenet/train")]
+    assert pretraining_tags(other_data) == ["on fashion_mnist", "on imagefolder:imagenet/train"]
+    assert pretraining_tags([knn_of("a.ckpt", 0.7, steps=50), knn_of("b.ckpt", 0.7, steps=60)]) == ["50 steps", "60 steps"]
+    assert pretraining_tags([knn_of("a.ckpt", 0.7, steps=50), knn_of("b.ckpt", 0.7)]) == ["50 steps", "?"]
+
+
+def test_a_results_folder_keeps_each_pretrainings_record(tmp_path):
+    from ssl_vit.eval.run import result_path
+
+    first, longer, again = knn_of("runs/a/last.ckpt", 0.7, steps=100), knn_of("runs/a/last.ckpt", 0.8, steps=300), knn_of("runs/a/last.ckpt", 0.71, steps=100)
+    other = knn_of("runs/b/last.ckpt", 0.75, steps=100)
+    paths = []
+    for r in (first, longer, other, again):
+        paths.append(result_path(tmp_path, r))
+        r.to_json(paths[-1])
+    names = [p.name for p in paths]
+    assert names == ["dino_vit_tiny-4_fashion_mnist_knn.json", "dino_vit_tiny-4_fashion_mnist_knn_2.json",
+                     "dino_vit_tiny-4_fashion_mnist_knn_3.json", "dino_vit_tiny-4_fashion_mnist_knn.json"]
+    assert EvalResult.from_json(paths[0]).metrics["top1"] == pytest.approx(0.71)  # its own record replaced
+    (tmp_path / "dino_vit_tiny-4_fashion_mnist_knn_4.json").write_text("not json")  # not a record: not overwritten
+    assert result_path(tmp_path, knn_of("runs/c/last.ckpt", 0.7)).name == "dino_vit_tiny-4_fashion_mnist_knn_5.json"
+    assert result_path(tmp_path / "one.json", other) == tmp_path / "one.json"  # a file named by the user is the user's
+
+
+def test_the_pretraining_data_is_named_as_evaluation_data():
+    from ssl_vit.eval.results import pretraining_data
+
+    assert pretraining_data({"name": "FashionMNISTDataModule", "img_size": 28}) == "fashion_mnist"
+    assert pretraining_data({"name": "ImageFolderDataModule", "train_dir": "/data/imagenet/train"}) == "imagefolder:imagenet/train"
+    assert pretraining_data({"name": "MyDataModule"}) == "MyDataModule"
+    assert pretraining_data(None) is None

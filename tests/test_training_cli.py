@@ -339,6 +339,7 @@ def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
     assert set(records) == {"dino_vit-4_synthetic_knn.json", "dino_vit-4_synthetic_fewshot.json"}
     knn = records["dino_vit-4_synthetic_knn.json"]
     assert knn["protocol_args"]["k"] == 3 and knn["pretrain"]["steps"] == 3 and knn["pretrain"]["flops"] > 0
+    assert knn["pretrain"]["data"] == "synthetic"  # what it was pretrained on, named as evaluation data
     assert knn["source"].endswith("last.ckpt") and knn["data"]["test_size"] == 8
     # without the section nothing is evaluated
     (tmp_path / "plain").mkdir()

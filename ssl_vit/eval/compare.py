@@ -4,7 +4,8 @@ supervised"), printed as text and written as a Markdown report with two figures:
 per method and protocol, and accuracy against pre-training compute (ViT paper Fig. 5 style).
 
 Rows are (method, backbone[, dataset]), the backbone with the representation evaluated when it
-is not [CLS] (``vit/16 [last4]``); columns are the metrics of each protocol, followed by
+is not [CLS] (``vit/16 [last4]``) and, when one method and backbone were pretrained more than
+once, what tells the pretrainings apart (``vit/16 (100 ep)``); columns are the metrics of each protocol, followed by
 "Δ sup" and "Δ rand": the protocol's main metric minus that of the ``supervised`` / ``random``
 row with the same backbone and dataset, in percentage points.
 """
@@ -94,22 +95,63 @@ class Comparison:
         return self.cells.get((row, (protocol, column)))
 
 
+def _distinct(values: Sequence[str]) -> bool:
+    return len(set(values)) == len(values)
+
+
+def pretraining_tags(records: Sequence[EvalResult]) -> list[str]:
+    """Short labels telling apart the pretrainings of ``records`` (one record per pretraining, all
+    of one method, backbone and dataset): what differs among the data pretrained on, the epochs
+    and the steps, as many of those as it takes (``100 ep``, ``on imagefolder:a/train, 100 ep``),
+    then the files' paths (their last parts that differ) when those leave two alike."""
+    tags: list[list[str]] = [[] for _ in records]
+    shown = {"data": lambda v: f"on {v}", "epochs": lambda v: f"{v:g} ep" if isinstance(v, int | float) else f"{v} ep",
+             "steps": lambda v: f"{v} steps"}
+    for key, fmt in shown.items():
+        if _distinct([", ".join(t) for t in tags]):
+            break
+        values = [r.pretrain.get(key) for r in records]
+        if len(set(map(repr, values))) > 1:
+            for t, v in zip(tags, values):
+                t.append("?" if v is None else fmt(v))
+    if not _distinct([", ".join(t) for t in tags]):
+        parts = [Path(r.pretraining[0]).parts for r in records]
+        for n in range(1, max(map(len, parts)) + 1):
+            if _distinct(["/".join(p[-n:]) for p in parts]) or n == max(map(len, parts)):
+                for t, p in zip(tags, parts):
+                    t.append("/".join(p[-n:]))
+                break
+    return [", ".join(t) for t in tags]
+
+
 def build_comparison(results: Sequence[EvalResult]) -> Comparison:
-    """Tabulate results (module docstring). When one (row, protocol) was evaluated more than
-    once, the newest record (``created``) wins and a note goes to stderr."""
-    latest: dict[tuple[RowKey, str], EvalResult] = {}
+    """Tabulate results (module docstring). A row is one pretraining (``EvalResult.pretraining``)
+    of a method and backbone on a dataset; when one (method, backbone, dataset) comes from several
+    pretrainings, their rows' backbone labels carry :func:`pretraining_tags` (``vit/16 (100 ep)``).
+    When one pretraining was evaluated by a protocol more than once, the newest record
+    (``created``) wins and a note goes to stderr."""
+    latest: dict[tuple[RowKey, tuple, str], EvalResult] = {}
     for r in results:
-        key = ((r.method, r.label, r.data_label), r.protocol)
+        key = ((r.method, r.label, r.data_label), r.pretraining, r.protocol)
         if key in latest:
-            print(f"compare: several {r.protocol} results for {key[0]}; keeping the newest", file=sys.stderr)
+            print(f"compare: several {r.protocol} results for {key[0]} from {r.source}; keeping the newest", file=sys.stderr)
             if r.created < latest[key].created:
                 continue
         latest[key] = r
+    pretrainings: dict[RowKey, dict[tuple, EvalResult]] = {}
+    for (row, pretraining, _), r in latest.items():
+        pretrainings.setdefault(row, {}).setdefault(pretraining, r)
+    row_of: dict[tuple[RowKey, tuple], RowKey] = {}
+    for row, records in pretrainings.items():
+        tags = pretraining_tags(list(records.values())) if len(records) > 1 else [""]
+        for pretraining, tag in zip(records, tags):
+            row_of[(row, pretraining)] = (row[0], f"{row[1]} ({tag})" if tag else row[1], row[2])
+    latest = {(row_of[(row, pretraining)], pretraining, protocol): r for (row, pretraining, protocol), r in latest.items()}
     rows = sorted({k[0] for k in latest}, key=lambda row: (row[2], row[1], _method_order(row[0])))
     columns: list[tuple[str, str]] = []
     cells: dict[tuple[RowKey, tuple[str, str]], float] = {}
     for protocol in PROTOCOLS:
-        here = {row: r for (row, p), r in latest.items() if p == protocol}
+        here = {row: r for (row, _, p), r in latest.items() if p == protocol}
         if not here:
             continue
         names = sorted({m for r in here.values() for m in r.metrics if not m.endswith("_std")}, key=_metric_order)
@@ -120,8 +162,12 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
                     cells[(row, (protocol, m))] = r.metrics[m]
         for base, col in BASELINES.items():
             # A row is compared with the baseline's row on the same backbone and representation
-            # (whichever encoder of its own checkpoint it is).
-            refs = {(r.comparable_label, row[2]): r for row, r in here.items() if row[0] == base}
+            # (whichever encoder of its own checkpoint it is); of several such baselines (several
+            # pretrainings), the newest.
+            refs: dict[tuple[str, str], EvalResult] = {}
+            for row, r in sorted(here.items(), key=lambda item: item[1].created):
+                if row[0] == base:
+                    refs[(r.comparable_label, row[2])] = r
             if not refs:
                 continue
             columns.append((protocol, col))

@@ -45,6 +45,27 @@ def backbone_info(model: nn.Module, encoder: str | None = None) -> dict[str, Any
     return info if encoder is None else {**info, "encoder": encoder}
 
 
+def data_label(data: Mapping[str, Any]) -> str:
+    """A dataset record's name, with the (last two parts of the) folder an image-folder dataset
+    was read from (``imagefolder:flowers/train``), since every such dataset has the one name."""
+    folders = [data[k] for k in ("train_dir", "val_dir") if isinstance(data.get(k), str)]
+    if not folders:
+        return str(data["name"])
+    return f"{data['name']}:" + "/".join(Path(folders[0]).parts[-2:])
+
+
+def pretraining_data(record: Mapping[str, Any] | None) -> str | None:
+    """The data a checkpoint was pretrained on, named as evaluation records name datasets
+    (``fashion_mnist``, ``imagefolder:flowers/train``), from the checkpoint's data record (the
+    datamodule's class name, an image folder's ``train_dir``); None when it records none."""
+    if not record or not isinstance(record.get("name"), str):
+        return None
+    from ssl_vit.eval.cli import DATASETS
+
+    key = {cls: key for key, cls in DATASETS.items()}.get(record["name"], record["name"])
+    return data_label({**record, "name": key})
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """The parsed content of a result file; a missing file or invalid JSON is an error naming it."""
     path = Path(path)
@@ -79,8 +100,8 @@ class EvalResult:
             ``"knn"``, ``"fewshot"`` or ``"finetune"``.
         metrics: name -> value, accuracies as fractions in [0, 1].
         protocol_args: the protocol's settings (k, T, epochs, feature mode ...).
-        pretrain: what the backbone cost: ``steps``, ``epochs``, ``flops``, ``wall_time_s`` (any
-            subset).
+        pretrain: what the backbone cost and what it was pretrained on: ``steps``, ``epochs``,
+            ``flops``, ``wall_time_s``, ``global_batch_size``, ``data`` (any subset).
         source: checkpoint or export path the backbone came from, or ``"random"``.
         created: ISO-8601 time of the evaluation (UTC).
         ssl_vit_version: the package version that wrote the record.
@@ -151,13 +172,17 @@ class EvalResult:
 
     @property
     def data_label(self) -> str:
-        """The dataset: its name, with the (last two parts of the) folder an image-folder
-        dataset was read from (``imagefolder:flowers/train``), since every such dataset has the
-        one name."""
-        folders = [self.data[k] for k in ("train_dir", "val_dir") if isinstance(self.data.get(k), str)]
-        if not folders:
-            return self.data["name"]
-        return f"{self.data['name']}:" + "/".join(Path(folders[0]).parts[-2:])
+        """The dataset evaluated on (:func:`data_label`)."""
+        return data_label(self.data)
+
+    @property
+    def pretraining(self) -> tuple[str, Any, Any]:
+        """Which pretraining the backbone came from: its file (a normalised path; ``random``),
+        the step it was saved at and the data it was pretrained on. Records of one method,
+        backbone and dataset from different pretrainings (another run, or the same run's
+        ``last.ckpt`` further on) are rows of their own in ``compare`` and files of their own in
+        a results folder."""
+        return (os.path.normpath(self.source), self.pretrain.get("steps"), self.pretrain.get("data"))
 
     @property
     def main_metric(self) -> float | None:

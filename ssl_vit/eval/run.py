@@ -7,6 +7,7 @@ an :class:`~ssl_vit.eval.results.EvalResult`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,15 +77,32 @@ def names_a_record(out: str | Path) -> bool:
 def result_path(out: str | Path, result: EvalResult) -> Path:
     """Where a result record goes: ``out`` itself when it names a ``.json`` file, else a file in
     the folder ``out`` named after the method, backbone, data (with an image folder's own
-    folder) and protocol (and the
-    representation when it is not [CLS]: ``..._linear-last4.json``; the encoder when it is not
-    the method's default: ``dino_vit_small-16-student_...``)."""
+    folder) and protocol (and the representation when it is not [CLS]:
+    ``..._linear-last4.json``; the encoder when it is not the method's default:
+    ``dino_vit_small-16-student_...``).
+
+    A file of that name holding another pretraining's record (``EvalResult.pretraining``: another
+    checkpoint, or the same ``last.ckpt`` at another step) is kept: the record goes to the first
+    of ``..._2.json``, ``..._3.json`` ... that is free or holds this pretraining's record, so
+    evaluating a run again replaces its record and evaluating another run adds one."""
     if names_a_record(out):
         return Path(out)
     label = result.backbone_label.replace("/", "-") + (f"-{result.encoder}" if result.encoder else "")
     protocol = result.protocol + (f"-{result.features}" if result.features else "")
     data = result.data_label.replace(":", "-").replace("/", "-")
-    return Path(out) / f"{result.method}_{label}_{data}_{protocol}.json"
+    stem = f"{result.method}_{label}_{data}_{protocol}"
+    for n in itertools.count(1):
+        path = Path(out) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
+        if not path.exists() or _holds_pretraining(path, result.pretraining):
+            return path
+    raise AssertionError("unreachable")
+
+
+def _holds_pretraining(path: Path, pretraining: tuple[Any, ...]) -> bool:
+    try:
+        return EvalResult.from_json(path).pretraining == pretraining
+    except (OSError, ValueError):  # not a record (or not readable): not ours to replace
+        return False
 
 
 def evaluate_features(

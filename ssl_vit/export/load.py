@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone
+from ssl_vit.eval.results import pretraining_data
 from ssl_vit.export.config import resolve_normalization
 from ssl_vit.export.foreign import filter_foreign_state_dict, fit_state_dict, load_weights
 from ssl_vit.export.sources import BackboneSource, normalize_which, read_source
@@ -133,6 +134,7 @@ def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
         "flops": training.get("pretrain_flops", training.get("flops")),
         "wall_time_s": training.get("wall_time_s"),
         "global_batch_size": training.get("global_batch_size"),
+        "data": pretraining_data(source.data),
     }
     return {
         "name": source.backbone,

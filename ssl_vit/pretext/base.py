@@ -463,6 +463,8 @@ class PretextModule(L.LightningModule):
                 value = getattr(dm, key, None)
                 if value is not None:
                     info[key] = list(value) if isinstance(value, tuple | list) else value
+            if getattr(dm, "train_dir", None) is not None:  # an image folder: which one (result records tell datasets apart by it)
+                info["train_dir"] = str(dm.train_dir)
             self.data_info = info
         # The online probe's BN (specs §5: BN without affine + linear) over the global batch, so
         # it learns the same whatever the split over devices.

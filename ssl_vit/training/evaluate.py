@@ -117,6 +117,9 @@ class RecipeEvaluation:
         train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
         backbone, info = load_any_backbone(checkpoint, which=self.which)
         data = {"name": datamodule_name(datamodule), "subset": getattr(datamodule, "subset", None)}
+        for key in ("train_dir", "val_dir"):  # an image folder's folders, as `ssl-vit eval --data-arg` records them
+            if getattr(datamodule, key, None) is not None:
+                data[key] = str(getattr(datamodule, key))
         out = Path(self.out) if self.out is not None else Path(trainer.default_root_dir) / "results"
         return evaluate_features(
             backbone, train_ds, test_ds, {p: self.protocol_kwargs(p) for p in self.protocols},
