@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     # (measured 10x on 2 cores); on an idle machine the cost is within noise. Must precede torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # SSL_VIT_MALLOC=keep: reuse freed activation memory instead of faulting it in again every
-    # step (5-7 % of a CPU training step, for some peak RSS; see ssl_vit.runtime.keep_freed_memory).
+    # step (5-6 % faster CPU training steps, for some peak RSS; see ssl_vit.runtime.keep_freed_memory).
     from ssl_vit.runtime import keep_freed_memory
 
     try:
@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ssl-vit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`ssl-vit backbones | head -1`): nothing to report.
+        # Python's own flush of stdout at exit would fail again, so it goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, TypeError, OSError, KeyError, NotImplementedError, RuntimeError) as err:
         # Bad input gets one clear line; --debug shows where it came from.
         if debug:

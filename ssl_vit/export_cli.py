@@ -1,7 +1,7 @@
 """``ssl-vit export SOURCE --out DIR``: the backbone of a checkpoint as an export folder.
 
 SOURCE is a pretraining checkpoint (``.ckpt`` from ``ssl-vit fit``), an export folder, or a bare
-state dict (ours, timm's, an official DINO / MoCo v3 checkpoint; then ``--backbone`` and
+state dict (ours, timm's, an official DINO / MoCo v3 checkpoint; then ``--arch`` and
 ``--backbone-kwargs`` name the architecture). The folder gets ``model.safetensors`` (timm keys for
 ViTs, torchvision keys for ResNets), ``config.json`` and, with ``--format``, TorchScript / ONNX
 copies, each checked against the eager backbone.
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluation result JSONs (files or folders) to record in config.json, besides those found in "
         "the checkpoint's run folder",
     )
-    parser.add_argument("--arch", "--backbone", dest="backbone", default=None, help="registered backbone name, for state dicts that do not record it")
+    parser.add_argument("--arch", dest="backbone", default=None, help="registered backbone name, for state dicts that do not record it")
     parser.add_argument("--backbone-kwargs", type=_kwargs, default=None, metavar="JSON", help="its kwargs as a JSON object; overrides recorded ones")
     parser.add_argument(
         "--tolerance",
@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--backbone" or a.startswith("--backbone=") for a in argv):
+        # `ssl-vit eval --backbone FILE` names the file so; here it is the first argument.
+        raise ValueError("--backbone: ssl-vit export takes the backbone's file as its first argument "
+                         "(ssl-vit export FILE --out DIR); --arch names the architecture of a state dict that does not record it")
     args = build_parser().parse_args(argv)
     from ssl_vit.export import export_backbone  # after parsing: --help stays fast
 

@@ -21,6 +21,32 @@ def test_help_lists_every_subcommand():
         assert name in COMMANDS and f"  {name}" in out
 
 
+def test_every_module_folder_is_a_package_an_install_ships():
+    # A folder without __init__.py works from a checkout (and an editable install) but is left
+    # out of a wheel by find_packages: `ssl-vit fit` then fails to import it.
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    folders = {".".join(p.parent.relative_to(root).parts) for p in (root / "ssl_vit").rglob("*.py")}
+    assert folders - set(find_packages(where=str(root), include=["ssl_vit", "ssl_vit.*"])) == set()
+
+
+def test_a_reader_that_goes_away_is_no_error():
+    # `ssl-vit backbones | head -1`: the pipe closes before the output is written.
+    proc = subprocess.Popen([sys.executable, "-m", "ssl_vit.cli", "backbones"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait()
+    assert err == ""
+
+
+def test_fit_help_names_the_command():
+    out = subprocess.run([sys.executable, "-m", "ssl_vit.cli", "fit", "--help"], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("usage: ssl-vit fit ")
+
+
 def test_unknown_command_is_an_error(capsys):
     assert cli_main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err

@@ -418,6 +418,9 @@ def test_cli_end_to_end(dino_ckpt, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "nope.ckpt"), "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ssl-vit export: error: ") and "nope.ckpt" in err and "\n" not in err
+    # `--backbone FILE`, as `ssl-vit eval` takes it, is named as the first argument here
+    assert cli.main(["export", "--backbone", dino_ckpt, "--out", str(out)]) == 1
+    assert "ssl-vit export takes the backbone's file as its first argument" in capsys.readouterr().err
 
 
 def test_cli_exports_a_bare_state_dict_named_with_arch(tmp_path, capsys):

@@ -328,6 +328,33 @@ def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
     assert "bad.ckpt: not a readable checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_a_gpu_recipe_on_a_machine_without_one_names_the_cpu_trainer(tmp_path, capsys):
+    assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.accelerator", "gpu"]) == 1
+    assert "add --config recipes/trainer/cpu.yaml" in capsys.readouterr().err
+
+
+def test_evaluation_settings_the_data_cannot_meet_are_refused_before_training(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    args = ["fit", "--config", str(cfg), "--evaluate.train_subset", "16"]
+    assert cli_main([*args, "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 20}"]) == 1
+    assert "evaluate.knn: k=20 neighbours, but the kNN bank holds the 16 training images of evaluate.train_subset" in capsys.readouterr().err
+    assert cli_main([*args, "--evaluate.protocols", "[fewshot]"]) == 1  # 25-shot (the default's largest) of 10 classes
+    assert "evaluate.fewshot: 25-shot needs 25 training images of each of the 10 classes, more than the 16" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_an_evaluation_that_fails_after_training_says_how_to_evaluate_the_kept_backbone(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 40}"]) == 1  # 32 images
+    err = capsys.readouterr().err
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert f"evaluate: k=40 must be in 1..32 (the bank size) (the trained backbone is kept in {last}" in err and "--resume" in err
+    assert cli_main(["fit", "--config", str(cfg), "--resume", "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 3}"]) == 0
+    assert "knn       dino  vit/4  synthetic" in capsys.readouterr().out
+    assert torch.load(last, weights_only=False)["ssl_vit"]["global_step"] == 3  # evaluated, not trained further
+
+
 def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
     # The `evaluate` section: after the fit, the records `ssl-vit eval` would write.
     cfg = tiny_config(tmp_path)

@@ -203,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             # The FLOP counter first: a signal's checkpoint, written at the same batch end, then
             # counts the batch it follows (Lightning runs callbacks in this order).
             trainer_defaults={"callbacks": [PretrainFlopsCounter(), PreemptionCheckpoint()]},
-            parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__},
+            parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__, "prog": "ssl-vit fit"},
         )
     except (ArgumentError, ValueError, TypeError, MisconfigurationException) as err:
         # (MisconfigurationException: Lightning's, e.g. an accelerator this machine lacks)
-        raise ConfigError(_one_line(str(err))) from None
+        message = _one_line(str(err))
+        if isinstance(err, MisconfigurationException) and "gpu" in message.lower():
+            message += " (the recipe's trainer asks for GPUs; on a machine without one add --config recipes/trainer/cpu.yaml)"
+        raise ConfigError(message) from None
     cfg = cli.config
     # The resolved recipe travels inside every checkpoint (export writes it into config.json).
     cli.model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(evaluation, RecipeEvaluation):
         try:
             evaluation.check_model(cli.model)
+            evaluation.check_data(cli.datamodule)
         except ValueError as err:
             raise ConfigError(_one_line(str(err))) from None
     # The checkpoint directory is fixed before anything is restored: the restored bookkeeping must
@@ -272,7 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         last = newest_checkpoint(ckpt_dir)
         if last is None:
             raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
-        for result in evaluation.run(last, cli.datamodule, cli.trainer):
+        try:
+            results = evaluation.run(last, cli.datamodule, cli.trainer)
+        except (ValueError, RuntimeError, OSError) as err:
+            # The training is done and kept: say how to evaluate it without training again.
+            raise ValueError(f"evaluate: {_one_line(str(err))} (the trained backbone is kept in {last}: fix the evaluate section "
+                              f"and run the same command with --resume, which evaluates without training further, "
+                              f"or use `ssl-vit eval ... --backbone {last}`)") from None
+        for result in results:
             print(result.summary_line())
     return 0
 

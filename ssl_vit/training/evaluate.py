@@ -38,7 +38,8 @@ class RecipeEvaluation:
         out: folder of the result records; None: ``<default_root_dir>/results``.
         batch_size: images per forward pass of the feature extraction.
         train_subset: fit the probe / fill the kNN bank with a fixed random subset of this many
-            training images (None: all).
+            training images (None: all), drawn from the run's training split (``data.subset``
+            when the run trained on a subset).
         test_subset: evaluate on a fixed random subset of this many test images (None: all).
         seed: of those subsets and of the linear probe and few-shot draws.
     """
@@ -98,6 +99,31 @@ class RecipeEvaluation:
             feature_dim(model.backbone, self.features)
         except ValueError as err:
             raise ValueError(f"evaluate.features: {err}") from None
+
+    def check_data(self, datamodule: L.LightningDataModule) -> None:
+        """What the evaluators need of a training split whose size the recipe fixes (the run's
+        ``data.subset``, from which ``evaluate.train_subset`` draws), checked before the training
+        rather than after it: kNN's ``k`` neighbours and few-shot's largest number of shots of
+        every class. (Without a fixed size, checking would mean reading the data first.)"""
+        sizes = [n for n in (getattr(datamodule, "subset", None), self.train_subset) if n is not None]
+        if not sizes or not self.protocols:
+            return
+        n = min(sizes)
+        whence = "data.subset" if n == getattr(datamodule, "subset", None) else "evaluate.train_subset"
+        from ssl_vit.eval.run import FEATURE_PROTOCOLS
+
+        if "knn" in self.protocols:
+            k = FEATURE_PROTOCOLS["knn"](**self.protocol_kwargs("knn")).k
+            if k > n:
+                raise ValueError(f"evaluate.knn: k={k} neighbours, but the kNN bank holds the {n} training images of {whence}; "
+                                 f"set evaluate.knn {{k: {n}}} or fewer, or a larger {whence}")
+        num_classes = getattr(datamodule, "num_classes", None)
+        if "fewshot" in self.protocols and num_classes:
+            shots = max(FEATURE_PROTOCOLS["fewshot"](**self.protocol_kwargs("fewshot")).shots)
+            if shots * int(num_classes) > n:
+                raise ValueError(f"evaluate.fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, "
+                                 f"more than the {n} of {whence}; set evaluate.fewshot shots to at most {n // int(num_classes)}, "
+                                 f"or a larger {whence}")
 
     def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
         """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""
