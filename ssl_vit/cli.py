@@ -71,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    # SSL_VIT_PLUGINS=mypkg.backbones,mypkg.byol: modules of one's own (backbones they register,
+    # methods) imported before any command, so that eval / export / visualize know them too.
+    for name in filter(None, (n.strip() for n in os.environ.get("SSL_VIT_PLUGINS", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as err:
+            if debug:
+                raise
+            print(f"ssl-vit: error: SSL_VIT_PLUGINS: cannot import {name}: {type(err).__name__}: {one_line(str(err))}", file=sys.stderr)
+            return 2
     module = importlib.import_module(COMMANDS[command][0])
     try:
         return int(module.main(rest) or 0)

@@ -13,6 +13,7 @@ keeps the two in step); ``--epochs`` and ``--subset`` scale the budget, ``--quic
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from typing import Any
 # 2 CPU cores the supervised run trains at ~900 images/s, which is what a 15-minute budget buys.
 DEMO_BACKBONE: dict[str, Any] = {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 128, "depth": 4, "num_heads": 4}
 DEMO_BACKBONE_NAME = "vit"
+# Fashion-MNIST's splits, and the neighbours the kNN votes with (its bank needs at least as many).
+TRAIN_IMAGES, TEST_IMAGES = 60000, 10000
+KNN_K = 20
 
 
 @dataclass
@@ -112,7 +116,7 @@ def pretrain(
         backbone=DEMO_BACKBONE_NAME, backbone_kwargs=dict(DEMO_BACKBONE), num_classes=dm.num_classes, **recipe.model_args
     )
     run_dir = out_dir / "runs" / recipe.method
-    steps_per_epoch = max(1, (budget.subset or 60000) // budget.batch_size)
+    steps_per_epoch = max(1, (budget.subset or TRAIN_IMAGES) // budget.batch_size)
     epochs = recipe.epochs if budget.epochs is None else budget.epochs
     max_steps = max(1, round(epochs * steps_per_epoch))
     trainer = L.Trainer(
@@ -153,7 +157,7 @@ def evaluate(
     dm = FashionMNISTDataModule(batch_size=256, num_workers=0, subset=budget.eval_train, seed=seed)
     train_ds, test_ds = dm.eval_datasets()
     test_ds = subsample(test_ds, budget.eval_test, seed)
-    protocols = {"linear": {"epochs": budget.probe_epochs, "base_lr": budget.probe_lr, "seed": seed, "warmup_epochs": min(10, budget.probe_epochs // 5)}, "knn": {"k": 20, "temperature": 0.07}}
+    protocols = {"linear": {"epochs": budget.probe_epochs, "base_lr": budget.probe_lr, "seed": seed, "warmup_epochs": min(10, budget.probe_epochs // 5)}, "knn": {"k": KNN_K, "temperature": 0.07}}
     return evaluate_features(
         backbone, train_ds, test_ds, protocols, method=label, data={"name": "fashion_mnist"}, num_classes=10,
         batch_size=512, num_workers=num_workers, device=device, source=source, pretrain=pretrain_record,
@@ -177,14 +181,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace, batch_size: int) -> None:
+    """The numeric options, before anything is trained: a value that cannot work is one line now,
+    not a failure after the first method's pretraining."""
+    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise ValueError(f"--epochs must be a positive number, got {args.epochs:g}")
+    ranges = {
+        # a subset smaller than one batch leaves no full training batch
+        "subset": (args.subset, batch_size, TRAIN_IMAGES, f"at least one batch of {batch_size}, at most the {TRAIN_IMAGES} training images"),
+        "eval_train": (args.eval_train, KNN_K, TRAIN_IMAGES, f"at least the kNN's k={KNN_K}, at most the {TRAIN_IMAGES} training images"),
+        "eval_test": (args.eval_test, 1, TEST_IMAGES, f"at most the {TEST_IMAGES} test images"),
+        "num_workers": (args.num_workers, 0, None, ""),
+        "seed": (args.seed, 0, 2**32 - 1, ""),
+    }
+    for name, (value, low, high, why) in ranges.items():
+        if value is None or (value >= low and (high is None or value <= high)):
+            continue
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"--{name.replace('_', '-')} must be {bounds}" + (f" ({why})" if why else "") + f", got {value}")
+
+
+def earlier_run(out: Path) -> list[Path]:
+    """What an earlier demo run left in ``out`` that a new one would overwrite: the folders
+    holding its checkpoints (``runs/<method>/checkpoints``) and its results (``results.json``)."""
+    found = sorted({p.parent for p in out.glob("runs/*/checkpoints/*.ckpt")})
+    return found + [p for p in (out / "results.json",) if p.is_file()]
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    budget = Budget.quick() if args.quick else Budget.default()
+    check_args(args, budget.batch_size)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file; the demo writes a folder there")
+    earlier = earlier_run(out)
+    if earlier:
+        # The demo has no resume: a run starts every method from scratch, and its checkpoints and
+        # results would replace those already here.
+        raise FileExistsError(
+            f"{out} already holds a demo run (checkpoints and results: {', '.join(map(str, earlier))}), which a new run would overwrite; "
+            f"choose another --out, or remove {out} first to start over"
+        )
 
     from ssl_vit.eval.compare import build_comparison, format_text, write_report
     from ssl_vit.export import load_any_backbone
     from ssl_vit.io import atomic_write_json
 
-    budget = Budget.quick() if args.quick else Budget.default()
     if args.epochs is not None:
         budget.epochs = args.epochs
     if args.subset is not None:
@@ -197,7 +240,6 @@ def main(argv: list[str]) -> int:
 
     device = resolve_device(args.device)
     accelerator = "gpu" if device.startswith("cuda") else "cpu"
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"[demo] Fashion-MNIST, backbone {DEMO_BACKBONE_NAME} {DEMO_BACKBONE}, {budget}", flush=True)

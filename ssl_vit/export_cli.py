@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -22,6 +24,16 @@ def _kwargs(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"patch_size\": 4}}', got {text!r}")
     return value
+
+
+def _earlier_export(out: str) -> str | None:
+    """What the export folder ``out`` holds already (method, backbone, source), or None."""
+    try:
+        info = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))["ssl_vit"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    what = " ".join(str(x) for x in (info.get("method"), info.get("backbone")) if x) or "a backbone"
+    return f"{what} from {info.get('source', 'an unrecorded source')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +90,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from ssl_vit.export import export_backbone  # after parsing: --help stays fast
 
+    earlier = _earlier_export(args.out)
+
     result = export_backbone(
         args.source,
         args.out,
@@ -90,6 +104,8 @@ def main(argv: list[str]) -> int:
         opset=args.opset,
         weights_only=True if args.weights_only else None,
     )
+    if earlier:
+        print(f"ssl-vit export: note: replaced the export in {args.out} ({earlier})", file=sys.stderr)
     info = result.config["ssl_vit"]
     what = " ".join(str(x) for x in (info["method"], info["which"]) if x) or "state dict"
     h, w = info["img_size"]

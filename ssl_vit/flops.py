@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -148,6 +149,10 @@ def backbone_train_flops(backbone: nn.Module, img_size: int | tuple[int, int], s
     return 3.0 * forward - saved
 
 
+class NoFlopModel(TypeError):
+    """A module whose training step has no FLOP model."""
+
+
 def method_step_flops(
     module: nn.Module,
     views_shapes: Sequence[Shape],
@@ -170,14 +175,20 @@ def method_step_flops(
     """
     from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
 
-    if not isinstance(module, MoCoV3 | DINO | MPP | Supervised):
-        raise TypeError(
-            f"no FLOP model for {type(module).__name__}; method_step_flops knows MPP, MoCoV3, DINO "
-            "and Supervised (measure others with flop_counter())"
-        )
     shapes = _check_shapes(views_shapes)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not isinstance(module, MoCoV3 | DINO | MPP | Supervised):
+        own = getattr(module, "step_flops", None)  # a method of its own (PretextModule.step_flops)
+        counted = own(shapes, world_size) if callable(own) else None
+        if counted is None:
+            raise NoFlopModel(
+                f"no FLOP model for {type(module).__name__}: method_step_flops knows MPP, MoCoV3, DINO and Supervised, "
+                "and a PretextModule may count its own in step_flops (or measure with flop_counter())"
+            )
+        total = float(counted)
+        probe = getattr(module, "probe", None)
+        return total + (2.0 * linear_flops(probe) if include_probe and probe is not None else 0.0)
     batch = shapes[0][0]
     backbone = module.backbone
     shape_of = module.shape_before_wrapping  # (FSDP flattens the parameters)
@@ -314,16 +325,25 @@ class PretrainFlopsCounter(Callback):
         super().__init__()
         self.log_name = log_name
         self.flops = PretrainFlops()
+        self.unknown = False  # the module has no FLOP model
 
     @property
     def total(self) -> float:
         return self.flops.total
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.unknown:
+            return
         views = batch[0]
         if isinstance(views, Tensor):
             views = [views]
-        total = self.flops.add(pl_module, views, trainer.world_size)
+        try:
+            total = self.flops.add(pl_module, views, trainer.world_size)
+        except NoFlopModel as err:
+            # A method without a FLOP model trains all the same; its results lack the compute axis.
+            self.unknown = True
+            rank_zero_warn(f"{err}; this run records no pretraining FLOPs")
+            return
         pl_module.pretrain_flops = total
         # Every rank holds the same global total, so no reduction is needed.
         pl_module.log(self.log_name, total, on_step=True, on_epoch=False, batch_size=int(views[0].shape[0]))
@@ -335,10 +355,11 @@ class PretrainFlopsCounter(Callback):
         self.flops.load_state_dict(state_dict)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        total = None if self.unknown else self.total
         meta = checkpoint.get("ssl_vit")
         if isinstance(meta, dict):
-            meta["pretrain_flops"] = self.total
-        checkpoint["pretrain_flops"] = self.total
+            meta["pretrain_flops"] = total
+        checkpoint["pretrain_flops"] = total
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         total = pretrain_flops_from_checkpoint(checkpoint)

@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
+from ssl_vit.pretext import PretextModule
+
 # A tiny ViT: 16 px grey images, 4 px patches -> 16 tokens; 2 blocks of width 32.
 TINY_VIT: dict[str, Any] = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
 TINY_BACKBONE: dict[str, Any] = {"backbone": "vit", "backbone_kwargs": TINY_VIT}
@@ -139,3 +141,26 @@ class CPUFSDPStrategy(L.pytorch.strategies.FSDPStrategy):
                                   FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)):
             state = FSDP.optim_state_dict(self.model, optimizer)
             return FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model) if self.global_rank == 0 else state
+
+
+
+class Reconstruct(PretextModule):
+    """A fourth method as a user writes one (a PretextModule subclass in a file of its own, named
+    in recipes by its dotted path: ``helpers.Reconstruct``): predicts the pixels of its one view
+    from the [CLS] output. It has no FLOP model."""
+
+    def __init__(self, pixels: int = 16 * 16 * 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.decoder = torch.nn.Linear(self.backbone.embed_dim, pixels)
+
+    def step(self, views: list[torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        feats = self.backbone(views[0])  # [B, D]
+        loss = (self.decoder(feats) - views[0].flatten(1)).pow(2).mean()
+        return {"loss": loss, "features": feats.detach()}
+
+
+class ReconstructCounted(Reconstruct):
+    """The same with a FLOP model of its own: 1000 per image."""
+
+    def step_flops(self, views_shapes: list[tuple[int, ...]], world_size: int) -> float:
+        return 1000.0

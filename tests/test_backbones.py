@@ -403,3 +403,18 @@ def test_bad_architecture_arguments():
         VisionTransformer(embed_dim=10, num_heads=3)
     with pytest.raises(ValueError, match="num_stages"):
         ResNetBackbone("resnet18", num_stages=5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"embed_dim": "abc"}, "backbone 'vit': embed_dim must be an integer, got 'abc'"),
+    ({"depth": 2.5}, "backbone 'vit': depth must be an integer, got 2.5"),
+    ({"qkv_bias": 1}, "backbone 'vit': qkv_bias must be true or false, got 1"),
+    ({"drop_path_rate": "0.1"}, "backbone 'vit': drop_path_rate must be a number, got '0.1'"),
+    ({"img_size": "abc"}, "img_size must be an integer or a pair of integers (height, width), got 'abc'"),
+    ({"img_size": [28, 28, 28]}, "img_size must be an integer or a pair of integers (height, width), got [28, 28, 28]"),
+])
+def test_a_backbone_argument_of_the_wrong_type_is_named(kwargs, message):
+    with pytest.raises((TypeError, ValueError)) as err:
+        create_backbone("vit", **{"img_size": 28, "patch_size": 7, "embed_dim": 32, "depth": 1, "num_heads": 2, **kwargs})
+    assert message in str(err.value)
+    create_backbone("vit", img_size=[28, 14], patch_size=7, embed_dim=32, depth=1, num_heads=2, drop_path_rate=0)  # an int where a float goes

@@ -139,6 +139,82 @@ def test_config_rejects_bad_settings() -> None:
     assert ModelSpec().label == "ViT-S/16"
 
 
+def test_config_rejects_batches_and_threads_that_cannot_run() -> None:
+    with pytest.raises(ValueError, match="method_batch >= 1"):
+        BenchConfig(method_batch=-2)
+    with pytest.raises(ValueError, match="mocov3 row needs method_batch >= 2"):
+        BenchConfig(method_batch=1)
+    assert BenchConfig(method_batch=1, methods=("supervised", "dino")).method_batch == 1
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        BenchConfig(threads=0)
+
+
+@pytest.fixture()
+def no_measuring(monkeypatch):
+    """A benchmark that must stop before measuring anything."""
+    from ssl_vit.bench import runner
+
+    def measure(cfg):
+        raise AssertionError("the benchmark started measuring")
+
+    monkeypatch.setattr(runner, "run_benchmark", measure)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--method-batch", "-2", "--method-batch must be >= 1, got -2"),
+    ("--method-batch", "0", "--method-batch must be >= 1, got 0"),
+    ("--method-batch", "1", "--method-batch 1: the mocov3 row needs a batch of >= 2"),
+    ("--backbone-batch", "0", "--backbone-batch must be >= 1, got 0"),
+    ("--steps", "0", "--steps must be >= 1, got 0"),
+    ("--warmup", "-1", "--warmup must be >= 0, got -1"),
+    ("--threads", "0", "--threads must be >= 1, got 0"),
+])
+def test_bad_numeric_options_are_refused_before_measuring(no_measuring, option, value, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["--preset", "tiny", option, value])
+
+
+def test_an_unwritable_json_path_is_refused_before_measuring(no_measuring, tmp_path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match=re.escape(f"--json {blocker / 'out.json'}: cannot write in its folder {blocker}")):
+        main(["--preset", "tiny", "--json", str(blocker / "out.json")])
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        main(["--preset", "tiny", "--json", str(tmp_path)])
+
+
+def test_a_json_path_in_new_folders_is_made_before_measuring(no_measuring, tmp_path) -> None:
+    out = tmp_path / "new" / "deeper" / "bench.json"
+    with pytest.raises(AssertionError, match="started measuring"):
+        main(["--preset", "tiny", "--json", str(out)])
+    assert out.parent.is_dir() and list(out.parent.iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.parametrize("content, why", [
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"rows": 3}', "no 'format' field"),
+    ('{"format": "ssl-vit-benchmark/1", "rows": 3, "config": {}}', "no 'config' object or no 'rows' list"),
+    ('{"format": "ssl-vit-benchmark/1", "rows": [{}], "config": {}}', "malformed: missing"),
+    ("# benchmark\n\n| step |\n", "not JSON"),
+    (b"\xff\xfe\x00", "not UTF-8 text"),
+])
+def test_render_names_a_file_that_is_no_benchmark_result(tmp_path, content, why) -> None:
+    path = tmp_path / "rep.md"
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not a benchmark result (") + ".*" + re.escape(why)):
+        main(["--render", str(path)])
+
+
+def test_render_prints_an_earlier_result(capsys) -> None:
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "benchmarks" / "results_cpu.json"
+    if not shipped.is_file():
+        pytest.skip("no shipped benchmark result")
+    assert main(["--render", str(shipped), "--markdown"]) == 0
+    assert "| step |" in capsys.readouterr().out
+
+
 def test_ratio_format() -> None:
     assert ratio(1.0712) == "1.07x"
     assert ratio(None) == "-"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ssl_vit.cli import main as cli_main
-from ssl_vit.demo import DEMO_BACKBONE, DEMO_BACKBONE_NAME, RECIPES, Budget
+from ssl_vit.demo import DEMO_BACKBONE, DEMO_BACKBONE_NAME, RECIPES, Budget, earlier_run
+from ssl_vit.demo import main as demo_main
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist"
 
@@ -54,3 +56,69 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys):
     assert (out / "report.md").is_file() and (out / "report_bars.png").stat().st_size > 1000
     assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert (out / "runs" / "dino" / "checkpoints" / "last.ckpt").is_file()
+    assert out / "results.json" in earlier_run(out)  # a second run into `out` is refused
+
+
+@pytest.fixture()
+def no_training(monkeypatch):
+    """A demo that must stop before it trains anything."""
+    import ssl_vit.demo
+
+    def pretrain(*args, **kwargs):
+        raise AssertionError("the demo started training")
+
+    monkeypatch.setattr(ssl_vit.demo, "pretrain", pretrain)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--epochs", "0", "--epochs must be a positive number, got 0"),
+    ("--epochs", "-1", "--epochs must be a positive number, got -1"),
+    ("--epochs", "nan", "--epochs must be a positive number, got nan"),
+    ("--epochs", "inf", "--epochs must be a positive number, got inf"),
+    ("--subset", "0", "--subset must be in 128..60000"),
+    ("--subset", "100", "--subset must be in 128..60000 (at least one batch of 128"),
+    ("--subset", "70000", "--subset must be in 128..60000"),
+    ("--eval-train", "0", "--eval-train must be in 20..60000 (at least the kNN's k=20"),
+    ("--eval-train", "60001", "--eval-train must be in 20..60000"),
+    ("--eval-test", "0", "--eval-test must be in 1..10000"),
+    ("--eval-test", "10001", "--eval-test must be in 1..10000"),
+    ("--num-workers", "-1", "--num-workers must be >= 0, got -1"),
+    ("--seed", "-1", "--seed must be in 0..4294967295, got -1"),
+])
+def test_demo_refuses_bad_numbers_before_training(no_training, tmp_path, option, value, message):
+    out = tmp_path / "demo"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        demo_main([option, value, "--out", str(out)])
+    assert not out.exists()  # nothing started
+
+
+def test_demo_errors_are_one_line(no_training, tmp_path, capsys):
+    assert cli_main(["demo", "--eval-train", "0", "--out", str(tmp_path / "demo")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ssl-vit demo: error: --eval-train must be in 20..60000") and "\n" not in err
+
+
+def test_demo_refuses_to_overwrite_an_earlier_run(no_training, tmp_path):
+    # The demo has no resume: a second run into the same --out would retrain every method from
+    # scratch over the first run's checkpoints and results.
+    out = tmp_path / "demo"
+    ckpt = out / "runs" / "mpp" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"the first run")
+    with pytest.raises(FileExistsError, match=re.escape(f"{out} already holds a demo run (checkpoints and results: {ckpt.parent})") + ".*another --out.*remove"):
+        demo_main(["--quick", "--out", str(out)])
+    assert ckpt.read_bytes() == b"the first run"
+    ckpt.unlink()
+    (out / "results.json").write_text("[]")
+    with pytest.raises(FileExistsError, match="results.json"):
+        demo_main(["--quick", "--out", str(out)])
+    (out / "results.json").unlink()
+    # a folder without either (an interrupted run's logs, or anything else) is used
+    assert earlier_run(out) == []
+
+
+def test_demo_out_must_be_a_folder(no_training, tmp_path):
+    afile = tmp_path / "demo"
+    afile.write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        demo_main(["--out", str(afile)])

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -108,6 +109,31 @@ def test_bad_inputs(tmp_path):
     bad.write_text(json.dumps({"protocol": "knn", "metrics": {}, "method": "x"}))
     with pytest.raises(ValueError, match="missing field"):
         load_results([tmp_path])
+
+
+def test_a_folder_without_records_says_why_each_file_was_skipped(tmp_path, results_dir):
+    d = tmp_path / "none"
+    d.mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"no result records found in {d} (no *.json files)")):
+        load_results([d])
+    (d / "a.json").write_text(json.dumps({"method": "dino"}))
+    (d / "b.json").write_text(json.dumps([1, 2]))
+    (d / "c.json").write_text(json.dumps([{"protocol": "knn", "metrics": {}}, {"protocol": "knn"}]))
+    (d / "d.json").write_text("not json")
+    (d / "e.json").write_text("[]")
+    with pytest.raises(ValueError) as err:
+        load_results([d])
+    assert str(err.value) == (
+        f"no result records found in {d}: {d / 'a.json'}: no 'protocol'/'metrics' fields; "
+        f"{d / 'b.json'}: item [0] of a list: a JSON number, not an object; "
+        f"{d / 'c.json'}: item [1] of a list: no 'metrics' field; and 2 more file(s)"
+    )
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(ValueError, match=re.escape(f"no result records found in {empty}: {empty}: an empty list")):
+        load_results([empty])
+    # beside records, files that hold none are still skipped without a word
+    assert len(load_results([d, results_dir])) == len(load_results([results_dir]))
 
 
 def test_another_encoder_is_another_row_compared_with_the_same_baseline(tmp_path):

@@ -121,6 +121,23 @@ def test_dino_exports_the_teacher_in_timm_layout(dino_ckpt, tmp_path):
     assert [r["metrics"]["top1"] for r in info["results"]] == [0.61]
 
 
+def test_a_subclass_of_dino_is_evaluated_by_its_teacher_too(dino_ckpt, tmp_path):
+    # The default encoder is the method's own (recorded), not looked up by the class's name.
+    from ssl_vit.eval.results import chosen_encoder
+
+    ckpt = torch.load(dino_ckpt, weights_only=False)
+    assert ckpt["ssl_vit"]["default_encoder"] == "teacher"
+    ckpt["ssl_vit"]["method"] = "MyDINO"  # what `class MyDINO(DINO)` writes
+    torch.save(ckpt, tmp_path / "mine.ckpt")
+    _, info = load_any_backbone(tmp_path / "mine.ckpt")
+    assert (info["method"], info["which"]) == ("mydino", "teacher") and chosen_encoder(info) is None
+    out = export_backbone(tmp_path / "mine.ckpt", tmp_path / "exp").out_dir
+    _, info = load_any_backbone(out)
+    assert info["which"] == "teacher" and chosen_encoder(info) is None
+    _, info = load_any_backbone(tmp_path / "mine.ckpt", which="student")
+    assert chosen_encoder(info) == "student"
+
+
 def test_dino_student_on_request(dino_ckpt, tmp_path):
     out = export_backbone(dino_ckpt, tmp_path / "exp", which="student").out_dir
     weights, student = load_file(out / "model.safetensors"), _encoder(dino_ckpt, "backbone.")
@@ -418,6 +435,9 @@ def test_cli_end_to_end(dino_ckpt, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "nope.ckpt"), "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("ssl-vit export: error: ") and "nope.ckpt" in err and "\n" not in err
+    # exporting into the folder again says what it replaces
+    assert cli.main(["export", dino_ckpt, "--out", str(out)]) == 0
+    assert f"note: replaced the export in {out} (dino vit from {dino_ckpt})" in capsys.readouterr().err
     # `--backbone FILE`, as `ssl-vit eval` takes it, is named as the first argument here
     assert cli.main(["export", "--backbone", dino_ckpt, "--out", str(out)]) == 1
     assert "ssl-vit export takes the backbone's file as its first argument" in capsys.readouterr().err

@@ -54,19 +54,24 @@ def test_every_method_lowers_its_loss_on_a_fixed_batch(method):
 
 
 def test_a_fourth_method_is_one_subclass():
-    class Reconstruct(PretextModule):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.decoder = torch.nn.Linear(self.backbone.embed_dim, 16 * 16)
-
-        def step(self, views, labels):
-            feats = self.backbone(views[0])
-            loss = (self.decoder(feats) - views[0].flatten(1)).pow(2).mean()
-            return {"loss": loss, "features": feats.detach()}
+    from helpers import Reconstruct  # (run by `ssl-vit fit` in test_training_cli)
 
     views, labels = fixed_views([16])
-    losses = fit_steps(Reconstruct(**TINY_BACKBONE, warmup_epochs=0.0, base_lr=0.02), views, labels, steps=6)
+    losses = fit_steps(Reconstruct(pixels=16 * 16, **TINY_BACKBONE, warmup_epochs=0.0, base_lr=0.02), views, labels, steps=6)
     assert losses[-1] < losses[0]
+
+
+def test_a_method_with_a_probe_must_return_its_features():
+    from helpers import Reconstruct
+
+    class NoFeatures(Reconstruct):
+        def step(self, views, labels):
+            return {"loss": super().step(views, labels)["loss"]}
+
+    views, labels = fixed_views([16])
+    with pytest.raises(ValueError, match="NoFeatures.step returned no 'features', but the run has an online probe"):
+        fit_steps(NoFeatures(pixels=16 * 16, num_classes=4, **TINY_BACKBONE, warmup_epochs=0.0), views, labels, steps=1)
+    assert fit_steps(NoFeatures(pixels=16 * 16, **TINY_BACKBONE, warmup_epochs=0.0), views, labels, steps=1)  # no probe: fine
 
 
 @pytest.mark.parametrize("method,optimizer", [("mocov3", "lars"), ("dino", "sgd")])

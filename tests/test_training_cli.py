@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ SMALL_HEADS = {
     "ssl_vit.pretext.MoCoV3": {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16},
     "ssl_vit.pretext.MPP": {},
     "ssl_vit.pretext.Supervised": {},
+    "helpers.Reconstruct": {},
+    "helpers.ReconstructCounted": {},
 }
 VIEW_SIZE_KEYS = {
     "ssl_vit.data.MultiCrop": {"global_size": 16, "local_size": 8, "n_local": 2},
@@ -221,9 +224,17 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--evaluate.protocols", "[knn]", "--evaluate.features", "last4"], "evaluate.features: n_last_blocks=4 is out of range for a backbone of depth 1"),
         pytest.param(["--trainer.accelerator", "mps"], "`MPSAccelerator` can not run on your system",
                      marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")),
+        (["--model.init_args.backbone_kwargs.embed_dim", "abc"], "backbone 'vit': embed_dim must be an integer, got 'abc'"),
+        (["--model.init_args.backbone_kwargs.img_size", "32"], "the backbone was built for 32x32 images (model backbone_kwargs.img_size) but the data gives 16x16 crops"),
+        (["--model", "Dino"], "(methods: MPP, MoCoV3, DINO, Supervised, or the dotted path of a PretextModule of your own)"),
+        (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR100DataModule, CIFAR10DataModule, FashionMNISTDataModule,"),
+        (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
+        (["--trainer.max_steps", "0"], "trainer.max_steps 0 trains nothing"),
+        (["--resume", "--ckpt_path", "x.ckpt"], "--resume and --ckpt_path both say where to continue from"),
     ],
     ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "local-crop-size", "global-batch", "global-batch-zero", "abbreviation",
-         "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-which", "evaluate-features", "missing-accelerator"],
+         "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-which", "evaluate-features", "missing-accelerator", "backbone-argument-type",
+         "backbone-size", "method-name", "datamodule-name", "accumulate-zero", "no-steps", "resume-and-ckpt-path"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
     cfg = tiny_config(tmp_path)
@@ -231,6 +242,27 @@ def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ssl-vit fit: error: ") and message in err[-1]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_batch_limit_of_1_is_one_batch(tmp_path):
+    # Lightning's Union[float, int] annotation made the parser read 1 as the fraction 1.0 (all).
+    cfg = tiny_config(tmp_path)  # 32 images in batches of 8: 4 per epoch
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "-1", "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "1"]) == 0
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["global_step"] == 2
+
+
+@pytest.mark.parametrize("text, what", [("", "is empty"), ("- a\n- b\n", "holds a list"), ("just a string\n", "holds a str")])
+def test_a_recipe_file_that_is_no_mapping_is_named(tmp_path, capsys, text, what):
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(text)
+    assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--config", str(odd)]) == 1
+    assert f"{odd}: {what}; a recipe is a mapping of settings" in capsys.readouterr().err
+
+
+def test_the_supervised_baseline_needs_two_classes(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
+    assert cli_main(["fit", "--config", str(cfg), "--data.init_args.num_classes", "1"]) == 1
+    assert "the supervised baseline needs at least 2 classes; the data has 1" in capsys.readouterr().err
 
 
 def test_unknown_key_in_a_yaml_file_is_rejected(tmp_path, capsys):
@@ -332,6 +364,23 @@ def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
 def test_a_gpu_recipe_on_a_machine_without_one_names_the_cpu_trainer(tmp_path, capsys):
     assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.accelerator", "gpu"]) == 1
     assert "add --config recipes/trainer/cpu.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["helpers.Reconstruct", "helpers.ReconstructCounted"])
+def test_a_method_of_ones_own_trains_resumes_and_counts_its_flops_when_it_can(tmp_path, method):
+    from ssl_vit.flops import linear_flops
+    from ssl_vit.pretext.probe import OnlineLinearProbe
+
+    cfg = tiny_config(tmp_path, method=method, views="ssl_vit.data.SingleView")
+    with pytest.warns(UserWarning, match="no FLOP model") if method == "helpers.Reconstruct" else nullcontext():
+        assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "2"]) == 0
+    assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 0
+    meta = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]
+    assert meta["method"] == method.split(".")[1] and meta["global_step"] == 3
+    if method == "helpers.Reconstruct":
+        assert meta["pretrain_flops"] is None  # unknown, not a wrong number
+    else:  # 3 steps of 8 images: its own 1000 per image and the online probe's forward + weight gradient
+        assert meta["pretrain_flops"] == pytest.approx(3 * 8 * (1000 + 2 * linear_flops(OnlineLinearProbe(32, 10))))
 
 
 def test_evaluation_settings_the_data_cannot_meet_are_refused_before_training(tmp_path, capsys):

@@ -15,11 +15,18 @@ from torch import nn
 
 from ssl_vit.backbones import zoo as _zoo  # noqa: F401  (registers the backbones)
 from ssl_vit.backbones.hybrid import HybridEmbed
-from ssl_vit.backbones.registry import create_backbone, get_spec, list_backbones, register_backbone
+from ssl_vit.backbones.registry import (
+    BackboneSpec,
+    create_backbone,
+    get_spec,
+    list_backbones,
+    register_backbone,
+)
 from ssl_vit.backbones.resnet import ResNetBackbone
 from ssl_vit.backbones.vit import PatchHook, VisionTransformer
 
 __all__ = [
+    "BackboneSpec",
     "HybridEmbed",
     "PatchHook",
     "ResNetBackbone",

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from ssl_vit.arguments import check_argument_types
+
 
 @dataclass(frozen=True)
 class BackboneSpec:
@@ -62,6 +64,7 @@ def create_backbone(name: str, **kwargs: Any) -> nn.Module:
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"backbone {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(allowed)}")
+    check_argument_types(spec.build, kwargs, f"backbone {name!r}: ")
     model = spec.build(**spec.fixed, **kwargs)
     model.backbone_name = name
     model.backbone_kwargs = dict(kwargs)

@@ -28,12 +28,12 @@ PatchHook = Callable[[Tensor], Tensor]
 replacements of the same shape: how masked patch prediction corrupts its input (ViT paper B.1.2)."""
 
 
-def as_pair(x: int | Sequence[int]) -> tuple[int, int]:
+def as_pair(x: int | Sequence[int], what: str = "a size") -> tuple[int, int]:
     """An image or grid size as ``(h, w)``."""
-    if isinstance(x, int):
+    if isinstance(x, int) and not isinstance(x, bool):
         return (x, x)
-    if len(x) != 2:
-        raise ValueError(f"expected an int or a pair, got {x!r}")
+    if isinstance(x, str) or not isinstance(x, Sequence) or len(x) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        raise ValueError(f"{what} must be an integer or a pair of integers (height, width), got {x!r}")
     return (int(x[0]), int(x[1]))
 
 
@@ -226,7 +226,7 @@ class VisionTransformer(nn.Module):
         self.num_heads = num_heads
         self.pos_embed_type = pos_embed
         self.global_pool = global_pool
-        self.patch_embed = patch_embed if patch_embed is not None else PatchEmbed(as_pair(img_size), patch_size, in_chans, embed_dim)
+        self.patch_embed = patch_embed if patch_embed is not None else PatchEmbed(as_pair(img_size, "img_size"), patch_size, in_chans, embed_dim)
         self.img_size = self.patch_embed.img_size
         self.in_chans = self.patch_embed.in_chans
         self.patch_size = self.patch_embed.patch_size  # the stride of one token, in input pixels
@@ -274,7 +274,7 @@ class VisionTransformer(nn.Module):
     def set_img_size(self, img_size: int | tuple[int, int]) -> None:
         """Permanently move to another resolution (fine-tuning at higher resolution, ViT paper
         §3.2): the position embedding is resampled bicubically to the new grid."""
-        img_size = as_pair(img_size)
+        img_size = as_pair(img_size, "img_size")
         stride = self.patch_size
         if img_size[0] % stride or img_size[1] % stride:
             raise ValueError(f"image size {img_size[0]}x{img_size[1]} is not divisible by the patch size {stride}")

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
+from typing import Any
 
-from ssl_vit.bench.config import METHOD_NAMES, preset
+from ssl_vit.bench.config import METHOD_NAMES, RESULT_FORMAT, preset
 from ssl_vit.bench.report import format_report
+
+# The numeric options and the least value each takes (warm-up steps may be none at all).
+_AT_LEAST: dict[str, int] = {"steps": 1, "warmup": 0, "backbone_batch": 1, "method_batch": 1, "threads": 1}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,15 +57,81 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_result(path: Path) -> dict[str, Any]:
+    """An earlier ``--json`` result; anything else is an error naming the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no benchmark result at {path}")
+
+    def not_a_result(why: str) -> ValueError:
+        return ValueError(f"{path}: not a benchmark result ({why})")
+
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise not_a_result("not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise not_a_result(f"not JSON: {err}") from None
+    if not isinstance(result, dict):
+        raise not_a_result(f"a JSON {_json_kind(result)}, not an object")
+    if result.get("format") != RESULT_FORMAT:
+        found = f"format {result['format']!r}" if "format" in result else "no 'format' field"
+        raise not_a_result(f"{found}; ssl-vit benchmark --json writes format {RESULT_FORMAT!r}")
+    if not isinstance(result.get("config"), dict) or not isinstance(result.get("rows"), list):
+        raise not_a_result("no 'config' object or no 'rows' list")
+    return result
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool) or value is None:
+        return "literal"
+    return "number"
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The numeric options, before anything is measured."""
+    for name, least in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    methods = args.methods or METHOD_NAMES
+    if args.method_batch is not None and args.method_batch < 2 and "mocov3" in methods:
+        raise ValueError(
+            f"--method-batch {args.method_batch}: the mocov3 row needs a batch of >= 2 (its heads' BatchNorm "
+            "normalises over the batch); raise it, or leave mocov3 out with --methods"
+        )
+
+
+def _check_writable(path: Path) -> None:
+    """The ``--json`` file can be written: its folder is made now and a file created in it, so
+    a bad path fails before the measurements rather than after them."""
+    if path.is_dir():
+        raise IsADirectoryError(f"--json {path}: is a folder; give the path of a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as err:
+        raise OSError(f"--json {path}: cannot write in its folder {path.parent} ({err.strerror or err})") from None
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.render is not None:
-        if not args.render.is_file():
-            raise FileNotFoundError(f"no benchmark result at {args.render}")
-        print(format_report(json.loads(args.render.read_text()), markdown=args.markdown))
+        result = load_result(args.render)
+        try:
+            report = format_report(result, markdown=args.markdown)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:
+            what = f"missing {err}" if isinstance(err, KeyError) else str(err)
+            raise ValueError(f"{args.render}: not a benchmark result (malformed: {what})") from None
+        print(report)
         return 0
     if args.quick and args.preset not in (None, "quick"):
         raise ValueError(f"--quick contradicts --preset {args.preset}")
+    _check_options(args)
     if args.device is not None:
         from ssl_vit.runtime import resolve_device
 
@@ -89,13 +160,17 @@ def main(argv: list[str]) -> int:
 
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but no CUDA device is available")
+    if args.json is not None:  # the last check: the folder it makes stays
+        _check_writable(args.json)
     from ssl_vit.bench.runner import run_benchmark  # heavy (torch, timm, lightly): after --help
 
     result = run_benchmark(cfg)
     result["preset"] = name
+    if args.json is not None:  # first: the measurements are kept whatever happens next
+        from ssl_vit.io import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     print(format_report(result, markdown=args.markdown))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0

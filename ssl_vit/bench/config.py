@@ -10,6 +10,8 @@ from typing import Any, Literal
 Precision = Literal["32", "bf16-mixed"]
 Isolation = Literal["auto", "forkserver", "spawn", "none"]
 METHOD_NAMES: tuple[str, ...] = ("supervised", "mpp", "mocov3", "dino")
+# The "format" of the JSON that ``--json`` writes and ``--render`` reads.
+RESULT_FORMAT = "ssl-vit-benchmark/1"
 
 # The targets the report checks.
 TARGET_METHOD_SPEED = 1.0  # every method's step >= 1.0x the lightly + timm composition
@@ -135,6 +137,12 @@ class BenchConfig:
                 "need steps >= 1, warmup >= 0, memory_steps >= 1, memory_repeats >= 1; got "
                 f"{self.steps}, {self.warmup}, {self.memory_steps}, {self.memory_repeats}"
             )
+        if self.backbone_batch < 1 or self.method_batch < 1:
+            raise ValueError(f"need backbone_batch >= 1 and method_batch >= 1; got {self.backbone_batch}, {self.method_batch}")
+        if self.method_batch < 2 and "mocov3" in self.methods:
+            raise ValueError(f"the mocov3 row needs method_batch >= 2 (its heads' BatchNorm normalises over the batch), got {self.method_batch}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (torch's default), got {self.threads}")
         for name, model, size in (("backbone", self.backbone_model, self.backbone_img_size), ("method", self.method_model, self.method_img_size)):
             if size % model.patch_size:
                 raise ValueError(f"{name}_img_size {size} is not divisible by the patch size {model.patch_size}")

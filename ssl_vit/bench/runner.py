@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ssl_vit.bench.config import (
+    RESULT_FORMAT,
     TARGET_BACKBONE_SPEED,
     TARGET_MATMUL_FRACTION,
     TARGET_METHOD_MEMORY,
@@ -163,7 +164,7 @@ def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] | None = _lo
     """
     say = progress or (lambda _msg: None)
     t_start = time.perf_counter()
-    result: dict[str, Any] = {"format": "ssl-vit-benchmark/1", "config": cfg.to_dict()}
+    result: dict[str, Any] = {"format": RESULT_FORMAT, "config": cfg.to_dict()}
     result["environment"] = run_isolated(Job("environment", cfg))
 
     # The backbone row's largest matmul: the MLP's [B·T, D] @ [D, 4D].

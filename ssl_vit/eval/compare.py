@@ -27,12 +27,39 @@ RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
 
 
 # ------------------------------------------------------------------------------------ loading
+# How many skipped files the error for a folder without records names.
+SKIPPED_SHOWN = 3
+
+
+def _not_records(d: object) -> str | None:
+    """Why the parsed JSON ``d`` is not a result record or a list of them (None when it is)."""
+
+    def why_not(r: object) -> str | None:
+        if not isinstance(r, dict):
+            kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(r), "number")
+            return f"a JSON {kind}, not an object"
+        missing = [k for k in ("protocol", "metrics") if k not in r]
+        return f"no {'/'.join(map(repr, missing))} field{'s' if len(missing) > 1 else ''}" if missing else None
+
+    if not isinstance(d, list):
+        return why_not(d)
+    if not d:
+        return "an empty list"
+    for i, r in enumerate(d):
+        why = why_not(r)
+        if why is not None:
+            return f"item [{i}] of a list: {why}"
+    return None
+
+
 def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
     """Result records from files (one record, or a list of them as the demo's ``results.json``)
     and folders (searched recursively for ``*.json`` records). In folders, JSON files that are not
-    result records (no ``protocol``/``metrics``, e.g. an export's ``config.json``) are skipped; a
-    malformed record is an error naming its file."""
+    result records (no ``protocol``/``metrics``, e.g. an export's ``config.json``) are skipped (when
+    no file anywhere holds a record, the error says why each was skipped); a malformed record is an
+    error naming its file."""
     results: list[EvalResult] = []
+    skipped: list[str] = []  # "file: why" of each JSON file that holds no records
     for p in map(Path, paths):
         if p.is_dir():
             for f in sorted(p.rglob("*.json")):
@@ -42,21 +69,30 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
                     d = json.loads(f.read_text(encoding="utf-8"))
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     print(f"compare: skipping {f} (not JSON)", file=sys.stderr)
+                    skipped.append(f"{f}: not JSON")
+                    continue
+                why = _not_records(d)
+                if why is not None:
+                    skipped.append(f"{f}: {why}")
                     continue
                 records = d if isinstance(d, list) else [d]  # a list: the demo's results.json
-                if not records or not all(isinstance(r, dict) and "protocol" in r and "metrics" in r for r in records):
-                    continue
                 results += [EvalResult.from_dict(r, where=str(f) if r is d else f"{f}[{i}]") for i, r in enumerate(records)]
         elif p.is_file():
             d = read_json(p)
-            if isinstance(d, list):  # a list of records (the demo's results.json)
+            if d == []:
+                skipped.append(f"{p}: an empty list")
+            elif isinstance(d, list):  # a list of records (the demo's results.json)
                 results += [EvalResult.from_dict(r, where=f"{p}[{i}]") for i, r in enumerate(d)]
             else:
                 results.append(EvalResult.from_dict(d, where=str(p)))
         else:
             raise FileNotFoundError(f"no result file or folder at {p}")
     if not results:
-        raise ValueError(f"no result records found in {', '.join(map(str, paths))}")
+        where = ", ".join(map(str, paths))
+        if not skipped:
+            raise ValueError(f"no result records found in {where} (no *.json files)")
+        more = f"; and {len(skipped) - SKIPPED_SHOWN} more file(s)" if len(skipped) > SKIPPED_SHOWN else ""
+        raise ValueError(f"no result records found in {where}: {'; '.join(skipped[:SKIPPED_SHOWN])}{more}")
     # The same record read twice (a folder holding the demo's records and its results.json list).
     unique: dict[tuple, EvalResult] = {}
     for r in results:

@@ -83,7 +83,8 @@ def chosen_encoder(info: Mapping[str, Any]) -> str | None:
     from ssl_vit.export.sources import DEFAULT_WHICH
 
     which, method = info.get("which"), info.get("method")
-    return which if which and which != DEFAULT_WHICH.get(method or "", "student") else None
+    default = info.get("default_which") or DEFAULT_WHICH.get(method or "", "student")
+    return which if which and which != default else None
 
 
 @dataclass

@@ -231,6 +231,7 @@ def build_config(
         "normalization": normalization,
         "method": source.method,
         "which": source.which,
+        "default_which": source.default_which,
         "source": source.path,
         "training": source.training,
         "data": source.data,

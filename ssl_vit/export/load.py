@@ -144,6 +144,7 @@ def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
         "normalization_source": norm["source"],
         "method": source.method,
         "which": source.which,
+        "default_which": source.default_which,
         "source": source.path,
         "kind": source.kind,
         "data": source.data,

@@ -47,7 +47,7 @@ _METHOD_MARKERS: tuple[tuple[str, str], ...] = (
 )
 # Fields of the checkpoint's ``ssl_vit`` record that have their own place in config.json; every
 # other field (``global_step``, ``pretrain_flops`` ...) describes the training run.
-RECORD_FIELDS = ("method", "backbone", "backbone_kwargs", "data", "recipe")
+RECORD_FIELDS = ("method", "backbone", "backbone_kwargs", "data", "recipe", "default_encoder")
 
 
 def normalize_which(which: str | None) -> str | None:
@@ -76,6 +76,7 @@ class BackboneSource:
         kind: ``lightning``, ``export``, ``state_dict`` or ``random``.
         method: the pretext method key (``dino``, ``mocov3``, ``mpp``, ``supervised``, ``random``).
         which: the encoder taken (``student``, ``teacher``, ``momentum``).
+        default_which: the encoder the method is evaluated with by default, when recorded.
         normalization: ``{"mean", "std", "source"}`` when the file records it.
         training: the run's record (``global_step``, ``epoch``, ``global_batch_size``,
             ``pretrain_flops`` ...), ``data`` the data record, ``recipe`` the resolved YAML.
@@ -88,6 +89,7 @@ class BackboneSource:
     kind: str
     method: str | None = None
     which: str | None = None
+    default_which: str | None = None
     normalization: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] | None = None
@@ -150,7 +152,9 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
             "no 'backbone.*' weights); expected a checkpoint written by `ssl-vit fit`"
         )
     method = method_key(record.get("method")) or _infer_method(keys)
-    which = which or DEFAULT_WHICH.get(method or "", "student")
+    # The method's own default (recorded; a subclass of DINO keeps the teacher), else by its name.
+    default = record.get("default_encoder") or DEFAULT_WHICH.get(method or "", "student")
+    which = which or default
     prefix = ENCODER_PREFIXES[which]
     weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not weights:
@@ -172,6 +176,7 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
         "lightning",
         method=method,
         which=which,
+        default_which=default,
         normalization=recorded_normalization(data, state),
         training={k: v for k, v in training.items() if v is not None},
         data=data,
@@ -210,6 +215,7 @@ def _from_export_dir(folder: Path) -> BackboneSource:
         "export",
         method=info.get("method"),
         which=info.get("which"),
+        default_which=info.get("default_which"),
         normalization=info.get("normalization"),
         training=dict(info.get("training") or {}),
         data=info.get("data"),

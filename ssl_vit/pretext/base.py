@@ -84,8 +84,9 @@ class PretextModule(L.LightningModule):
         grad_clip_mode: ``global`` (one norm over the model's parameters) or ``per_param`` (DINO's
             ``clip_gradients``: each tensor's norm separately); under FSDP the norms are those of
             the whole (unsharded) gradients.
-        num_classes: when the data has labels, an online linear probe (BN without affine + linear)
-            is trained on the detached representation and reports ``probe/val_acc``.
+        num_classes: when the data has labels (of at least two classes), an online linear probe
+            (BN without affine + linear) is trained on the detached representation and reports
+            ``probe/val_acc``.
         probe_lr: AdamW learning rate of the online probe (constant; it never touches the backbone).
         nonfinite_policy: on a NaN/Inf loss, ``raise`` stops training with a message naming the step
             and the last good checkpoint; ``skip`` drops the batch (the optimiser step it belongs
@@ -98,6 +99,11 @@ class PretextModule(L.LightningModule):
             resumed run keeps the implementation its checkpoint was written with (torch restores
             every param-group setting, ``fused`` included).
     """
+
+    # The encoder ``ssl-vit eval`` / ``export`` / ``visualize`` take from a checkpoint when not
+    # told (``--which``): ``student`` is ``backbone``; a method whose paper evaluates another
+    # (DINO: ``teacher``) says so here, and its checkpoints record it.
+    default_encoder: str = "student"
 
     def __init__(
         self,
@@ -136,7 +142,7 @@ class PretextModule(L.LightningModule):
         self.backbone_name = backbone
         self.backbone_kwargs = dict(backbone_kwargs or {})
         self.backbone = create_backbone(backbone, **self.backbone_kwargs)
-        self.probe = OnlineLinearProbe(self.backbone.embed_dim, num_classes) if num_classes else None
+        self.probe = OnlineLinearProbe(self.backbone.embed_dim, num_classes) if num_classes and num_classes > 1 else None  # one class: nothing to tell apart
         # Set by methods with a momentum encoder / teacher.
         self.ema: EMAPairs | None = None
         self._total_steps = 1
@@ -151,9 +157,18 @@ class PretextModule(L.LightningModule):
 
     # ------------------------------------------------------------------ what a method implements
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
-        """One training step's forward: returns ``loss`` and optionally ``features`` (``[B, D]``,
-        the representation for the online probe) and scalars to log."""
+        """One training step's forward: returns ``loss``, ``features`` (``[B, D]``, the
+        representation the online probe learns from; needed when there is a probe) and scalars
+        to log."""
         raise NotImplementedError
+
+    def step_flops(self, views_shapes: list[tuple[int, ...]], world_size: int) -> float | None:
+        """FLOPs per image of one training step on views of these shapes (``[B, C, H, W]`` each),
+        the online probe aside: the x-axis of the accuracy-vs-compute plot. The built-in methods
+        have theirs in ``ssl_vit.flops.method_step_flops``; a new method may count its own (the
+        helpers there: ``backbone_train_flops``, ``backbone_forward_flops``, ``linear_flops``).
+        None: no FLOP model, and the run records no pretraining FLOPs."""
+        return None
 
     def cancel_gradients(self) -> None:
         """Hook between backward and the optimiser step (DINO freezes its last layer here)."""
@@ -381,7 +396,10 @@ class PretextModule(L.LightningModule):
             return self._handle_nonfinite(loss, buffers)
         logs = {f"train/{k}": v.detach().float() if isinstance(v, Tensor) else v for k, v in out.items()}
         logs["train/loss"] = loss.detach()
-        if self.probe is not None and features is not None:
+        if self.probe is not None and features is None:
+            raise ValueError(f"{type(self).__name__}.step returned no 'features', but the run has an online probe (the data has "
+                             "labels): return the representation [B, D] it should learn from as 'features'")
+        if self.probe is not None:
             probe_loss, acc = self.probe.training_loss(features.detach(), labels)
             if probe_loss is not None:
                 loss = loss + probe_loss
@@ -482,6 +500,8 @@ class PretextModule(L.LightningModule):
             "data": getattr(self, "data_info", None),
             "recipe": getattr(self, "recipe", None),
             "global_batch_size": self.global_batch_size,
+            # The encoder that evaluation and export take by default (DINO: the teacher).
+            "default_encoder": self.default_encoder,
             # What a resumed run needs besides weights, optimiser and loops: the per-step seed
             # base and how much of the non-finite skip budget is spent.
             "seed": self._seed,

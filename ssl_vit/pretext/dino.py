@@ -51,6 +51,8 @@ class DINO(PretextModule):
         **kwargs: the other shared arguments of :class:`PretextModule`.
     """
 
+    default_encoder = "teacher"  # the paper evaluates the teacher (§3.1, Fig. 6)
+
     def __init__(
         self,
         out_dim: int = 65536,

@@ -26,6 +26,9 @@ class Supervised(PretextModule):
         num_classes = self.hparams.num_classes
         if not num_classes:
             raise ValueError("the supervised baseline needs num_classes (labelled data)")
+        if num_classes < 2:
+            raise ValueError(f"the supervised baseline needs at least 2 classes; the data has {num_classes} "
+                             "(an image folder: one subfolder per class)")
         self.label_smoothing = label_smoothing
         self.classifier = nn.Linear(self.backbone.embed_dim, num_classes)
         nn.init.zeros_(self.classifier.weight)  # ViT paper: zero-initialised head

@@ -26,7 +26,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import lightning as L
 import torch
@@ -53,6 +53,8 @@ from ssl_vit.training.step_checkpoint import (
     newest_checkpoint,
 )
 
+BATCH_LIMITS = tuple(f"trainer.limit_{stage}_batches" for stage in ("train", "val", "test", "predict"))
+
 
 class ConfigError(ValueError):
     """A recipe that cannot run; raised before training starts."""
@@ -67,6 +69,12 @@ class SSLViTCLI(LightningCLI):
         # The datamodule knows whether labels exist (and how many classes): the online probe and
         # the supervised head follow it, so a recipe never states the class count twice.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+        # Lightning annotates the batch limits Union[float, int, None], and the parser takes the
+        # first type that fits: `limit_train_batches: 1` (one batch) became 1.0 (every batch).
+        # With int first, 1 stays one batch and 1.0 all of them, as Lightning documents.
+        for action in parser._actions:
+            if action.dest in BATCH_LIMITS and hasattr(action, "_typehint"):
+                action._typehint = Union[int, float, None]  # noqa: UP007 (the parser reads typing's form)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         # Checkpoints are always written atomically, whatever plugins a recipe lists (SLURM ...).
@@ -82,6 +90,8 @@ class SSLViTCLI(LightningCLI):
 
 
 def _normalise_argv(argv: list[str]) -> list[str]:
+    if "--resume" in argv and any(a == "--ckpt_path" or a.startswith("--ckpt_path=") for a in argv):
+        raise ConfigError("--resume and --ckpt_path both say where to continue from: give one (--resume is --ckpt_path last)")
     out = []
     for arg in argv:
         if arg == "--resume":
@@ -89,6 +99,22 @@ def _normalise_argv(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def _known_classes(message: str) -> str:
+    """What a recipe may name where the parser could not import a class (``model: Dino``)."""
+    if "class_path" not in message and "dot import path" not in message:
+        return ""
+    if 'key "model"' in message:
+        from ssl_vit.pretext import METHODS
+
+        return f" (methods: {', '.join(cls.__name__ for cls in METHODS.values())}, or the dotted path of a PretextModule of your own)"
+    if 'key "data"' in message:
+        import ssl_vit.data
+
+        names = sorted(n for n in ssl_vit.data.__all__ if n.endswith("DataModule") and n != "ImageDataModule")
+        return f" (datamodules: {', '.join(names)}, or the dotted path of a LightningDataModule of your own)"
+    return ""
 
 
 def _resolved_devices(trainer: L.Trainer) -> int:
@@ -99,8 +125,13 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
     """Checks that need the instantiated objects; each failure is one clear line."""
     if trainer.max_steps == -1 and trainer.max_epochs == -1:
         raise ConfigError(NO_LENGTH)
+    if trainer.max_steps == 0 or trainer.max_epochs == 0:
+        which = "max_steps" if trainer.max_steps == 0 else "max_epochs"
+        raise ConfigError(f"trainer.{which} 0 trains nothing: give a positive length (or -1 for no limit, with the other set)")
     devices = _resolved_devices(trainer)
     accum = int(trainer.accumulate_grad_batches)
+    if accum < 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches must be >= 1, got {accum}")
     if global_batch_size is not None:
         split = devices * accum
         if global_batch_size <= 0:
@@ -122,6 +153,17 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         for name, size in _view_sizes(views, img).items():
             if size % stride:
                 raise ConfigError(f"data.views {type(views).__name__}.{name} {size} is not divisible by the backbone's patch size {stride}")
+    built = getattr(backbone, "img_size", None)
+    if built is not None and img is not None:
+        # The backbone's size is the largest crop it sees (DINO's global crops; one view's size).
+        crops = _view_sizes(views, img) if views is not None else {}
+        fed = max(crops.get("size", 0), crops.get("global_size", 0)) or img
+        fed = (fed, fed) if isinstance(fed, int) else tuple(fed)
+        if tuple(built) != fed:
+            raise ConfigError(
+                f"the backbone was built for {built[0]}x{built[1]} images (model backbone_kwargs.img_size) but the data gives "
+                f"{fed[0]}x{fed[1]} crops (data img_size / views); set them to match"
+            )
     chans = getattr(datamodule, "in_chans", None)
     if chans is not None and chans != backbone.in_chans:
         raise ConfigError(
@@ -159,6 +201,9 @@ def _check_yaml_files(argv: list[str]) -> None:
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err)
             raise ConfigError(f"{path}: not valid YAML{where}: {_one_line(str(problem))}") from None
+        if not isinstance(cfg, dict):
+            what = "is empty" if cfg is None else f"holds a {type(cfg).__name__}"
+            raise ConfigError(f"{path}: {what}; a recipe is a mapping of settings (model:, data:, trainer: ...)")
         for key, value in _dict_valued_settings(cfg):
             dict_settings.setdefault(key, []).append((path, value))
     # Settings whose value is a dict are replaced whole by a later file, not merged: say what a
@@ -207,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ArgumentError, ValueError, TypeError, MisconfigurationException) as err:
         # (MisconfigurationException: Lightning's, e.g. an accelerator this machine lacks)
-        message = _one_line(str(err))
+        message = _one_line(str(err)) + _known_classes(str(err))
         if isinstance(err, MisconfigurationException) and "gpu" in message.lower():
             message += " (the recipe's trainer asks for GPUs; on a machine without one add --config recipes/trainer/cpu.yaml)"
         raise ConfigError(message) from None
