@@ -112,9 +112,9 @@ def test_multicrop_defaults_follow_dino():
     assert mc.num_views == 10
     assert MultiCrop(global_size=28).resolved_local_size == 12
     # blur sigma (0.1, 2.0) px at 224 px (DINO), scaled with the resolution.
-    assert mc._get_recipes()[0].blur_sigma == pytest.approx((0.1, 2.0))
-    assert MultiCrop(global_size=28)._get_recipes()[0].blur_sigma == pytest.approx((0.0125, 0.25))
-    probs = [(r.blur_p, r.solarize_p) for r in mc._get_recipes()]
+    assert mc.recipes()[0].blur_sigma == pytest.approx((0.1, 2.0))
+    assert MultiCrop(global_size=28).recipes()[0].blur_sigma == pytest.approx((0.0125, 0.25))
+    probs = [(r.blur_p, r.solarize_p) for r in mc.recipes()]
     assert probs[:3] == [(1.0, 0.0), (0.1, 0.2), (0.5, 0.0)]
 
 
@@ -122,7 +122,7 @@ def test_two_views_and_single_view_shapes():
     img = _rgb_image(40)
     views = TwoViews(size=32)(img)
     assert [tuple(v.shape) for v in views] == [(3, 32, 32)] * 2
-    recipes = TwoViews(size=32)._get_recipes()
+    recipes = TwoViews(size=32).recipes()
     assert [(r.blur_p, r.solarize_p) for r in recipes] == [(1.0, 0.0), (0.1, 0.2)]  # MoCo v3's asymmetry
     assert [tuple(v.shape) for v in SingleView(size=24)(img)] == [(3, 24, 24)]
 
@@ -216,3 +216,24 @@ def test_16_bit_grey_images_are_scaled_to_8_bits_not_clipped():
     grey = to_pil(Image.fromarray(ramp))
     assert grey.mode == "L"
     np.testing.assert_array_equal(np.asarray(grey), (ramp >> 8).astype(np.uint8))  # not 255 above 255
+
+
+def test_a_view_transform_of_ones_own_as_its_docstring_writes_it():
+    from ssl_vit.data import ViewRecipe, ViewTransform
+
+    class ThreeCrops(ViewTransform):
+        n_global = 3
+
+        def __init__(self, size: int = 16) -> None:
+            super().__init__()
+            self.size = size
+
+        def with_img_size(self, img_size: int) -> ThreeCrops:
+            return self
+
+        def build_views(self) -> list[ViewRecipe]:
+            return [ViewRecipe(self.size, (0.2, 1.0), "bicubic", flip_p=0.5) for _ in range(3)]
+
+    views = ThreeCrops()(torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8))
+    assert ThreeCrops().num_views == 3 and [tuple(v.shape) for v in views] == [(3, 16, 16)] * 3
+    assert all(0.0 <= float(v.min()) and float(v.max()) <= 1.0 for v in views)

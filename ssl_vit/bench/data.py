@@ -55,7 +55,7 @@ def peer_transform(row: str, cfg: BenchConfig) -> Callable[[Any], Any]:
             BYOLView2Transform,
         )
 
-        sigma = tuple(ours._get_recipes()[0].blur_sigma)  # ours scales the sigma range with the size
+        sigma = tuple(ours.recipes()[0].blur_sigma)  # ours scales the sigma range with the size
         common = dict(
             input_size=ours.size, cj_prob=ours.jitter_p, cj_bright=ours.brightness, cj_contrast=ours.contrast,
             cj_sat=ours.saturation, cj_hue=ours.hue, min_scale=ours.scale[0], random_gray_scale=ours.grayscale_p,

@@ -26,6 +26,7 @@ from ssl_vit.data.views import (
     OneView,
     SingleView,
     TwoViews,
+    ViewRecipe,
     ViewTransform,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "SyntheticDataModule",
     "TransformedDataset",
     "TwoViews",
+    "ViewRecipe",
     "ViewTransform",
     "default_root",
     "lightly_dino_transform",

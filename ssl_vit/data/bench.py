@@ -79,7 +79,7 @@ def lightly_dino_transform(multicrop: MultiCrop, normalize: dict[str, list[float
 
     if multicrop.global_size is None:
         raise ValueError("set multicrop.global_size (or call with_img_size) before comparing")
-    recipes = multicrop._get_recipes()
+    recipes = multicrop.recipes()
     return DINOTransform(
         global_crop_size=multicrop.global_size,
         global_crop_scale=multicrop.global_scale,

@@ -60,7 +60,7 @@ def _check_scale(name: str, scale: tuple[float, float]) -> None:
         raise ValueError(f"{name} must satisfy 0 < min <= max <= 1, got {scale}")
 
 
-class _ViewRecipe:
+class ViewRecipe:
     """The augmentation chain of one view: random resized crop -> flip -> colour jitter ->
     grayscale -> Gaussian blur -> solarise (DINO's order; MoCo v3 flips last, which gives the same
     distribution since flipping commutes with the per-pixel and isotropic operations)."""
@@ -107,34 +107,55 @@ class _ViewRecipe:
 
 
 class ViewTransform:
-    """Base class (and the type datamodules accept) of the view transforms."""
+    """Base class (and the type datamodules accept) of the view transforms.
+
+    A transform of one's own subclasses it: ``build_views()`` returns one :class:`ViewRecipe` per
+    view (global crops first, ``n_global`` of them), ``with_img_size(img_size)`` returns a copy
+    with any unset crop size filled in for the data's images. Calling the transform gives the
+    views as float tensors ``[C, H, W]`` in [0, 1], which the datamodule normalises::
+
+        class ThreeCrops(ViewTransform):
+            n_global = 3
+
+            def __init__(self, size: int = 224) -> None:
+                super().__init__()
+                self.size = size
+
+            def with_img_size(self, img_size: int) -> ThreeCrops:
+                return self
+
+            def build_views(self) -> list[ViewRecipe]:
+                return [ViewRecipe(self.size, (0.2, 1.0), "bicubic", flip_p=0.5) for _ in range(3)]
+    """
 
     #: number of leading views that are full-size ("global") crops
     n_global: int = 1
 
     def __init__(self) -> None:
-        self._recipes: list[_ViewRecipe] | None = None
+        self._recipes: list[ViewRecipe] | None = None
 
     @property
     def num_views(self) -> int:
-        return len(self._get_recipes())
+        return len(self.recipes())
 
     def with_img_size(self, img_size: int) -> ViewTransform:
         """A copy with the sizes left as None set for ``img_size`` images; an explicit size that
         disagrees with ``img_size`` is an error (the backbone is built for ``img_size``)."""
         raise NotImplementedError
 
-    def _build(self) -> list[_ViewRecipe]:
+    def build_views(self) -> list[ViewRecipe]:
+        """One recipe per view, the global crops first."""
         raise NotImplementedError
 
-    def _get_recipes(self) -> list[_ViewRecipe]:
+    def recipes(self) -> list[ViewRecipe]:
+        """The views' recipes (built once)."""
         if self._recipes is None:
-            self._recipes = self._build()
+            self._recipes = self.build_views()
         return self._recipes
 
     def __call__(self, image: ImageLike) -> list[torch.Tensor]:
         img = to_pil(image)
-        views = [recipe(img) for recipe in self._get_recipes()]
+        views = [recipe(img) for recipe in self.recipes()]
         return to_float_tensors([v[0] for v in views], [v[1] for v in views])
 
     def _resolved(self, attr: str, img_size: int, default: int | None = None) -> ViewTransform:
@@ -147,7 +168,7 @@ class ViewTransform:
         new = copy.copy(self)
         setattr(new, attr, img_size)
         new._recipes = None
-        new._get_recipes()  # validate now, not later inside a DataLoader worker
+        new.recipes()  # validate now, not later inside a DataLoader worker
         return new
 
     @staticmethod
@@ -199,9 +220,9 @@ class SingleView(ViewTransform):
     def with_img_size(self, img_size: int) -> SingleView:
         return self._resolved("size", img_size)  # type: ignore[return-value]
 
-    def _build(self) -> list[_ViewRecipe]:
+    def build_views(self) -> list[ViewRecipe]:
         size = self._require("SingleView.size", self.size)
-        return [_ViewRecipe(size, self.scale, self.interpolation, self.flip_p)]
+        return [ViewRecipe(size, self.scale, self.interpolation, self.flip_p)]
 
     def __call__(self, image: ImageLike) -> list[torch.Tensor]:
         if self.augment:
@@ -260,19 +281,19 @@ class TwoViews(ViewTransform):
         self.solarize_p = solarize_p
         self.interpolation = interpolation
         if size is not None:
-            self._build()  # validate now rather than in a worker
+            self.build_views()  # validate now rather than in a worker
 
     def with_img_size(self, img_size: int) -> TwoViews:
         return self._resolved("size", img_size)  # type: ignore[return-value]
 
-    def _build(self) -> list[_ViewRecipe]:
+    def build_views(self) -> list[ViewRecipe]:
         size = self._require("TwoViews.size", self.size)
         if len(self.blur_p) != 2 or len(self.solarize_p) != 2:
             raise ValueError(f"blur_p and solarize_p need one value per view (2), got {self.blur_p}, {self.solarize_p}")
         sigma = _blur_sigma(self.blur_sigma, size)
         jitter = (self.brightness, self.contrast, self.saturation, self.hue)
         return [
-            _ViewRecipe(size, self.scale, self.interpolation, self.flip_p, self.jitter_p, jitter,
+            ViewRecipe(size, self.scale, self.interpolation, self.flip_p, self.jitter_p, jitter,
                         self.grayscale_p, self.blur_p[i], sigma, self.solarize_p[i])
             for i in range(2)
         ]
@@ -338,7 +359,7 @@ class MultiCrop(ViewTransform):
         self.solarize_p = solarize_p
         self.interpolation = interpolation
         if global_size is not None:
-            self._build()
+            self.build_views()
 
     @property
     def resolved_local_size(self) -> int:
@@ -350,7 +371,7 @@ class MultiCrop(ViewTransform):
     def with_img_size(self, img_size: int) -> MultiCrop:
         return self._resolved("global_size", img_size)  # type: ignore[return-value]
 
-    def _build(self) -> list[_ViewRecipe]:
+    def build_views(self) -> list[ViewRecipe]:
         global_size = self._require("MultiCrop.global_size", self.global_size)
         local_size = self.resolved_local_size
         if len(self.blur_p) != 3:
@@ -361,10 +382,10 @@ class MultiCrop(ViewTransform):
         jitter = (self.brightness, self.contrast, self.saturation, self.hue)
         common = dict(interpolation=self.interpolation, flip_p=self.flip_p, jitter_p=self.jitter_p,
                       jitter=jitter, grayscale_p=self.grayscale_p, blur_sigma=sigma)
-        global_1 = _ViewRecipe(global_size, self.global_scale, blur_p=self.blur_p[0], **common)
-        global_2 = _ViewRecipe(global_size, self.global_scale, blur_p=self.blur_p[1],
+        global_1 = ViewRecipe(global_size, self.global_scale, blur_p=self.blur_p[0], **common)
+        global_2 = ViewRecipe(global_size, self.global_scale, blur_p=self.blur_p[1],
                                solarize_p=self.solarize_p, **common)
-        local = _ViewRecipe(local_size, self.local_scale, blur_p=self.blur_p[2], **common)
+        local = ViewRecipe(local_size, self.local_scale, blur_p=self.blur_p[2], **common)
         return [global_1, global_2] + [local] * self.n_local
 
 
