@@ -16,7 +16,7 @@ from typing import Any
 _PLAIN: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _plain_type(annotation: Any) -> tuple[type, bool] | None:
+def plain_type(annotation: Any) -> tuple[type, bool] | None:
     """``(type, None allowed)`` of a plain annotation, else None."""
     if annotation in _PLAIN:
         return annotation, False
@@ -37,13 +37,18 @@ def _accepts(kind: type, value: Any) -> bool:
 
 
 def annotations_of(fn: Callable[..., Any]) -> dict[str, Any]:
-    """The resolved parameter annotations of a function or a class's ``__init__`` ({} when they
-    cannot be resolved)."""
-    target = fn.__init__ if inspect.isclass(fn) else fn
-    try:
-        return typing.get_type_hints(target)
-    except Exception:  # an annotation naming what this module cannot import: not checked
-        return {}
+    """The resolved parameter annotations of a function, or of a class's ``__init__`` and those of
+    its bases (which take what it passes on in ``**kwargs``); an ``__init__`` whose annotations
+    cannot be resolved adds none."""
+    targets = [k.__dict__["__init__"] for k in reversed(fn.__mro__) if "__init__" in k.__dict__] if inspect.isclass(fn) else [fn]
+    hints: dict[str, Any] = {}
+    for target in targets:  # the class's own last: it wins
+        try:
+            hints.update(typing.get_type_hints(target))
+        except Exception:  # an annotation naming what this module cannot import: not checked
+            continue
+    hints.pop("return", None)
+    return hints
 
 
 def check_argument_types(fn: Callable[..., Any], kwargs: Mapping[str, Any], where: str) -> None:
@@ -51,7 +56,7 @@ def check_argument_types(fn: Callable[..., Any], kwargs: Mapping[str, Any], wher
     annotation: ``"{where}embed_dim must be an integer, got 'abc'"``."""
     hints = annotations_of(fn)
     for name, value in kwargs.items():
-        plain = _plain_type(hints.get(name))
+        plain = plain_type(hints.get(name))
         if plain is None:
             continue
         kind, optional = plain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,6 +43,19 @@ def test_a_reader_that_goes_away_is_no_error():
     assert err == ""
 
 
+def test_plugins_named_in_the_environment_are_imported_by_every_command(tmp_path):
+    (tmp_path / "my_backbones.py").write_text(
+        "from ssl_vit.backbones import BackboneSpec, VisionTransformer, register_backbone\n"
+        "register_backbone(BackboneSpec('vit_micro', VisionTransformer, fixed={'embed_dim': 48, 'depth': 2, 'num_heads': 3}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]), "SSL_VIT_PLUGINS": "my_backbones"}
+    out = subprocess.run([sys.executable, "-m", "ssl_vit.cli", "backbones"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "vit_micro" in out.stdout
+    env["SSL_VIT_PLUGINS"] = "my_backbones, no_such_module"
+    out = subprocess.run([sys.executable, "-m", "ssl_vit.cli", "backbones"], capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "SSL_VIT_PLUGINS: cannot import no_such_module: ModuleNotFoundError" in out.stderr
+
+
 def test_fit_help_names_the_command():
     out = subprocess.run([sys.executable, "-m", "ssl_vit.cli", "fit", "--help"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage: ssl-vit fit ")
@@ -71,8 +85,8 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert record["protocol"] == protocol and record["method"] == "random" and record["data"]["name"] == "synthetic"
     assert 0.0 <= record["metrics"][metric] <= 1.0 and record["backbone"]["name"] == "vit"
     assert f"{protocol}" in capsys.readouterr().out
-    assert cli_main([*args, "--method", "supervised", "--out", str(tmp_path / "named.json")]) == 0  # the record's method, named
-    assert json.loads((tmp_path / "named.json").read_text())["method"] == "supervised"
+    assert cli_main([*args, "--out", str(tmp_path / "named.json")]) == 0  # the record file, named
+    assert json.loads((tmp_path / "named.json").read_text())["method"] == "random"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
         assert record["protocol_args"]["warmup_epochs"] == 5.0
@@ -214,7 +228,8 @@ def test_eval_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("command", [["eval", "knn", "--backbone", "random:vit_tiny", *SYNTH], ["demo", "--quick"], ["benchmark", "--quick"],
                                      ["visualize", "random:vit_tiny", "--images", "synthetic", "--out", "figures"]])
-def test_a_device_the_machine_lacks_is_one_line(monkeypatch, capsys, command):
+def test_a_device_the_machine_lacks_is_one_line(monkeypatch, capsys, tmp_path, command):
+    monkeypatch.chdir(tmp_path)  # (the default output folders: none of the checkout's)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert cli_main([*command, "--device", "cuda"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -368,3 +383,238 @@ def test_eval_data_is_normalised_as_the_backbone_was_trained_or_else_as_the_data
     foreign = {**info, "kind": "state_dict", "normalization_source": "default (ImageNet statistics)", "mean": [0.485, 0.456, 0.406],
                "std": [0.229, 0.224, 0.225]}
     assert tuple(build_datamodule("fashion_mnist", rgb, foreign, {}, None).mean) == (0.485, 0.456, 0.406)
+
+
+def _pretraining_checkpoint(path, method: str = "MPP"):
+    """What `ssl-vit fit` saves, as far as evaluation reads it: the backbone's weights and a record
+    naming the method and the architecture (no training: tiny and fast)."""
+    import torch
+
+    from ssl_vit import create_backbone
+
+    kwargs = json.loads(TINY)
+    state = {f"backbone.{k}": v for k, v in create_backbone("vit", **kwargs).state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": state, "global_step": 1, "epoch": 0, "pytorch-lightning_version": "2.6.6",
+                "ssl_vit": {"method": method, "backbone": "vit", "backbone_kwargs": kwargs, "global_step": 1, "epoch": 0}}, path)
+    return path
+
+
+def _not_reached(monkeypatch, what: str) -> None:
+    """Loading the backbone (the start of the work) fails the test: the error came before it."""
+    import ssl_vit.export.load as load
+
+    monkeypatch.setattr(load, "resolve", lambda *a, **k: pytest.fail(f"{what}: the backbone was loaded first"))
+
+
+@pytest.mark.parametrize(
+    "protocol,out,message",
+    [
+        (["finetune"], ["--out", "{tmp}/file/res"], "--out {tmp}/file/res: cannot create the folder {tmp}/file/res: {tmp}/file is not a folder"),
+        (["finetune"], ["--out", "{tmp}/file/res/ft.json"], "--out {tmp}/file/res/ft.json: cannot create the folder {tmp}/file/res: {tmp}/file is not a folder"),
+        (["finetune"], ["--export", "{tmp}/file/exp"], "--export {tmp}/file/exp: {tmp}/file exists and is not a folder"),
+        (["finetune"], ["--export", "{tmp}/file/sub/exp"], "--export {tmp}/file/sub/exp: cannot create the folder {tmp}/file/sub: {tmp}/file is not a folder"),
+        (["linear", "--augment"], ["--out", "{tmp}/file/res"], "--out {tmp}/file/res: cannot create the folder {tmp}/file/res: {tmp}/file is not a folder"),
+        (["knn"], ["--out", "{tmp}/file"], "--out {tmp}/file: exists and is not a folder; name a folder for the records, or a record file ending in .json"),
+        (["knn"], ["--out", "{tmp}/dir.json"], "--out {tmp}/dir.json: is a folder; a name ending in .json names the record file itself"),
+    ],
+)
+def test_an_output_that_cannot_be_written_fails_before_the_evaluation(tmp_path, monkeypatch, capsys, protocol, out, message):
+    # Found after a fine-tuning, the record (or the fine-tuned model) would be lost.
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir.json").mkdir()
+    _not_reached(monkeypatch, message)
+    out = [o.format(tmp=tmp_path) for o in out]
+    assert cli_main(["eval", *protocol, "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, *out]) == 1
+    assert capsys.readouterr().err == f"ssl-vit eval: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_the_output_folders_are_made_before_the_fine_tuning_and_not_on_a_bad_command(tmp_path, monkeypatch, capsys):
+    import ssl_vit.eval.finetune as finetune
+
+    made = []
+
+    def training(*args, **kwargs):
+        made.append(((tmp_path / "a" / "b").is_dir(), (tmp_path / "c").is_dir(), (tmp_path / "c" / "exp").exists()))
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(finetune, "run_finetune", training)
+    args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "a" / "b"),
+            "--export", str(tmp_path / "c" / "exp")]
+    assert cli_main([*args, "--data-arg", "img_size=abc"]) == 1  # a bad command leaves no folders behind
+    assert "img_size" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert cli_main(args) == 1 and "stopped here" in capsys.readouterr().err
+    assert made == [(True, True, False)]
+    assert list((tmp_path / "a" / "b").iterdir()) == []  # (the write check leaves nothing)
+
+
+def test_a_method_the_backbone_contradicts_is_refused(tmp_path, capsys):
+    import torch
+
+    from ssl_vit import create_backbone
+
+    ck = _pretraining_checkpoint(tmp_path / "mpp.ckpt")
+    knn = ["eval", "knn", *SYNTH, "--k", "5"]
+    assert cli_main([*knn, "--backbone", str(ck), "--method", "supervised"]) == 1
+    assert capsys.readouterr().err == (f"ssl-vit eval: error: --method supervised: {ck} is recorded as method mpp; --method names the method "
+                                       "of weights that record none (a bare state dict): leave it out\n")
+    assert cli_main([*knn, "--backbone", "random:vit", "--backbone-kwargs", TINY, "--method", "dino"]) == 1
+    assert "--method dino: random:vit is a random initialisation as method random;" in capsys.readouterr().err
+    assert cli_main([*knn, "--backbone", str(ck), "--method", "MPP", "--out", str(tmp_path / "same.json")]) == 0  # the same method
+    assert json.loads((tmp_path / "same.json").read_text())["method"] == "mpp"
+    # A bare state dict records none: --method names it.
+    torch.save(create_backbone("vit", **json.loads(TINY)).state_dict(), tmp_path / "weights.pt")
+    assert cli_main([*knn, "--backbone", str(tmp_path / "weights.pt"), "--arch", "vit", "--backbone-kwargs", TINY, "--method", "supervised",
+                     "--out", str(tmp_path / "bare.json")]) == 0
+    assert json.loads((tmp_path / "bare.json").read_text())["method"] == "supervised"
+
+
+@pytest.mark.parametrize(
+    "protocol,option,message",
+    [
+        ("finetune", ["--mixup", "-1"], "--mixup must be >= 0 (0: off), got -1"),
+        ("finetune", ["--cutmix", "-0.5"], "--cutmix must be >= 0 (0: off), got -0.5"),
+        ("finetune", ["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1"),
+        ("finetune", ["--drop-path", "-0.1"], "--drop-path must be in [0, 1), got -0.1"),
+        ("finetune", ["--layer-decay", "-0.5"], "--layer-decay must be in (0, 1] (1: no decay), got -0.5"),
+        ("finetune", ["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1"),
+        ("finetune", ["--lr", "0"], "--lr must be > 0, got 0"),
+        ("finetune", ["--lr", "nan"], "--lr must be > 0, got nan"),
+        ("finetune", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        ("finetune", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("finetune", ["--max-steps", "0"], "--max-steps must be -1 (no cap) or >= 1, got 0"),
+        ("finetune", ["--crop-scale", "0.5", "0.2"], "--crop-scale must be LO HI with 0 < LO <= HI <= 1, got 0.5 0.2"),
+        ("linear", ["--probe-batch-size", "1"], "--probe-batch-size must be >= 2 (the probe's BatchNorm needs two examples), got 1"),
+        ("linear", ["--lr", "-0.1"], "--lr must be > 0, got -0.1"),
+        ("knn", ["--k", "0"], "--k must be >= 1, got 0"),
+        ("knn", ["--temperature", "0"], "--temperature must be > 0, got 0"),
+        ("fewshot", ["--shots", "0", "5"], "--shots must be >= 1 each, got 0 5"),
+        ("frozen", ["--seeds", "0"], "--seeds must be >= 1, got 0"),
+        ("knn", ["--test-subset", "0"], "--test-subset must be >= 1 (images), got 0"),
+    ],
+)
+def test_evaluation_options_are_checked_before_any_work(monkeypatch, capsys, protocol, option, message):
+    _not_reached(monkeypatch, message)
+    assert cli_main(["eval", protocol, "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, *option]) == 1
+    assert capsys.readouterr().err == f"ssl-vit eval: error: {message}\n"
+
+
+def test_the_epochs_error_comes_before_the_warm_up_note(monkeypatch, capsys):
+    _not_reached(monkeypatch, "epochs")
+    assert cli_main(["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "-2"]) == 1
+    assert capsys.readouterr().err == "ssl-vit eval: error: --epochs must be >= 1, got -2\n"  # (no note on a run of -2 epochs)
+
+
+def test_more_neighbours_than_training_images_is_said_before_the_features(monkeypatch, capsys):
+    import ssl_vit.eval.run as run
+
+    monkeypatch.setattr(run, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--k", "65"]) == 1
+    assert capsys.readouterr().err == "ssl-vit eval: error: --k 65: more neighbours than the 64 training images\n"
+
+
+def _image_folder(root, classes: dict[str, int], mode: str = "RGB"):
+    from PIL import Image
+
+    for i, (name, count) in enumerate(classes.items()):
+        (root / name).mkdir(parents=True)
+        for j in range(count):
+            Image.new(mode, (16, 16), (40 * i + 10 * j,) * len(mode)).save(root / name / f"{j}.png")
+    return root
+
+
+@pytest.mark.parametrize(
+    "train,val,message",
+    [
+        ({"a": 3}, {"a": 2}, "the training images ({tmp}/train) are of 1 class; evaluation needs at least 2 classes"),
+        ({"a": 3, "b": 3}, {"b": 2}, "the test images ({tmp}/val) are of 1 class; evaluation needs at least 2 classes"),
+    ],
+)
+def test_data_of_one_class_is_refused_before_the_features(tmp_path, monkeypatch, capsys, train, val, message):
+    import ssl_vit.eval.run as run
+
+    monkeypatch.setattr(run, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
+    data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', train)}",
+            "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', val)}", "--num-workers", "0"]
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--k", "1"]) == 1
+    assert capsys.readouterr().err == f"ssl-vit eval: error: --data imagefolder: {message.format(tmp=tmp_path)}\n"
+
+
+def test_colour_images_for_a_grey_backbone_are_noted_once(tmp_path, capsys):
+    data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', {'a': 2, 'b': 2})}",
+            "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', {'a': 1, 'b': 1})}", "--num-workers", "0", "--k", "1"]
+    grey = json.dumps({**json.loads(TINY), "in_chans": 1})
+    note = "ssl-vit eval: note: --data imagefolder holds RGB images: they are converted to grey, the backbone's 1 input channel\n"
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", grey, *data, "--out", str(tmp_path / "grey.json")]) == 0
+    assert capsys.readouterr().err.count(note) == 1
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--out", str(tmp_path / "rgb.json")]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command,message",
+    [
+        (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--data-arg", "img_size=abc"],
+         "ssl-vit eval: error: --data-arg img_size must be an integer, got 'abc'"),
+        (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--data-arg", "subset=abc"],
+         "ssl-vit eval: error: --data-arg subset must be an integer or null, got 'abc'"),
+        (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--data-arg", "eval_crop_pct=true"],
+         "ssl-vit eval: error: --data-arg eval_crop_pct must be a number, got True"),
+        (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, "--data", "imagefolder", "--data-arg", "train_dir=2024"],
+         "ssl-vit eval: error: image directory 2024 does not exist or is not a directory"),  # a folder's name stays text
+        (["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "synthetic", "--data-arg", "img_size=abc", "--out", "{tmp}"],
+         "ssl-vit visualize: error: --data-arg img_size must be an integer, got 'abc'"),
+    ],
+)
+def test_a_data_argument_of_the_wrong_type_names_its_key_and_type(tmp_path, capsys, command, message):
+    assert cli_main([c.replace("{tmp}", str(tmp_path)) for c in command] + ([] if "--out" in command else ["--out", str(tmp_path)])) == 1
+    assert capsys.readouterr().err == message + "\n"
+
+
+def test_the_types_a_data_argument_is_checked_against():
+    from typing import Optional
+
+    from ssl_vit.arguments import plain_type
+    from ssl_vit.eval.cli import ArgText, parse_data_args
+
+    assert plain_type(int) == (int, False) and plain_type(str | None) == (str, True) and plain_type(Optional[float]) == (float, True)  # noqa: UP045 (the old spelling, on purpose)
+    assert plain_type(tuple[float, ...] | None) is None and plain_type(int | str) is None
+    parsed = parse_data_args("imagefolder", {"img_size": ArgText("28"), "train_dir": ArgText("2024"), "eval_crop_pct": ArgText("1"), "val_dir": ArgText("null")})
+    assert parsed == {"img_size": 28, "train_dir": "2024", "eval_crop_pct": 1, "val_dir": "null"}  # text where text is taken
+    assert parse_data_args("synthetic", {"subset": ArgText("null")}) == {"subset": None}
+    with pytest.raises(ValueError, match="--data-arg img_size must be an integer, got True"):
+        parse_data_args("synthetic", {"img_size": ArgText("true")})
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--images", "synthetic", "--show", "-1"], "--show must be >= 1, got -1"),
+        (["--images", "synthetic", "--num-images", "0"], "--num-images must be >= 1, got 0"),
+        (["--images", "synthetic", "--out", "{tmp}/rep.md"], "--out {tmp}/rep.md: exists and is not a folder; name a folder for the figures"),
+        (["--images", "synthetic", "--out", "{tmp}/rep.md/figs"], "--out {tmp}/rep.md/figs: cannot create the folder {tmp}/rep.md/figs: {tmp}/rep.md is not a folder"),
+        (["--images", "imagefolder"], "--images imagefolder needs --data-arg train_dir=DIR; or name the folder itself: --images DIR"),
+    ],
+)
+def test_visualize_options_are_checked_in_its_own_terms(tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "rep.md").write_text("")
+    _not_reached(monkeypatch, message)
+    command = ["visualize", "random:vit", "--backbone-kwargs", TINY, "--out", str(tmp_path / "figs"), *args]
+    assert cli_main([c.replace("{tmp}", str(tmp_path)) for c in command]) == 1
+    assert capsys.readouterr().err == f"ssl-vit visualize: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_visualize_notes_colour_images_for_a_grey_backbone(tmp_path, capsys):
+    folder = _image_folder(tmp_path / "imgs", {"a": 2})
+    grey = json.dumps({**json.loads(TINY), "in_chans": 1})
+    assert cli_main(["visualize", "random:vit", "--backbone-kwargs", grey, "--images", str(folder), "--out", str(tmp_path / "figs"),
+                     "--num-images", "2", "--show", "1", "--figures", "filters"]) == 0
+    assert capsys.readouterr().err.count(f"visualize: note: --images {folder} holds RGB images: they are converted to grey") == 1
+
+
+def test_resuming_a_pretraining_run_as_a_fine_tuning_is_one_line(tmp_path, capsys):
+    ck = _pretraining_checkpoint(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt")
+    assert cli_main(["eval", "finetune", "--backbone", str(ck), *SYNTH, "--run-dir", str(tmp_path / "runs" / "tiny"), "--resume",
+                     "--out", str(tmp_path / "res")]) == 1
+    assert capsys.readouterr().err == (f"ssl-vit eval: error: --run-dir {tmp_path / 'runs' / 'tiny'} holds a pretraining run of MPP, "
+                                       "not a fine-tuning run: choose another --run-dir\n")

@@ -194,3 +194,53 @@ def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_pat
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     with pytest.raises(FileNotFoundError, match="no fine-tuning checkpoint"):
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "none", resume=True, **common)
+
+
+def _saved(module: L.LightningModule, path, **extra) -> None:
+    """``module``'s checkpoint as a run saves it (its on_save_checkpoint), without training."""
+    checkpoint = {"state_dict": module.state_dict(), "global_step": 1, "epoch": 0, "pytorch-lightning_version": L.__version__, **extra}
+    module.on_save_checkpoint(checkpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, path)
+
+
+def test_a_run_dir_of_another_run_is_refused_in_one_line_before_lightning_loads_it(tmp_path):
+    common = {"num_classes": 3, "epochs": 1, "batch_size": 8, "accelerator": "cpu"}
+    train, test = _data(n=16), _data(n=8)
+    tiny = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
+    # A pretraining run (what `ssl-vit fit` saves: an ssl_vit record naming its method).
+    (tmp_path / "pre" / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {f"backbone.{k}": v for k, v in create_backbone("vit", **tiny).state_dict().items()}, "global_step": 3,
+                "epoch": 0, "ssl_vit": {"method": "MPP", "backbone": "vit", "backbone_kwargs": tiny}}, tmp_path / "pre" / "checkpoints" / "last.ckpt")
+    for resume in (True, False):  # (without --resume: no advice to resume it)
+        with pytest.raises(ValueError) as err:
+            run_finetune(create_backbone("vit", **tiny), train, test, run_dir=tmp_path / "pre", resume=resume, **common)
+        assert str(err.value) == (f"--run-dir {tmp_path / 'pre'} holds a pretraining run of MPP, not a fine-tuning run: "
+                                  "choose another --run-dir")
+    # A fine-tuning run of another backbone: its recorded architecture and method differ.
+    _saved(FineTuneModule(create_backbone("vit", **tiny), 3, record={"method": "mpp+finetune"}), tmp_path / "ft" / "checkpoints" / "last.ckpt")
+    with pytest.raises(ValueError) as err:
+        run_finetune(create_backbone("vit", **{**tiny, "depth": 3}), train, test, run_dir=tmp_path / "ft", resume=True,
+                     record={"method": "dino+finetune"}, **common)
+    assert str(err.value) == (f"--run-dir {tmp_path / 'ft'} was fine-tuned from another backbone: depth=2 there, 3 here; "
+                              "method mpp+finetune there, dino+finetune here; resume it with the command that started it, or choose another --run-dir")
+    # Backbones that record no architecture: their weights' names and shapes say it.
+    _saved(FineTuneModule(tiny_vit(depth=2), 3), tmp_path / "plain" / "checkpoints" / "last.ckpt")
+    with pytest.raises(ValueError, match=r"was fine-tuned from another backbone: 2 weights of other shapes \(e.g. head.weight: \[3, 32\] there, "
+                                         r"\[4, 32\] here\); resume it"):
+        run_finetune(tiny_vit(depth=2), train, test, run_dir=tmp_path / "plain", resume=True, **{**common, "num_classes": 4})
+    with pytest.raises(ValueError, match=r"other shapes .*; 12 weights missing there \(e.g. backbone.blocks.2.norm1.weight\)"):
+        run_finetune(VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=3, num_heads=2), train, test,
+                     run_dir=tmp_path / "plain", resume=True, **{**common, "num_classes": 4})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"mixup_alpha": -1.0}, "mixup_alpha and cutmix_alpha must be >= 0"),
+    ({"cutmix_alpha": -0.5}, "mixup_alpha and cutmix_alpha must be >= 0"),
+    ({"drop_path_rate": -0.1}, "drop_path_rate must be in"),
+    ({"weight_decay": -1.0}, "weight_decay >= 0"),
+    ({"base_lr": 0.0}, "base_lr > 0"),
+])
+def test_fine_tuning_settings_it_cannot_run_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FineTuneModule(tiny_vit(), 3, **kwargs)

@@ -133,3 +133,22 @@ def test_lars_trains_the_probe_and_the_runner_gives_the_backbone_back_as_it_was(
     assert not torch.equal(before, probe.head.linear.weight)
     # The runner froze the backbone for the probe only: a fine-tuning after it trains every weight.
     assert all(p.requires_grad for p in backbone.parameters())
+
+
+def test_a_run_dir_of_another_run_or_probe_is_refused_in_one_line(tmp_path):
+    from ssl_vit.eval.finetune import FineTuneModule
+
+    def save(module, run):
+        checkpoint = {"state_dict": module.state_dict(), "global_step": 1, "epoch": 0}
+        module.on_save_checkpoint(checkpoint)
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        torch.save(checkpoint, tmp_path / run / "checkpoints" / "last.ckpt")
+
+    common = {"num_classes": 3, "epochs": 1, "batch_size": 8, "accelerator": "cpu", "resume": True}
+    save(FineTuneModule(create_backbone("vit", img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=2), 3), "ft")
+    with pytest.raises(ValueError, match=r"^--run-dir .*ft holds a fine-tuning run, not a linear probe run: choose another --run-dir$"):
+        run_linear_augmented(tiny_vit(), _data(), _data(12), run_dir=tmp_path / "ft", **common)
+    save(AugmentedLinearProbe(tiny_vit(), 3), "probe")  # on [CLS]; resumed on [CLS] + mean patch token
+    with pytest.raises(ValueError, match=r"^--run-dir .*probe is a linear probe run of another backbone or setting: 3 weights of other shapes "
+                                         r"\(e.g. head.norm.running_mean: \[32\] there, \[64\] here\); resume it"):
+        run_linear_augmented(tiny_vit(), _data(), _data(12), run_dir=tmp_path / "probe", features="cls_avg", **common)

@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ssl_vit.eval.cli import DATASETS, _json_dict, _kv
+from ssl_vit.eval.cli import DATASETS, _json_dict, _kv, check_output_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,33 +44,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    for option, value in (("--num-images", args.num_images), ("--show", args.show)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out}: exists and is not a folder; name a folder for the figures")
+    check_output_folder(out, f"--out {args.out}")  # before the backbone is loaded and the figures computed (made then)
     import torch
     from torch.utils.data import DataLoader
 
     from ssl_vit.analysis.render import FIGURES, applicable_figures, render_all
-    from ssl_vit.eval.cli import build_datamodule
+    from ssl_vit.eval.cli import build_datamodule, note_channel_conversion
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
     from ssl_vit.runtime import resolve_device
 
-    device = resolve_device(args.device)
-    backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
-    backbone = backbone.to(device)
     extra = dict(args.data_arg)
     if Path(args.images).is_dir():
         name, extra = "imagefolder", {"train_dir": args.images, **extra}
     elif args.images in DATASETS:
         name = args.images
+        if name == "imagefolder" and "train_dir" not in extra:
+            raise ValueError("--images imagefolder needs --data-arg train_dir=DIR; or name the folder itself: --images DIR")
     else:
         raise FileNotFoundError(f"--images {args.images!r} is neither a folder nor a dataset ({', '.join(sorted(DATASETS))})")
+    device = resolve_device(args.device)
+    backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
+    backbone = backbone.to(device)
     figures = args.figures
     if figures is None:
         figures = list(applicable_figures(backbone))
         skipped = [f for f in FIGURES if f not in figures]
         if skipped:
             print(f"visualize: {type(backbone).__name__} has no attention or position embedding: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)
-    dm = build_datamodule(name, backbone, info, extra, train_subset=None)
+    dm = build_datamodule(name, backbone, info, extra, train_subset=None, option="--images")
     train, test = dm.eval_datasets(replace_unreadable=True)  # figures need images, not labels
+    note_channel_conversion(test if test is not None else train, backbone.in_chans, "visualize", f"--images {args.images}")
+    check_output_folder(out, f"--out {args.out}", create=True)
     pool = subsample(test if test is not None else train, max(args.num_images, args.show), args.seed)
     shown = torch.stack([pool[i][0] for i in range(min(args.show, len(pool)))])  # [S, C, H, W]
     result = render_all(

@@ -22,9 +22,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -47,7 +50,7 @@ def _kv(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
     key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    return key.strip(), ArgText(value)  # (read by parse_data_args, which knows the datamodule)
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -87,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
     g.add_argument("--arch", default=None, help="registry name for a bare state dict")
     g.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts, or overrides)")
-    g.add_argument("--method", default=None, help="the method named in the record (default: the checkpoint's; a foreign state dict's "
-                                                   "may need one, e.g. supervised)")
+    g.add_argument("--method", default=None, help="the method named in the record of weights that record none (a bare state dict, "
+                                                   "e.g. supervised); a checkpoint, export or random:<name> records its own")
     g = common.add_argument_group("data")
     g.add_argument("--data", choices=sorted(DATASETS), default="fashion_mnist")
     g.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument (repeatable), e.g. root=/data")
@@ -185,11 +188,41 @@ def _init_params(cls: type) -> dict[str, inspect.Parameter]:
     return params
 
 
-def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], train_subset: int | None, img_size: int | None = None) -> Any:
-    """The named datamodule at the backbone's resolution and channels, normalised as in pretraining."""
+class ArgText(str):
+    """A ``--data-arg`` value as typed: read as YAML (``64`` a number, ``true`` a flag, ``null``)
+    unless the datamodule takes text there (``train_dir=2024`` stays the folder name)."""
+
+
+def parse_data_args(name: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, each
+    checked against a plain annotation (int, float, bool, str or an Optional of one)."""
+    import ssl_vit.data as data
+    from ssl_vit.arguments import annotations_of, check_argument_types, plain_type
+
+    cls = getattr(data, DATASETS[name])
+    hints = annotations_of(cls)
+    values: dict[str, Any] = {}
+    for key, value in extra.items():
+        if isinstance(value, ArgText):
+            text = (plain_type(hints.get(key)) or (None, False))[0] is str
+            value = str(value) if text else yaml.safe_load(value)
+        values[key] = value
+    try:
+        check_argument_types(cls, values, "--data-arg ")
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    return values
+
+
+def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], train_subset: int | None, img_size: int | None = None,
+                     option: str = "--data") -> Any:
+    """The named datamodule at the backbone's resolution and channels, normalised as in pretraining.
+    ``extra`` holds the ``--data-arg`` values, checked against the datamodule's arguments;
+    ``option`` is the command's option that names the data (in its messages)."""
     import ssl_vit.data as data
 
     cls = getattr(data, DATASETS[name])
+    extra = parse_data_args(name, extra)  # before the datamodule compares or opens them
     kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans, "subset": train_subset}
     # The statistics the backbone was trained with when it records them, ImageNet's for foreign
     # 3-channel weights that record none (what timm's expect); else (a random initialisation,
@@ -203,11 +236,129 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     params = _init_params(cls)
     unknown = sorted(set(extra) - set(params))
     if unknown:
-        raise ValueError(f"--data {name} takes no argument {', '.join(unknown)}; its arguments: {', '.join(p for p in params if p != 'views')}")
+        raise ValueError(f"{option} {name} takes no argument {', '.join(unknown)}; its arguments: {', '.join(p for p in params if p != 'views')}")
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
     if missing:
-        raise ValueError(f"--data {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))
+        raise ValueError(f"{option} {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))
     return cls(**kwargs)
+
+
+def check_output_folder(folder: str | Path, what: str, create: bool = False) -> None:
+    """Make sure ``folder`` can take the output, so that an output that cannot be written fails
+    before any work, not after it: its nearest existing folder must take a file (a write is
+    tried); ``create``: the folder is made (with its parents) too. ``what`` names the option in
+    the message."""
+    path = Path(folder).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what}: {folder} exists and is not a folder")
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what}: cannot create the folder {folder}: {existing} is not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".ssl-vit-write-check-"):
+            pass
+    except OSError as err:
+        raise OSError(f"{what}: cannot write into the folder {existing} ({err.strerror or err})") from None
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"{what}: cannot create the folder {folder} ({err.strerror or err})") from None
+
+
+def check_out(out: str, create: bool = False) -> None:
+    """``--out``: a folder of records, or a record file (``*.json``) in a folder, that can be
+    written (``create``: its folder is made)."""
+    path = Path(out).expanduser()
+    if path.suffix.lower() == ".json":  # (ssl_vit.eval.run.names_a_record)
+        if path.is_dir():
+            raise ValueError(f"--out {out}: is a folder; a name ending in .json names the record file itself")
+        check_output_folder(path.parent, f"--out {out}", create)
+    elif path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder; name a folder for the records, or a record file ending in .json")
+    else:
+        check_output_folder(path, f"--out {out}", create)
+
+
+def check_export(export: str, create: bool = False) -> None:
+    """``--export DIR``: a folder (or a name for a new one) in a folder that can be written
+    (``create``: that folder is made), so that the fine-tuned model is not lost after the run."""
+    path = Path(export).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--export {export}: exists and is not a directory; name a folder")
+    check_output_folder(path if path.is_dir() else path.parent, f"--export {export}", create)
+
+
+def _finite(v: Any) -> bool:
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+# dest: (valid?, the rule as the message says it). Checked for the options a protocol has.
+_OPTION_RULES: dict[str, tuple[Any, str]] = {
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "num_workers": (lambda v: v >= 0, ">= 0"),
+    "train_subset": (lambda v: v is None or v >= 1, ">= 1 (images)"),
+    "test_subset": (lambda v: v is None or v >= 1, ">= 1 (images)"),
+    "epochs": (lambda v: v >= 1, ">= 1"),
+    "lr": (lambda v: v is None or v > 0, "> 0"),
+    "warmup_epochs": (lambda v: v >= 0, ">= 0"),
+    "probe_batch_size": (lambda v: v >= 2, ">= 2 (the probe's BatchNorm needs two examples)"),
+    "k": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "shots": (lambda v: all(s >= 1 for s in v), ">= 1 each"),
+    "seeds": (lambda v: v >= 1, ">= 1"),
+    "l2": (lambda v: v > 0, "> 0"),
+    "layer_decay": (lambda v: 0 < v <= 1, "in (0, 1] (1: no decay)"),
+    "drop_path": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "label_smoothing": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "mixup": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "cutmix": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "img_size": (lambda v: v is None or v >= 1, ">= 1"),
+    "crop_scale": (lambda v: v is None or 0 < v[0] <= v[1] <= 1, "LO HI with 0 < LO <= HI <= 1"),
+    "max_steps": (lambda v: v == -1 or v >= 1, "-1 (no cap) or >= 1"),
+    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
+    "devices": (lambda v: v >= 1, ">= 1"),
+    "num_nodes": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse the option values an evaluation cannot run with (or would record without running
+    them: a negative MixUp alpha is off), before anything is loaded, naming the option."""
+    for dest, (valid, rule) in _OPTION_RULES.items():
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        values = value if isinstance(value, list | tuple) else [value]
+        if not (all(_finite(v) for v in values) and valid(value)):
+            shown = " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+            raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {shown}")
+
+
+def labelled_classes(dataset: Any) -> int | None:
+    """How many classes the labelled images of an evaluation split (``eval_datasets``) hold;
+    None when its images do not list their labels."""
+    labels = getattr(getattr(dataset, "source", None), "labels", None)
+    if labels is None:
+        return None
+    import torch
+
+    labels = torch.as_tensor(labels)
+    return int(labels[labels >= 0].unique().numel())
+
+
+def note_channel_conversion(dataset: Any, in_chans: int, prog: str, what: str) -> None:
+    """One note on stderr when colour images go to a 1-channel backbone (converted to grey), read
+    from the split's first image."""
+    source = getattr(dataset, "source", None)
+    if in_chans != 1 or source is None or len(source) == 0:
+        return
+    image, _ = source[0]
+    if getattr(image, "mode", "L") != "L" and getattr(image, "size", None) != (1, 1):  # (1x1: an unreadable file's stand-in)
+        print(f"{prog}: note: {what} holds {image.mode} images: they are converted to grey, the backbone's 1 input channel", file=sys.stderr)
 
 
 def _trainer_devices(device: str, count: int) -> int | list[int]:
@@ -224,6 +375,7 @@ def _trainer_devices(device: str, count: int) -> int | list[int]:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    check_options(args)  # before any note or work
     if args.protocol in ("linear", "frozen") and args.lr is None:
         from ssl_vit.eval.linear import PROBE_BASE_LR
 
@@ -240,10 +392,13 @@ def main(argv: list[str]) -> int:
         what = "fine-tuning" if args.protocol == "finetune" else "the linear probe"
         print(f"ssl-vit eval: note: {what}'s {args.warmup_epochs:g} warm-up epochs cover its whole run of {args.epochs}: "
               "its LR only rises (--warmup-epochs sets fewer)", file=sys.stderr)
-    if getattr(args, "export", None) is not None and os.path.exists(args.export) and not os.path.isdir(args.export):
-        raise ValueError(f"--export {args.export}: exists and is not a directory; name a folder")  # before the training, not after
     if on_images and args.resume and args.run_dir is None:
         raise ValueError(f"--resume needs the --run-dir of the {args.protocol} run to continue")
+    # Where the record and the fine-tuned model go: checked before the evaluation (and made just
+    # before it starts), not found unwritable after it.
+    check_out(args.out)
+    if getattr(args, "export", None) is not None:
+        check_export(args.export)
 
     from ssl_vit.data import SingleView
     from ssl_vit.eval.features import feature_dim
@@ -260,9 +415,15 @@ def main(argv: list[str]) -> int:
         raise ValueError("--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true")
     backbone, source = resolve(args.backbone, "cpu", args.which, args.arch, args.backbone_kwargs, args.seed)
     info = source_info(source, backbone)
+    recorded = info.get("method")
+    if args.method is not None and recorded is not None and args.method.lower() != str(recorded).lower():
+        what = "a random initialisation" if source.kind == "random" else "recorded"
+        raise ValueError(f"--method {args.method}: {args.backbone} is {what} as method {recorded}; --method names the method "
+                         "of weights that record none (a bare state dict): leave it out")
     if args.protocol != "finetune":
         feature_dim(backbone, args.features)  # a read-out this backbone lacks: said before any data is read
-    dm = build_datamodule(args.data, backbone, info, dict(args.data_arg), args.train_subset, getattr(args, "img_size", None))
+    data_args = parse_data_args(args.data, dict(args.data_arg))
+    dm = build_datamodule(args.data, backbone, info, data_args, args.train_subset, getattr(args, "img_size", None))
     train_views = None
     if on_images and not getattr(args, "no_augment", False):
         args.crop_scale = tuple(args.crop_scale or ((0.08, 1.0) if dm.img_size >= 96 else (0.5, 1.0)))
@@ -270,12 +431,27 @@ def main(argv: list[str]) -> int:
     train_ds, test_ds = dm.eval_datasets(train_views=train_views)
     if test_ds is None:
         raise ValueError(f"{args.data}: no test split to evaluate on (an ImageFolder needs val_dir=...)")
-    test_ds = subsample(test_ds, args.test_subset, args.seed)
     num_classes = dm.num_classes
     if not num_classes:
         raise ValueError(f"{args.data}: evaluation needs labelled data (num_classes is unknown)")
-    data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in dict(args.data_arg).items() if k != "root"}}
-    method = args.method or info.get("method") or "unknown"
+    # One class scores 100 % whatever the backbone: said before any feature is extracted.
+    for split, dataset, folder in (("training", train_ds, data_args.get("train_dir")), ("test", test_ds, data_args.get("val_dir"))):
+        classes = labelled_classes(dataset)
+        if (split == "training" and num_classes < 2) or (classes is not None and classes < 2):
+            held = num_classes if classes is None else classes
+            where = f" ({folder})" if folder else ""
+            raise ValueError(f"--data {args.data}: the {split} images{where} are of {held} class{'' if held == 1 else 'es'}; "
+                             "evaluation needs at least 2 classes")
+    if first_process:
+        note_channel_conversion(train_ds, backbone.in_chans, "ssl-vit eval", f"--data {args.data}")
+    test_ds = subsample(test_ds, args.test_subset, args.seed)
+    if args.protocol in ("knn", "frozen") and "knn" in getattr(args, "protocols", ["knn"]) and args.k > len(train_ds):
+        raise ValueError(f"--k {args.k}: more neighbours than the {len(train_ds)} training images")
+    data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
+    method = recorded or args.method or "unknown"
+    check_out(args.out, create=True)
+    if getattr(args, "export", None) is not None:
+        check_export(args.export, create=True)
     common = dict(method=method, data=data_record, num_classes=num_classes, source=str(info.get("source", args.backbone)), pretrain=info.get("pretrain") or {},
                   backbone_record=backbone_info(backbone, chosen_encoder(info)))
 

@@ -210,6 +210,13 @@ class FineTuneModule(L.LightningModule):
             raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
         if not 0 <= label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if not 0 <= drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+        if not (base_lr > 0 and batch_size >= 1 and weight_decay >= 0 and warmup_epochs >= 0):
+            raise ValueError(f"need base_lr > 0, batch_size >= 1, weight_decay >= 0 and warmup_epochs >= 0; "
+                             f"got {base_lr}, {batch_size}, {weight_decay} and {warmup_epochs}")
+        if mixup_alpha < 0 or cutmix_alpha < 0:
+            raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0 (0: off), got {mixup_alpha} and {cutmix_alpha}")
         self.save_hyperparameters(ignore=["backbone", "head", "record"])
         self.record = dict(record or {})
         self.backbone = backbone

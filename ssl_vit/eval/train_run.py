@@ -11,11 +11,12 @@ random draws are functions of the position in training).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
@@ -107,18 +108,25 @@ def train_and_test(
     share of every epoch; the test runs on the whole test split in process 0, which returns the
     metrics, while the others return None (a distributed test would pad the split to a multiple of
     the processes and count some images twice)."""
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if epochs < 1 or batch_size < 1:
+        raise ValueError(f"need epochs >= 1 and batch_size >= 1, got {epochs} and {batch_size}")
+    if checkpoint_every < 1 or not (max_steps == -1 or max_steps >= 1):
+        raise ValueError(f"need checkpoint_every >= 1 and max_steps -1 (no cap) or >= 1, got {checkpoint_every} and {max_steps}")
     if resume and run_dir is None:
         raise ValueError("resume needs the run_dir of the run to continue")
     L.seed_everything(seed, workers=True, verbose=False)
     callbacks: list[L.Callback] = []
     plugins: list[Any] = []
     ckpt_path = None
+    held = None  # the checkpoint to resume from, memory-mapped, to be checked against this run
     if run_dir is not None:
         run_dir = Path(run_dir).expanduser().resolve()
         ckpt_dir = run_dir / "checkpoints"
         newest = newest_checkpoint(ckpt_dir)
+        held = None if newest is None else read_checkpoint(newest)
+        other = None if held is None else other_run(held, what)
+        if other is not None:
+            raise ValueError(f"--run-dir {run_dir} holds {other}, not a {what} run: choose another --run-dir")
         if resume:
             if newest is None:
                 raise FileNotFoundError(f"resume: no {what} checkpoint in {ckpt_dir}")
@@ -154,6 +162,12 @@ def train_and_test(
     per_epoch = max(1, len(train_loader))
     total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
     module = make_module(total, per_epoch, trainer.world_size)
+    if held is not None and ckpt_path is not None:
+        difference = resume_difference(module, held)
+        if difference is not None:  # said before Lightning loads it (and lists every key)
+            trained = "was fine-tuned from another backbone" if what == "fine-tuning" else f"is a {what} run of another backbone or setting"
+            raise ValueError(f"--run-dir {run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
+    held = None  # (its file mapping closed before the run replaces the file)
     with warnings.catch_warnings():
         if ckpt_path is not None:  # the directory holds this run's own files
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
@@ -175,6 +189,76 @@ def train_and_test(
                             enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=enable_progress_bar)
     (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
     return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}
+
+
+def read_checkpoint(path: Path) -> dict[str, Any] | None:
+    """A run's checkpoint, its tensors memory-mapped (not read); None when it is not one (Lightning
+    then says why it cannot load it)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # not a checkpoint of this torch: left to Lightning's loading
+        return None
+    return checkpoint if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), Mapping) else None
+
+
+def run_kind(checkpoint: Mapping[str, Any]) -> str | None:
+    """What kind of run wrote ``checkpoint``: ``"pretraining run of <method>"`` (``ssl-vit fit``),
+    ``"fine-tuning"`` (``FineTuneModule``: a method ending in ``finetune``), ``"linear probe"``
+    (``AugmentedLinearProbe``: a head without the frozen backbone); None when it does not say."""
+    record = checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
+    method = record.get("method")
+    if isinstance(method, str) and method.endswith("finetune"):
+        return "fine-tuning"
+    if isinstance(method, str) and method and record.get("backbone"):
+        return f"pretraining run of {method}"
+    keys = list(checkpoint["state_dict"])
+    if keys and all(k.startswith("head.") for k in keys):
+        return "linear probe"
+    return None
+
+
+def other_run(checkpoint: Mapping[str, Any], what: str) -> str | None:
+    """``"a pretraining run of MPP"`` ... when ``checkpoint`` is of another kind of run than ``what``."""
+    kind = run_kind(checkpoint)
+    return None if kind is None or kind == what else f"a {kind}" + ("" if kind.startswith("pretraining") else " run")
+
+
+def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) -> str | None:
+    """How ``checkpoint`` differs from what ``module`` would save (its architecture and method as
+    recorded, else its weights' names and shapes); None when it can resume from it."""
+    ours: dict[str, Any] = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(ours)  # what this run's checkpoints hold
+    mine, theirs = ours.get("ssl_vit") or {}, checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
+    if mine and theirs:
+        said = []
+        if theirs.get("backbone") != mine.get("backbone"):
+            said.append(f"{theirs.get('backbone')} there, {mine.get('backbone')} here")
+        there, here = _plain(theirs.get("backbone_kwargs") or {}), _plain(mine.get("backbone_kwargs") or {})
+        said += [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(set(there) | set(here), key=str) if there.get(k) != here.get(k)]
+        if theirs.get("method") != mine.get("method"):
+            said.append(f"method {theirs.get('method')} there, {mine.get('method')} here")
+        if said:
+            return "; ".join(said)
+    saved, expected = checkpoint["state_dict"], ours["state_dict"]
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    reshaped = [k for k in expected if k in saved and tuple(getattr(saved[k], "shape", ())) != tuple(expected[k].shape)]
+    said = []
+    if reshaped:
+        k = reshaped[0]
+        said.append(f"{len(reshaped)} weights of other shapes (e.g. {k}: {list(saved[k].shape)} there, {list(expected[k].shape)} here)")
+    if missing:
+        said.append(f"{len(missing)} weights missing there (e.g. {missing[0]})")
+    if extra:
+        said.append(f"{len(extra)} weights this run lacks (e.g. {extra[0]})")
+    return "; ".join(said) or None
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists (a checkpoint's record and a backbone's kwargs compare equal)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def _first_device(trainer: L.Trainer) -> int | list[int]:
