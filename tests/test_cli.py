@@ -618,3 +618,18 @@ def test_resuming_a_pretraining_run_as_a_fine_tuning_is_one_line(tmp_path, capsy
                      "--out", str(tmp_path / "res")]) == 1
     assert capsys.readouterr().err == (f"ssl-vit eval: error: --run-dir {tmp_path / 'runs' / 'tiny'} holds a pretraining run of MPP, "
                                        "not a fine-tuning run: choose another --run-dir\n")
+
+
+def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_data.py").write_text("from ssl_vit.data import SyntheticDataModule\n\n\nclass MySynth(SyntheticDataModule):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = ["--data", "my_data.MySynth", *SYNTH[2:]]
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--k", "3", "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["data"]["name"] == "my_data.MySynth"
+    assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "my_data.MySynth", *SYNTH[2:8], "--figures", "filters",
+                     "--out", str(tmp_path / "figs")]) == 0
+    capsys.readouterr()
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--data", "fashion_mnst"]) == 1
+    assert "--data fashion_mnst: not a dataset name (cifar10, cifar100, fashion_mnist," in capsys.readouterr().err
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--data", "my_data.Nope"]) == 1
+    assert "--data my_data.Nope: cannot import it (AttributeError" in capsys.readouterr().err

@@ -17,10 +17,11 @@ Example::
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
-from ssl_vit.eval.cli import DATASETS, _json_dict, _kv, check_output_folder
+from ssl_vit.eval.cli import DATASETS, _json_dict, _kv, check_output_folder, datamodule_class
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="ssl-vit visualize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("backbone", help="checkpoint (.ckpt), export dir, state dict, or random:<name>")
-    p.add_argument("--images", required=True, help=f"a folder of images, or a dataset: {', '.join(sorted(DATASETS))}")
+    p.add_argument("--images", required=True, help=f"a folder of images, or a dataset: {', '.join(sorted(DATASETS))} "
+                   "or the dotted path of a datamodule of your own")
     p.add_argument("--out", required=True, help="output directory for the PNGs and the CSV")
     p.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
     p.add_argument("--arch", default=None, help="registry name for a bare state dict")
@@ -63,8 +65,9 @@ def main(argv: list[str]) -> int:
     extra = dict(args.data_arg)
     if Path(args.images).is_dir():
         name, extra = "imagefolder", {"train_dir": args.images, **extra}
-    elif args.images in DATASETS:
+    elif args.images in DATASETS or re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", args.images):  # a name, or a datamodule's dotted path
         name = args.images
+        datamodule_class(name, "--images")
         if name == "imagefolder" and "train_dir" not in extra:
             raise ValueError("--images imagefolder needs --data-arg train_dir=DIR; or name the folder itself: --images DIR")
     else:

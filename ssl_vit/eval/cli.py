@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default=None, help="the method named in the record of weights that record none (a bare state dict, "
                                                    "e.g. supervised); a checkpoint, export or random:<name> records its own")
     g = common.add_argument_group("data")
-    g.add_argument("--data", choices=sorted(DATASETS), default="fashion_mnist")
+    g.add_argument("--data", default="fashion_mnist", metavar="NAME",
+                   help=f"{', '.join(sorted(DATASETS))}, or the dotted path of a datamodule of your own (an ImageDataModule subclass)")
     g.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument (repeatable), e.g. root=/data")
     g.add_argument("--train-subset", type=int, default=None, help="use a fixed random subset of the training split")
     g.add_argument("--test-subset", type=int, default=None, help="use a fixed random subset of the test split")
@@ -188,6 +189,28 @@ def _init_params(cls: type) -> dict[str, inspect.Parameter]:
     return params
 
 
+def datamodule_class(name: str, option: str = "--data") -> type:
+    """The datamodule class of a name (``fashion_mnist``: ``DATASETS``) or of a dotted path
+    (``mypkg.data.Flowers``, any ``ImageDataModule``-like class with ``eval_datasets()``)."""
+    import importlib
+
+    import ssl_vit.data as data
+
+    if name in DATASETS:
+        return getattr(data, DATASETS[name])
+    module, _, attr = name.rpartition(".")
+    known = f"{', '.join(sorted(DATASETS))}, or the dotted path of a datamodule class"
+    if not module:
+        raise ValueError(f"{option} {name}: not a dataset name ({known})")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{option} {name}: cannot import it ({type(err).__name__}: {err}); {option} takes {known}") from None
+    if not isinstance(cls, type) or not hasattr(cls, "eval_datasets"):
+        raise ValueError(f"{option} {name}: not a datamodule class with eval_datasets() (an ImageDataModule subclass)")
+    return cls
+
+
 class ArgText(str):
     """A ``--data-arg`` value as typed: read as YAML (``64`` a number, ``true`` a flag, ``null``)
     unless the datamodule takes text there (``train_dir=2024`` stays the folder name)."""
@@ -196,10 +219,9 @@ class ArgText(str):
 def parse_data_args(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, each
     checked against a plain annotation (int, float, bool, str or an Optional of one)."""
-    import ssl_vit.data as data
     from ssl_vit.arguments import annotations_of, check_argument_types, plain_type
 
-    cls = getattr(data, DATASETS[name])
+    cls = datamodule_class(name)
     hints = annotations_of(cls)
     values: dict[str, Any] = {}
     for key, value in extra.items():
@@ -219,9 +241,7 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     """The named datamodule at the backbone's resolution and channels, normalised as in pretraining.
     ``extra`` holds the ``--data-arg`` values, checked against the datamodule's arguments;
     ``option`` is the command's option that names the data (in its messages)."""
-    import ssl_vit.data as data
-
-    cls = getattr(data, DATASETS[name])
+    cls = datamodule_class(name)
     extra = parse_data_args(name, extra)  # before the datamodule compares or opens them
     kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans, "subset": train_subset}
     # The statistics the backbone was trained with when it records them, ImageNet's for foreign
@@ -376,6 +396,7 @@ def _trainer_devices(device: str, count: int) -> int | list[int]:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
+    datamodule_class(args.data)  # a misspelt name, before the backbone loads
     if args.protocol in ("linear", "frozen") and args.lr is None:
         from ssl_vit.eval.linear import PROBE_BASE_LR
 
