@@ -46,11 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="export folder to write (created; an earlier export there is replaced)")
     parser.add_argument(
         "--which",
-        choices=["student", "teacher", "momentum"],
         default=None,
-        help="encoder to export. Default: DINO's teacher (the paper evaluates the teacher, §3.1), "
+        help="encoder to export. Default: the method's own: DINO's teacher (the paper evaluates the teacher, §3.1), "
         "otherwise the online backbone (MoCo v3's base encoder). 'student' is the online backbone of "
-        "any method; 'momentum' is MoCo v3's momentum encoder",
+        "any method; 'momentum' is MoCo v3's momentum encoder; NAME: a method's own NAME_backbone",
     )
     parser.add_argument(
         "--format",

@@ -138,6 +138,24 @@ def test_a_subclass_of_dino_is_evaluated_by_its_teacher_too(dino_ckpt, tmp_path)
     assert chosen_encoder(info) == "student"
 
 
+def test_an_encoder_of_a_method_of_ones_own_is_named_by_its_attribute(dino_ckpt, tmp_path):
+    # A BYOL-like method keeps its EMA target as `target_backbone`: `--which target` takes it.
+    ckpt = torch.load(dino_ckpt, weights_only=False)
+    ckpt["state_dict"] = {k.replace("teacher_backbone.", "target_backbone."): v for k, v in ckpt["state_dict"].items()}
+    ckpt["ssl_vit"].update(method="BYOL", default_encoder="student")
+    torch.save(ckpt, tmp_path / "byol.ckpt")
+    target, info = load_any_backbone(tmp_path / "byol.ckpt", which="target")
+    teacher = _encoder(dino_ckpt, "teacher_backbone.")
+    assert info["which"] == "target" and all(torch.equal(target.state_dict()[k], v) for k, v in teacher.items())
+    assert load_any_backbone(tmp_path / "byol.ckpt")[1]["which"] == "student"
+    with pytest.raises(ValueError, match="has no nope backbone .nope_backbone.. weights.; it holds: student, target"):
+        load_any_backbone(tmp_path / "byol.ckpt", which="nope")
+    with pytest.raises(ValueError, match="which must be one of student, teacher, momentum or the NAME"):
+        load_any_backbone(tmp_path / "byol.ckpt", which="Bad Name")
+    out = export_backbone(tmp_path / "byol.ckpt", tmp_path / "exp", which="target").out_dir
+    assert json.loads((out / "config.json").read_text())["ssl_vit"]["which"] == "target"
+
+
 def test_dino_student_on_request(dino_ckpt, tmp_path):
     out = export_backbone(dino_ckpt, tmp_path / "exp", which="student").out_dir
     weights, student = load_file(out / "model.safetensors"), _encoder(dino_ckpt, "backbone.")

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", required=True, help=f"a folder of images, or a dataset: {', '.join(sorted(DATASETS))} "
                    "or the dotted path of a datamodule of your own")
     p.add_argument("--out", required=True, help="output directory for the PNGs and the CSV")
-    p.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
+    p.add_argument("--which", default=None, help="encoder of a checkpoint: student, teacher, momentum, or NAME for a method's NAME_backbone (default: the method's own; DINO: teacher)")
     p.add_argument("--arch", default=None, help="registry name for a bare state dict")
     p.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts)")
     p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument, e.g. root=/data")

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("backbone")
     g.add_argument("--backbone", required=True, help="checkpoint (.ckpt), export dir, state dict, or random:<name>")
-    g.add_argument("--which", choices=["student", "teacher", "momentum"], default=None, help="encoder of a checkpoint (DINO default: teacher)")
+    g.add_argument("--which", default=None, help="encoder of a checkpoint: student, teacher, momentum, or NAME for a method's NAME_backbone (default: the method's own; DINO: teacher)")
     g.add_argument("--arch", default=None, help="registry name for a bare state dict")
     g.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts, or overrides)")
     g.add_argument("--method", default=None, help="the method named in the record of weights that record none (a bare state dict, "

@@ -11,6 +11,7 @@ else is a bare state dict whose architecture the caller names.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,12 +52,27 @@ RECORD_FIELDS = ("method", "backbone", "backbone_kwargs", "data", "recipe", "def
 
 
 def normalize_which(which: str | None) -> str | None:
+    """An encoder's name (``student``, ``teacher``, ``momentum``, or ``NAME`` for a method's own
+    ``NAME_backbone``), its aliases resolved."""
     if which is None:
         return None
     key = WHICH_ALIASES.get(which, which)
-    if key not in ENCODER_PREFIXES:
-        raise ValueError(f"which must be one of {', '.join(ENCODER_PREFIXES)}, got {which!r}")
+    if key not in ENCODER_PREFIXES and not re.fullmatch(r"[a-z][a-z0-9_]*", key):
+        raise ValueError(f"which must be one of {', '.join(ENCODER_PREFIXES)} or the NAME of a method's NAME_backbone, got {which!r}")
     return key
+
+
+def encoder_prefix(which: str) -> str:
+    """The state-dict prefix of an encoder: ``backbone.`` (the student), ``teacher_backbone.`` ...;
+    a method of one's own keeps another encoder as ``NAME_backbone`` (``--which NAME``)."""
+    return ENCODER_PREFIXES.get(which, f"{which}_backbone.")
+
+
+def encoders_in(keys: list[str]) -> list[str]:
+    """The encoders a checkpoint's state-dict keys hold (``student``, ``teacher``, ``target`` ...)."""
+    names = {w for w, prefix in ENCODER_PREFIXES.items() if any(k.startswith(prefix) for k in keys)}
+    names |= {m.group(1) for k in keys if (m := re.match(r"([a-z][a-z0-9_]*)_backbone\.", k))}
+    return sorted(names, key=lambda n: (list(ENCODER_PREFIXES).index(n) if n in ENCODER_PREFIXES else len(ENCODER_PREFIXES), n))
 
 
 def method_key(name: str | None) -> str | None:
@@ -145,7 +161,7 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt.get("hyper_parameters"), Mapping) else {}
     state = ckpt["state_dict"]
     keys = list(state)
-    present = [w for w, prefix in ENCODER_PREFIXES.items() if any(k.startswith(prefix) for k in keys)]
+    present = encoders_in(keys)
     if not record and not present:
         raise ValueError(
             f"{path}: a Lightning checkpoint, but not of an ssl_vit pretext module (no 'ssl_vit' record, "
@@ -155,7 +171,7 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
     # The method's own default (recorded; a subclass of DINO keeps the teacher), else by its name.
     default = record.get("default_encoder") or DEFAULT_WHICH.get(method or "", "student")
     which = which or default
-    prefix = ENCODER_PREFIXES[which]
+    prefix = encoder_prefix(which)
     weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not weights:
         raise ValueError(

@@ -30,8 +30,9 @@ class RecipeEvaluation:
         protocols: which frozen-feature protocols to run: ``linear``, ``knn``, ``fewshot``.
         features: the representation: ``cls``, ``last4`` (DINO's linear protocol for ViT-S),
             ``avg`` or ``cls_avg`` (DINO's for ViT-B).
-        which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``); None:
-            DINO's teacher, otherwise the online backbone.
+        which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``, or
+            ``NAME`` for a method's ``NAME_backbone``); None: the method's default (DINO's
+            teacher, otherwise the online backbone).
         linear: arguments of ``LinearProbe`` (its defaults where not given).
         knn: arguments of ``KNNClassifier``.
         fewshot: arguments of ``FewShotEvaluator``.
@@ -48,7 +49,7 @@ class RecipeEvaluation:
         self,
         protocols: list[Protocol] | None = None,
         features: Literal["cls", "last4", "avg", "cls_avg"] = "cls",
-        which: Literal["teacher", "student", "momentum"] | None = None,
+        which: str | None = None,
         linear: dict[str, Any] | None = None,
         knn: dict[str, Any] | None = None,
         fewshot: dict[str, Any] | None = None,
@@ -89,12 +90,13 @@ class RecipeEvaluation:
         if not self.protocols:
             return
         from ssl_vit.eval.features import feature_dim
-        from ssl_vit.export.sources import ENCODER_PREFIXES, normalize_which
+        from ssl_vit.export.sources import encoder_prefix, encoders_in, normalize_which
 
         which = normalize_which(self.which)
-        if which is not None and not hasattr(model, ENCODER_PREFIXES[which].rstrip(".")):
+        if which is not None and not hasattr(model, encoder_prefix(which).rstrip(".")):
+            held = encoders_in([f"{name}." for name, _ in model.named_children()])
             raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone "
-                             f"({ENCODER_PREFIXES[which]}*); it holds {', '.join(k for k, v in ENCODER_PREFIXES.items() if hasattr(model, v.rstrip('.')))}")
+                             f"({encoder_prefix(which)}*); it holds {', '.join(held)}")
         try:
             feature_dim(model.backbone, self.features)
         except ValueError as err:
