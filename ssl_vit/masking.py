@@ -95,6 +95,27 @@ class CorruptionPlan:
         return torch.where(plan.use_random.unsqueeze(-1), random_tokens, out)  # [B, N, D]
 
 
+def check_corruption(ratio: float, mask_prob: float, random_prob: float, num_patches: int | None = None) -> None:
+    """The corruption settings are usable: a ratio in (0, 1], probabilities that sum to at most
+    1, and (given the patches per image) at least one patch corrupted per image."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"corruption ratio must be in (0, 1], got {ratio}")
+    if mask_prob < 0.0 or random_prob < 0.0:
+        raise ValueError(
+            f"mask_prob and random_prob must be >= 0, got {mask_prob} and {random_prob}"
+        )
+    if mask_prob + random_prob > 1.0 + 1e-9:
+        raise ValueError(
+            f"mask_prob + random_prob must be <= 1 (the rest is kept unchanged), "
+            f"got {mask_prob} + {random_prob} = {mask_prob + random_prob}"
+        )
+    if num_patches is not None and num_corrupted(num_patches, ratio) < 1:
+        raise ValueError(
+            f"ratio {ratio} corrupts round({ratio} * {num_patches}) = 0 patches per image; "
+            "raise the ratio or use more patches"
+        )
+
+
 def num_corrupted(num_patches: int, ratio: float) -> int:
     """Patches corrupted per image: ``round(ratio * N)`` (Python's round, half to even)."""
     return int(round(ratio * num_patches))
@@ -129,23 +150,8 @@ def make_corruption_plan(
         raise ValueError(
             f"batch_size and num_patches must be >= 1, got {batch_size} and {num_patches}"
         )
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"corruption ratio must be in (0, 1], got {ratio}")
-    if mask_prob < 0.0 or random_prob < 0.0:
-        raise ValueError(
-            f"mask_prob and random_prob must be >= 0, got {mask_prob} and {random_prob}"
-        )
-    if mask_prob + random_prob > 1.0 + 1e-9:
-        raise ValueError(
-            f"mask_prob + random_prob must be <= 1 (the rest is kept unchanged), "
-            f"got {mask_prob} + {random_prob} = {mask_prob + random_prob}"
-        )
+    check_corruption(ratio, mask_prob, random_prob, num_patches)
     k = num_corrupted(num_patches, ratio)
-    if k < 1:
-        raise ValueError(
-            f"ratio {ratio} corrupts round({ratio} * {num_patches}) = 0 patches per image; "
-            "raise the ratio or use more patches"
-        )
     total = batch_size * num_patches
     if random_prob > 0.0 and total < 2:
         raise ValueError("random replacement needs at least two patches in the batch")

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MPPHead
 from ssl_vit.losses import embedding_std, mpp_loss
-from ssl_vit.masking import TargetKind, make_corruption_plan, mpp_targets
+from ssl_vit.masking import TargetKind, check_corruption, make_corruption_plan, mpp_targets
 from ssl_vit.pretext.base import PretextModule
 
 
@@ -55,6 +55,8 @@ class MPP(PretextModule):
                 "neighbouring patches: the uncorrupted tokens already saw the corrupted patches' pixels, an easier task "
                 "than on a ViT (the ViT paper ran MPP on ViT-B/16 only)"
             )
+        grid = getattr(self.backbone.patch_embed, "grid_size", None)  # (the patches of the built image size)
+        check_corruption(corruption_ratio, mask_prob, random_prob, grid[0] * grid[1] if grid else None)
         self.target = target
         self.corruption_ratio = corruption_ratio
         self.mask_prob = mask_prob
