@@ -366,7 +366,7 @@ def test_trainer_devices_of_the_device_options():
 
 def test_eval_data_is_normalised_as_the_backbone_was_trained_or_else_as_the_dataset():
     from ssl_vit.data import FashionMNISTDataModule
-    from ssl_vit.eval.cli import build_datamodule
+    from ssl_vit.eval.data_args import build_datamodule
     from ssl_vit.export import load_any_backbone
 
     grey, info = load_any_backbone("random:vit", backbone_kwargs={**json.loads(TINY), "in_chans": 1})
@@ -575,7 +575,7 @@ def test_the_types_a_data_argument_is_checked_against():
     from typing import Optional
 
     from ssl_vit.arguments import plain_type
-    from ssl_vit.eval.cli import ArgText, parse_data_args
+    from ssl_vit.eval.data_args import ArgText, parse_data_args
 
     assert plain_type(int) == (int, False) and plain_type(str | None) == (str, True) and plain_type(Optional[float]) == (float, True)  # noqa: UP045 (the old spelling, on purpose)
     assert plain_type(tuple[float, ...] | None) is None and plain_type(int | str) is None

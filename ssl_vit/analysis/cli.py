@@ -21,7 +21,9 @@ import re
 import sys
 from pathlib import Path
 
-from ssl_vit.eval.cli import DATASETS, _json_dict, _kv, check_output_folder, datamodule_class
+from ssl_vit.eval.cli import _json_dict
+from ssl_vit.eval.data_args import DATASETS, datamodule_class, key_value
+from ssl_vit.eval.options import check_output_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--which", default=None, help="encoder of a checkpoint: student, teacher, momentum, or NAME for a method's NAME_backbone (default: the method's own; DINO: teacher)")
     p.add_argument("--arch", default=None, help="registry name for a bare state dict")
     p.add_argument("--backbone-kwargs", type=_json_dict, default=None, help="JSON kwargs (random init, bare state dicts)")
-    p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument, e.g. root=/data")
+    p.add_argument("--data-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument, e.g. root=/data")
     p.add_argument("--figures", nargs="+", choices=FIGURES, default=None, help="default: every figure that applies to the backbone (a ResNet: filters)")
     p.add_argument("--num-images", type=int, default=128, help="images averaged for the mean attention distance")
     p.add_argument("--show", type=int, default=8, help="images drawn in the attention-map figures")
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     from torch.utils.data import DataLoader
 
     from ssl_vit.analysis.render import FIGURES, applicable_figures, render_all
-    from ssl_vit.eval.cli import build_datamodule, note_channel_conversion
+    from ssl_vit.eval.data_args import build_datamodule, note_channel_conversion
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
     from ssl_vit.runtime import resolve_device

@@ -20,37 +20,27 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import math
 import os
 import signal
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import yaml
+from ssl_vit.eval.data_args import (
+    DATASETS,
+    build_datamodule,
+    datamodule_class,
+    key_value,
+    labelled_classes,
+    note_channel_conversion,
+    parse_data_args,
+)
+from ssl_vit.eval.options import check_export, check_options, check_out
 
 # The protocols on frozen features (ssl_vit.eval.run.FEATURE_PROTOCOLS; named here so that the
 # parser is built without importing torch).
 FEATURE_PROTOCOL_NAMES = ("linear", "knn", "fewshot")
 
-DATASETS = {
-    "fashion_mnist": "FashionMNISTDataModule",
-    "cifar10": "CIFAR10DataModule",
-    "cifar100": "CIFAR100DataModule",
-    "stl10": "STL10DataModule",
-    "imagefolder": "ImageFolderDataModule",
-    "synthetic": "SyntheticDataModule",
-}
-
-
-def _kv(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    return key.strip(), ArgText(value)  # (read by parse_data_args, which knows the datamodule)
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -95,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = common.add_argument_group("data")
     g.add_argument("--data", default="fashion_mnist", metavar="NAME",
                    help=f"{', '.join(sorted(DATASETS))}, or the dotted path of a datamodule of your own (an ImageDataModule subclass)")
-    g.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument (repeatable), e.g. root=/data")
+    g.add_argument("--data-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE", help="extra datamodule argument (repeatable), e.g. root=/data")
     g.add_argument("--train-subset", type=int, default=None, help="use a fixed random subset of the training split")
     g.add_argument("--test-subset", type=int, default=None, help="use a fixed random subset of the test split")
     g = common.add_argument_group("run")
@@ -170,215 +160,6 @@ def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if name == "knn":
         return {"k": args.k, "temperature": args.temperature}
     return {"shots": args.shots, "num_seeds": args.seeds, "l2_reg": args.l2, "seed": args.seed}
-
-
-def _init_params(cls: type) -> dict[str, inspect.Parameter]:
-    """The named arguments ``cls(...)`` accepts, following ``**kwargs`` up to the base classes."""
-    params: dict[str, inspect.Parameter] = {}
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        forwards = False
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.VAR_KEYWORD:
-                forwards = True
-            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                params.setdefault(p.name, p)
-        if not forwards:
-            break
-    return params
-
-
-def datamodule_class(name: str, option: str = "--data") -> type:
-    """The datamodule class of a name (``fashion_mnist``: ``DATASETS``) or of a dotted path
-    (``mypkg.data.Flowers``, any ``ImageDataModule``-like class with ``eval_datasets()``)."""
-    import importlib
-
-    import ssl_vit.data as data
-
-    if name in DATASETS:
-        return getattr(data, DATASETS[name])
-    module, _, attr = name.rpartition(".")
-    known = f"{', '.join(sorted(DATASETS))}, or the dotted path of a datamodule class"
-    if not module:
-        raise ValueError(f"{option} {name}: not a dataset name ({known})")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{option} {name}: cannot import it ({type(err).__name__}: {err}); {option} takes {known}") from None
-    if not isinstance(cls, type) or not hasattr(cls, "eval_datasets"):
-        raise ValueError(f"{option} {name}: not a datamodule class with eval_datasets() (an ImageDataModule subclass)")
-    return cls
-
-
-class ArgText(str):
-    """A ``--data-arg`` value as typed: read as YAML (``64`` a number, ``true`` a flag, ``null``)
-    unless the datamodule takes text there (``train_dir=2024`` stays the folder name)."""
-
-
-def parse_data_args(name: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, each
-    checked against a plain annotation (int, float, bool, str or an Optional of one)."""
-    from ssl_vit.arguments import annotations_of, check_argument_types, plain_type
-
-    cls = datamodule_class(name)
-    hints = annotations_of(cls)
-    values: dict[str, Any] = {}
-    for key, value in extra.items():
-        if isinstance(value, ArgText):
-            text = (plain_type(hints.get(key)) or (None, False))[0] is str
-            value = str(value) if text else yaml.safe_load(value)
-        values[key] = value
-    try:
-        check_argument_types(cls, values, "--data-arg ")
-    except TypeError as err:
-        raise ValueError(str(err)) from None
-    return values
-
-
-def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], train_subset: int | None, img_size: int | None = None,
-                     option: str = "--data") -> Any:
-    """The named datamodule at the backbone's resolution and channels, normalised as in pretraining.
-    ``extra`` holds the ``--data-arg`` values, checked against the datamodule's arguments;
-    ``option`` is the command's option that names the data (in its messages)."""
-    cls = datamodule_class(name)
-    extra = parse_data_args(name, extra)  # before the datamodule compares or opens them
-    kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans, "subset": train_subset}
-    # The statistics the backbone was trained with when it records them, ImageNet's for foreign
-    # 3-channel weights that record none (what timm's expect); else (a random initialisation,
-    # nothing known) the dataset's own, as the pretrained backbones of that dataset recorded.
-    source = str(info.get("normalization_source") or "")
-    recorded = not source.startswith("default")
-    foreign_imagenet = source.startswith("default (ImageNet") and info.get("kind") != "random"
-    if info.get("mean") is not None and (recorded or foreign_imagenet):
-        kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
-    kwargs.update(extra)
-    params = _init_params(cls)
-    unknown = sorted(set(extra) - set(params))
-    if unknown:
-        raise ValueError(f"{option} {name} takes no argument {', '.join(unknown)}; its arguments: {', '.join(p for p in params if p != 'views')}")
-    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
-    if missing:
-        raise ValueError(f"{option} {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))
-    return cls(**kwargs)
-
-
-def check_output_folder(folder: str | Path, what: str, create: bool = False) -> None:
-    """Make sure ``folder`` can take the output, so that an output that cannot be written fails
-    before any work, not after it: its nearest existing folder must take a file (a write is
-    tried); ``create``: the folder is made (with its parents) too. ``what`` names the option in
-    the message."""
-    path = Path(folder).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{what}: {folder} exists and is not a folder")
-    existing = path
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{what}: cannot create the folder {folder}: {existing} is not a folder")
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".ssl-vit-write-check-"):
-            pass
-    except OSError as err:
-        raise OSError(f"{what}: cannot write into the folder {existing} ({err.strerror or err})") from None
-    if create:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise OSError(f"{what}: cannot create the folder {folder} ({err.strerror or err})") from None
-
-
-def check_out(out: str, create: bool = False) -> None:
-    """``--out``: a folder of records, or a record file (``*.json``) in a folder, that can be
-    written (``create``: its folder is made)."""
-    path = Path(out).expanduser()
-    if path.suffix.lower() == ".json":  # (ssl_vit.eval.run.names_a_record)
-        if path.is_dir():
-            raise ValueError(f"--out {out}: is a folder; a name ending in .json names the record file itself")
-        check_output_folder(path.parent, f"--out {out}", create)
-    elif path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a folder; name a folder for the records, or a record file ending in .json")
-    else:
-        check_output_folder(path, f"--out {out}", create)
-
-
-def check_export(export: str, create: bool = False) -> None:
-    """``--export DIR``: a folder (or a name for a new one) in a folder that can be written
-    (``create``: that folder is made), so that the fine-tuned model is not lost after the run."""
-    path = Path(export).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--export {export}: exists and is not a directory; name a folder")
-    check_output_folder(path if path.is_dir() else path.parent, f"--export {export}", create)
-
-
-def _finite(v: Any) -> bool:
-    return not isinstance(v, float) or math.isfinite(v)
-
-
-# dest: (valid?, the rule as the message says it). Checked for the options a protocol has.
-_OPTION_RULES: dict[str, tuple[Any, str]] = {
-    "batch_size": (lambda v: v >= 1, ">= 1"),
-    "num_workers": (lambda v: v >= 0, ">= 0"),
-    "train_subset": (lambda v: v is None or v >= 1, ">= 1 (images)"),
-    "test_subset": (lambda v: v is None or v >= 1, ">= 1 (images)"),
-    "epochs": (lambda v: v >= 1, ">= 1"),
-    "lr": (lambda v: v is None or v > 0, "> 0"),
-    "warmup_epochs": (lambda v: v >= 0, ">= 0"),
-    "probe_batch_size": (lambda v: v >= 2, ">= 2 (the probe's BatchNorm needs two examples)"),
-    "k": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: v > 0, "> 0"),
-    "shots": (lambda v: all(s >= 1 for s in v), ">= 1 each"),
-    "seeds": (lambda v: v >= 1, ">= 1"),
-    "l2": (lambda v: v > 0, "> 0"),
-    "layer_decay": (lambda v: 0 < v <= 1, "in (0, 1] (1: no decay)"),
-    "drop_path": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "label_smoothing": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, ">= 0"),
-    "mixup": (lambda v: v >= 0, ">= 0 (0: off)"),
-    "cutmix": (lambda v: v >= 0, ">= 0 (0: off)"),
-    "img_size": (lambda v: v is None or v >= 1, ">= 1"),
-    "crop_scale": (lambda v: v is None or 0 < v[0] <= v[1] <= 1, "LO HI with 0 < LO <= HI <= 1"),
-    "max_steps": (lambda v: v == -1 or v >= 1, "-1 (no cap) or >= 1"),
-    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
-    "devices": (lambda v: v >= 1, ">= 1"),
-    "num_nodes": (lambda v: v >= 1, ">= 1"),
-}
-
-
-def check_options(args: argparse.Namespace) -> None:
-    """Refuse the option values an evaluation cannot run with (or would record without running
-    them: a negative MixUp alpha is off), before anything is loaded, naming the option."""
-    for dest, (valid, rule) in _OPTION_RULES.items():
-        if not hasattr(args, dest):
-            continue
-        value = getattr(args, dest)
-        values = value if isinstance(value, list | tuple) else [value]
-        if not (all(_finite(v) for v in values) and valid(value)):
-            shown = " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
-            raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {shown}")
-
-
-def labelled_classes(dataset: Any) -> int | None:
-    """How many classes the labelled images of an evaluation split (``eval_datasets``) hold;
-    None when its images do not list their labels."""
-    labels = getattr(getattr(dataset, "source", None), "labels", None)
-    if labels is None:
-        return None
-    import torch
-
-    labels = torch.as_tensor(labels)
-    return int(labels[labels >= 0].unique().numel())
-
-
-def note_channel_conversion(dataset: Any, in_chans: int, prog: str, what: str) -> None:
-    """One note on stderr when colour images go to a 1-channel backbone (converted to grey), read
-    from the split's first image."""
-    source = getattr(dataset, "source", None)
-    if in_chans != 1 or source is None or len(source) == 0:
-        return
-    image, _ = source[0]
-    if getattr(image, "mode", "L") != "L" and getattr(image, "size", None) != (1, 1):  # (1x1: an unreadable file's stand-in)
-        print(f"{prog}: note: {what} holds {image.mode} images: they are converted to grey, the backbone's 1 input channel", file=sys.stderr)
 
 
 def _trainer_devices(device: str, count: int) -> int | list[int]:

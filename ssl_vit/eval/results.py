@@ -60,7 +60,7 @@ def pretraining_data(record: Mapping[str, Any] | None) -> str | None:
     datamodule's class name, an image folder's ``train_dir``); None when it records none."""
     if not record or not isinstance(record.get("name"), str):
         return None
-    from ssl_vit.eval.cli import DATASETS
+    from ssl_vit.eval.data_args import DATASETS
 
     key = {cls: key for key, cls in DATASETS.items()}.get(record["name"], record["name"])
     return data_label({**record, "name": key})
