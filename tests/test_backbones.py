@@ -55,6 +55,7 @@ SHAPE_CASES = [
     ("vit", {"embed_dim": 64, "depth": 4, "num_heads": 4, "patch_size": 32}, 64, 50),
     ("vit_tiny", {}, 192, 197),
     ("vit_small", {"patch_size": 8}, 384, 785),
+    ("vit_small_mocov3", {}, 384, 197),
     ("vit_base", {"patch_size": 32}, 768, 50),
     ("vit_large", {}, 1024, 197),
     ("vit_huge", {"patch_size": 14}, 1280, 257),

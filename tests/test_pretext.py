@@ -100,6 +100,40 @@ def test_a_method_argument_that_shadows_a_base_argument_is_an_error():
 # ----------------------------------------------------------------------------- MoCo v3
 
 
+def test_mocov3_initialises_the_vit_as_the_reference_does():
+    # vits.py: Xavier-uniform linears, QKV as three [D, D] matrices, zero biases; the momentum
+    # encoder starts from the same weights.
+    torch.manual_seed(0)
+    model = make("mocov3")
+    d = model.backbone.embed_dim
+    qkv, fc1 = model.backbone.blocks[0].attn.qkv, model.backbone.blocks[0].mlp.fc1
+    for layer, bound in ((qkv, math.sqrt(6.0 / (d + d))), (fc1, math.sqrt(6.0 / (fc1.in_features + fc1.out_features)))):
+        assert layer.weight.abs().max() <= bound and layer.weight.abs().max() > 0.95 * bound
+        assert float(layer.weight.std()) == pytest.approx(bound / math.sqrt(3), rel=0.1)  # uniform(-b, b)
+        assert not layer.bias.any()
+    assert torch.equal(model.momentum_backbone.blocks[0].attn.qkv.weight, qkv.weight)
+    timm_like = make("mocov3", reference_init=False).backbone.blocks[0].attn.qkv.weight
+    assert float(timm_like.std()) == pytest.approx(0.02, rel=0.1)  # timm's truncated normal kept on request
+
+
+def test_mocov3_vit_small_has_the_reference_twelve_heads():
+    from ssl_vit import create_backbone
+
+    assert create_backbone("vit_small_mocov3").blocks[0].attn.num_heads == 12
+    assert create_backbone("vit_small").blocks[0].attn.num_heads == 6  # DeiT's ViT-S
+
+
+def test_the_supervised_pre_training_head_has_one_tanh_hidden_layer():
+    model = make("supervised", head_hidden_dim=48)
+    hidden, act, last = model.classifier
+    assert (hidden.in_features, hidden.out_features, last.out_features) == (32, 48, 4) and isinstance(act, torch.nn.Tanh)
+    assert not last.weight.any() and not last.bias.any()  # zero-initialised, as the single linear head
+    assert isinstance(make("supervised").classifier, torch.nn.Linear) and make("supervised").label_smoothing == 0.0
+    views, labels = fixed_views(VIEW_SIZES["supervised"])
+    losses = fit_steps(model, views, labels, steps=6)
+    assert losses[-1] < losses[0]
+
+
 def test_mocov3_random_patch_projection_stays_frozen_and_momentum_follows_ema():
     torch.manual_seed(0)
     model = make("mocov3", momentum=0.9, momentum_end=0.9)

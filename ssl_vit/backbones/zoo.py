@@ -27,6 +27,17 @@ for _size, (_dim, _depth, _heads) in VIT_SIZES.items():
         )
     )
 
+# MoCo v3's ViT-S: DeiT's width and depth with 12 heads (reference vits.py vit_small; its README:
+# "Our ViT-Small is with heads=12"), so its recipe and its official weights compute what the paper's do.
+register_backbone(
+    BackboneSpec(
+        "vit_small_mocov3",
+        VisionTransformer,
+        fixed={"embed_dim": 384, "depth": 12, "num_heads": 12, "mlp_ratio": 4.0},
+        description="MoCo v3's ViT-S: D=384, 12 layers, 12 heads",
+    )
+)
+
 # Any other shape (small ViTs for 2-core CPU runs and tests): every argument free, timm layout kept.
 register_backbone(BackboneSpec("vit", VisionTransformer, description="ViT of any width/depth/heads (set embed_dim, depth, num_heads)"))
 

@@ -128,7 +128,7 @@ class PeerMoCoV3(PeerModel):
         super().__init__()
         d = spec.embed_dim
         self.backbone = timm_vit(spec, img_size)
-        self.backbone.patch_embed.proj.requires_grad_(False)  # random patch projection (MoCo v3 §4.4)
+        self.backbone.patch_embed.proj.requires_grad_(False)  # random patch projection (MoCo v3 §4)
         self.projection_head = ProjectionHead([
             (d, hidden_dim, nn.BatchNorm1d(hidden_dim), nn.ReLU()),
             (hidden_dim, hidden_dim, nn.BatchNorm1d(hidden_dim), nn.ReLU()),

@@ -3,9 +3,11 @@
 query encoder = backbone -> 3-layer projector -> 2-layer predictor; momentum encoder = EMA copy of
 backbone + projector (cosine momentum 0.99 -> 1). Loss: ctr(q1, k2) + ctr(q2, k1), InfoNCE scaled by
 2τ with keys gathered from all devices. For ViTs the patch projection is frozen at its random init
-(§4.4 "random patch projection"), and a fixed 2-D sin-cos position embedding is the reference's
-choice (pass ``backbone_kwargs: {pos_embed: sincos}``).
-Recipe (§4, Table 2 / reference README): AdamW, base LR 1.5e-4 per 256, wd 0.1, 40 warm-up epochs,
+(§4 "A Trick for Improving Stability": random patch projection), its linear layers are initialised
+as the reference ``vits.py`` does, and a fixed 2-D sin-cos position embedding is the reference's
+choice (pass ``backbone_kwargs: {pos_embed: sincos}``). MoCo v3's ViT-S has 12 heads (``vits.py``;
+the backbone ``vit_small_mocov3``), not DeiT's 6.
+Recipe (reference README / CONFIG.md): AdamW, base LR 1.5e-4 per 256, wd 0.1, 40 warm-up epochs,
 300 epochs, batch 4096.
 """
 
@@ -25,6 +27,22 @@ from ssl_vit.pretext.base import PretextModule, WeightDecayExempt
 from ssl_vit.pretext.ema import EMAPairs, make_target
 
 
+def xavier_init_linears(vit: nn.Module) -> None:
+    """The reference ``vits.py`` initialisation of a ViT's linear layers: Xavier-uniform, with
+    the fused QKV projection ``[3D, D]`` treated as three ``[D, D]`` matrices
+    (bound sqrt(6 / (D + D))), and zero biases."""
+    for name, m in vit.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if name.endswith("qkv"):
+            bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
+            nn.init.uniform_(m.weight, -bound, bound)
+        else:
+            nn.init.xavier_uniform_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
 def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
@@ -38,9 +56,12 @@ class MoCoV3(PretextModule):
             1.0, 0.2 in its ViT commands).
         proj_hidden_dim, proj_output_dim, pred_hidden_dim: head widths (4096 / 256 / 4096).
         momentum, momentum_end: cosine schedule of the momentum encoder (0.99 -> 1).
-        freeze_patch_embed: random patch projection (§4.4): the projection is re-initialised as
+        freeze_patch_embed: random patch projection (§4): the projection is re-initialised as
             in the reference (Xavier-uniform over the flattened filter) and receives no gradient.
             On by default for ViTs; ignored for ResNets.
+        reference_init: initialise the ViT's linear layers as the reference ``vits.py``:
+            Xavier-uniform, the Q, K and V matrices each as its own layer, zero biases (timm's
+            truncated normal(0.02) otherwise). Ignored for ResNets.
         weight_decay, warmup_epochs, weight_decay_exempt: the :class:`PretextModule` arguments
             with MoCo v3's defaults (its ViT recipe: weight decay 0.1 on every parameter, as
             ``main_moco.py`` builds ``AdamW(model.parameters(), ...)``; 40 warm-up epochs).
@@ -56,12 +77,15 @@ class MoCoV3(PretextModule):
         momentum: float = 0.99,
         momentum_end: float = 1.0,
         freeze_patch_embed: bool = True,
+        reference_init: bool = True,
         weight_decay: float = 0.1,
         warmup_epochs: float = 40.0,
         weight_decay_exempt: WeightDecayExempt = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(weight_decay=weight_decay, warmup_epochs=warmup_epochs, weight_decay_exempt=weight_decay_exempt, **kwargs)
+        if reference_init and is_vit(self.backbone):
+            xavier_init_linears(self.backbone)
         self.freeze_patch_embed = freeze_patch_embed and is_vit(self.backbone) and hasattr(self.backbone.patch_embed, "proj") and not hasattr(self.backbone.patch_embed, "backbone")
         if self.freeze_patch_embed:
             proj = self.backbone.patch_embed.proj

@@ -1,5 +1,5 @@
-"""The supervised baseline: the same backbone and schedules, a linear head and cross-entropy with
-label smoothing. Every SSL result is compared against it (and against random init)."""
+"""The supervised baseline: the same backbone and schedules, a classifier head and cross-entropy.
+Every SSL result is compared against it (and against random init)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ class Supervised(PretextModule):
     """Supervised training of the backbone.
 
     Args:
-        label_smoothing: cross-entropy label smoothing (0.1 as DeiT / the ViT fine-tuning recipes).
+        label_smoothing: cross-entropy label smoothing (none in the ViT paper's Table 3 setting;
+            DeiT-style recipes use 0.1).
+        head_hidden_dim: the ViT paper's pre-training head, "a MLP with one hidden layer" (§3.1):
+            a hidden layer of this width with tanh before the classifier (the reference code's
+            ``representation_size``); None: a single linear layer (the paper's fine-tuning head).
         **kwargs: the shared arguments of :class:`PretextModule`; ``num_classes`` is required.
     """
 
-    def __init__(self, label_smoothing: float = 0.1, **kwargs: Any) -> None:
+    def __init__(self, label_smoothing: float = 0.0, head_hidden_dim: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         num_classes = self.hparams.num_classes
         if not num_classes:
@@ -29,10 +33,17 @@ class Supervised(PretextModule):
         if num_classes < 2:
             raise ValueError(f"the supervised baseline needs at least 2 classes; the data has {num_classes} "
                              "(an image folder: one subfolder per class)")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if head_hidden_dim is not None and head_hidden_dim < 1:
+            raise ValueError(f"head_hidden_dim must be a positive width or None, got {head_hidden_dim}")
         self.label_smoothing = label_smoothing
-        self.classifier = nn.Linear(self.backbone.embed_dim, num_classes)
-        nn.init.zeros_(self.classifier.weight)  # ViT paper: zero-initialised head
-        nn.init.zeros_(self.classifier.bias)
+        dim = self.backbone.embed_dim
+        last = nn.Linear(head_hidden_dim or dim, num_classes)
+        nn.init.zeros_(last.weight)  # ViT paper: zero-initialised head
+        nn.init.zeros_(last.bias)
+        # [B, D] -> ([B, H] -> tanh ->) [B, C]
+        self.classifier = last if head_hidden_dim is None else nn.Sequential(nn.Linear(dim, head_hidden_dim), nn.Tanh(), last)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
