@@ -7,6 +7,8 @@ the student softmax over pairs of different views; centre EMA with the all-reduc
 Teacher momentum cosine 0.996 -> 1, teacher temperature warm-up 0.04 -> 0.07 over 30 epochs,
 weight decay cosine 0.04 -> 0.4, gradient clipping 3.0 (per parameter), last layer frozen in the
 first epoch, drop path 0.1 (§3.1, Appendix; reference main_dino.py).
+The local crops' position embeddings are resampled as timm resamples them (bicubic, antialiased
+when shrinking); the reference's ``interpolate_pos_encoding`` interpolates without antialiasing.
 """
 
 from __future__ import annotations
