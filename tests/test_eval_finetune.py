@@ -222,7 +222,7 @@ def test_a_run_dir_of_another_run_is_refused_in_one_line_before_lightning_loads_
     with pytest.raises(ValueError) as err:
         run_finetune(create_backbone("vit", **{**tiny, "depth": 3}), train, test, run_dir=tmp_path / "ft", resume=True,
                      record={"method": "dino+finetune"}, **common)
-    assert str(err.value) == (f"--run-dir {tmp_path / 'ft'} was fine-tuned from another backbone: depth=2 there, 3 here; "
+    assert str(err.value) == (f"--run-dir {tmp_path / 'ft'} was fine-tuned from another backbone: depth: 2 there, 3 here; "
                               "method mpp+finetune there, dino+finetune here; resume it with the command that started it, or choose another --run-dir")
     # Backbones that record no architecture: their weights' names and shapes say it.
     _saved(FineTuneModule(tiny_vit(depth=2), 3), tmp_path / "plain" / "checkpoints" / "last.ckpt")

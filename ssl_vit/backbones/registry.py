@@ -9,7 +9,7 @@ exported backbone can be rebuilt without a recipe.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,22 @@ def get_spec(name: str) -> BackboneSpec:
     if name not in _REGISTRY:
         raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(list_backbones())}")
     return _REGISTRY[name]
+
+
+def as_plain(value: Any) -> Any:
+    """Tuples as lists, recursively: kwargs as a checkpoint records them compare equal to the
+    backbone's own."""
+    if isinstance(value, Mapping):
+        return {k: as_plain(v) for k, v in value.items()}
+    return [as_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def kwargs_differences(there: Mapping[str, Any], here: Mapping[str, Any], ignore: Collection[str] = ()) -> list[str]:
+    """``["embed_dim: 32 there, 64 here", ...]``: the backbone arguments a recorded run (there)
+    and this one (here) disagree on, those in ``ignore`` aside."""
+    there, here = as_plain(dict(there)), as_plain(dict(here))
+    keys = sorted((set(there) | set(here)) - set(ignore), key=str)
+    return [f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in keys if there.get(k) != here.get(k)]
 
 
 def create_backbone(name: str, **kwargs: Any) -> nn.Module:

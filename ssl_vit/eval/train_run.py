@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
 from ssl_vit.runtime import release_process_group
@@ -233,8 +234,7 @@ def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) 
         said = []
         if theirs.get("backbone") != mine.get("backbone"):
             said.append(f"{theirs.get('backbone')} there, {mine.get('backbone')} here")
-        there, here = _plain(theirs.get("backbone_kwargs") or {}), _plain(mine.get("backbone_kwargs") or {})
-        said += [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(set(there) | set(here), key=str) if there.get(k) != here.get(k)]
+        said += kwargs_differences(theirs.get("backbone_kwargs") or {}, mine.get("backbone_kwargs") or {})
         if theirs.get("method") != mine.get("method"):
             said.append(f"method {theirs.get('method')} there, {mine.get('method')} here")
         if said:
@@ -252,13 +252,6 @@ def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) 
     if extra:
         said.append(f"{len(extra)} weights this run lacks (e.g. {extra[0]})")
     return "; ".join(said) or None
-
-
-def _plain(value: Any) -> Any:
-    """Tuples as lists (a checkpoint's record and a backbone's kwargs compare equal)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def _first_device(trainer: L.Trainer) -> int | list[int]:

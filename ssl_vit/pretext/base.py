@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone, get_spec
+from ssl_vit.backbones.registry import as_plain
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.probe import OnlineLinearProbe
 from ssl_vit.runtime import global_seed, seed_training_step
@@ -532,7 +533,7 @@ def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[st
     for name, value in received.items():
         recorded = hparams.get(name, value)
         try:  # a recipe gives lists where the signature says tuple
-            same = recorded is value or bool(_plain(recorded) == _plain(value))
+            same = recorded is value or bool(as_plain(recorded) == as_plain(value))
         except Exception:  # values without a plain ==
             same = False
         if not same:
@@ -544,9 +545,3 @@ def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[st
         )
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value

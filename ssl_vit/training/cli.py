@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
+from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.io import stale_temporaries
 from ssl_vit.pretext.base import NO_LENGTH, PretextModule
@@ -358,16 +359,9 @@ def check_continuable(model: PretextModule, ckpt_path: str) -> None:
         )
     if backbone is not None and backbone != model.backbone_name:
         raise ConfigError(f"--ckpt_path {ckpt_path} holds a {backbone} backbone; this recipe builds {model.backbone_name}")
-    theirs = {k: v for k, v in (meta.get("backbone_kwargs") or {}).items() if k not in _SHAPE_NEUTRAL}
-    ours = {k: v for k, v in model.backbone_kwargs.items() if k not in _SHAPE_NEUTRAL}
-    differ = sorted(k for k in theirs.keys() | ours.keys() if _as_list(theirs.get(k)) != _as_list(ours.get(k)))
+    differ = kwargs_differences(meta.get("backbone_kwargs") or {}, model.backbone_kwargs, ignore=_SHAPE_NEUTRAL)
     if "backbone_kwargs" in meta and differ:
-        detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
-        raise ConfigError(f"--ckpt_path {ckpt_path} was trained with other backbone arguments ({detail})")
-
-
-def _as_list(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple | list) else value
+        raise ConfigError(f"--ckpt_path {ckpt_path} was trained with other backbone arguments ({', '.join(differ)})")
 
 
 def _slurm_requeued(trainer: L.Trainer) -> bool:
