@@ -85,7 +85,7 @@ def our_module(row: str, cfg: BenchConfig) -> nn.Module:
         "fused_optimizer": cfg.fused_optimizer,
     }
     if row == "supervised":
-        return Supervised(num_classes=cfg.num_classes, **common)
+        return Supervised(num_classes=cfg.num_classes, label_smoothing=0.1, **common)  # as the peer (and the stored results)
     if row == "mpp":
         return MPP(mean=peers.NORM_MEAN, std=peers.NORM_STD, **common)
     if row == "mocov3":
