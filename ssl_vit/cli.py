@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:
             if debug:
                 raise
-            print(f"ssl-vit: error: SSL_VIT_PLUGINS: cannot import {name}: {type(err).__name__}: {one_line(str(err))}", file=sys.stderr)
+            hint = " (is its folder on PYTHONPATH?)" if isinstance(err, ModuleNotFoundError) else ""
+            print(f"ssl-vit: error: SSL_VIT_PLUGINS: cannot import {name}: {type(err).__name__}: {one_line(str(err))}{hint}", file=sys.stderr)
             return 2
     module = importlib.import_module(COMMANDS[command][0])
     try:

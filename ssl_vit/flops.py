@@ -178,9 +178,9 @@ def method_step_flops(
     shapes = _check_shapes(views_shapes)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not isinstance(module, MoCoV3 | DINO | MPP | Supervised):
-        own = getattr(module, "step_flops", None)  # a method of its own (PretextModule.step_flops)
-        counted = own(shapes, world_size) if callable(own) else None
+    own = getattr(module, "step_flops", None)  # a method's own count (PretextModule.step_flops)
+    counted = own(shapes, world_size) if callable(own) else None
+    if counted is not None or not isinstance(module, MoCoV3 | DINO | MPP | Supervised):
         if counted is None:
             raise NoFlopModel(
                 f"no FLOP model for {type(module).__name__}: method_step_flops knows MPP, MoCoV3, DINO and Supervised, "

@@ -579,8 +579,8 @@ def test_the_types_a_data_argument_is_checked_against():
 
     assert plain_type(int) == (int, False) and plain_type(str | None) == (str, True) and plain_type(Optional[float]) == (float, True)  # noqa: UP045 (the old spelling, on purpose)
     assert plain_type(tuple[float, ...] | None) is None and plain_type(int | str) is None
-    parsed = parse_data_args("imagefolder", {"img_size": ArgText("28"), "train_dir": ArgText("2024"), "eval_crop_pct": ArgText("1"), "val_dir": ArgText("null")})
-    assert parsed == {"img_size": 28, "train_dir": "2024", "eval_crop_pct": 1, "val_dir": "null"}  # text where text is taken
+    parsed = parse_data_args("imagefolder", {"img_size": ArgText("28"), "train_dir": ArgText("2024"), "eval_crop_pct": ArgText("875e-3"), "val_dir": ArgText("null")})
+    assert parsed == {"img_size": 28, "train_dir": "2024", "eval_crop_pct": 0.875, "val_dir": None}  # text where text is taken; null is None
     assert parse_data_args("synthetic", {"subset": ArgText("null")}) == {"subset": None}
     with pytest.raises(ValueError, match="--data-arg img_size must be an integer, got True"):
         parse_data_args("synthetic", {"img_size": ArgText("true")})
@@ -633,3 +633,9 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
     assert "--data fashion_mnst: not a dataset name (cifar10, cifar100, fashion_mnist," in capsys.readouterr().err
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--data", "my_data.Nope"]) == 1
     assert "--data my_data.Nope: cannot import it (AttributeError" in capsys.readouterr().err
+
+
+def test_visualize_names_a_file_given_as_images(tmp_path, capsys):
+    (tmp_path / "cat.png").write_bytes(b"not really")
+    assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", str(tmp_path / "cat.png"), "--out", str(tmp_path / "f")]) == 1
+    assert f"--images {tmp_path / 'cat.png'}: a file; name a folder of images or a dataset" in capsys.readouterr().err

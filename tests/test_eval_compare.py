@@ -284,6 +284,11 @@ def test_a_results_folder_keeps_each_pretrainings_record(tmp_path):
     assert result_path(tmp_path / "one.json", other) == tmp_path / "one.json"  # a file named by the user is the user's
 
 
+def test_a_record_needs_its_source():
+    with pytest.raises(ValueError, match="EvalResult.source must be a non-empty string"):
+        EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.5}, source=None)
+
+
 def test_the_pretraining_data_is_named_as_evaluation_data():
     from ssl_vit.eval.results import pretraining_data
 

@@ -131,6 +131,7 @@ def test_a_subclass_of_dino_is_evaluated_by_its_teacher_too(dino_ckpt, tmp_path)
     torch.save(ckpt, tmp_path / "mine.ckpt")
     _, info = load_any_backbone(tmp_path / "mine.ckpt")
     assert (info["method"], info["which"]) == ("mydino", "teacher") and chosen_encoder(info) is None
+    assert info["source"] == str((tmp_path / "mine.ckpt").resolve())  # absolute, however it was typed
     out = export_backbone(tmp_path / "mine.ckpt", tmp_path / "exp").out_dir
     _, info = load_any_backbone(out)
     assert info["which"] == "teacher" and chosen_encoder(info) is None
@@ -154,6 +155,12 @@ def test_an_encoder_of_a_method_of_ones_own_is_named_by_its_attribute(dino_ckpt,
         load_any_backbone(tmp_path / "byol.ckpt", which="Bad Name")
     out = export_backbone(tmp_path / "byol.ckpt", tmp_path / "exp", which="target").out_dir
     assert json.loads((out / "config.json").read_text())["ssl_vit"]["which"] == "target"
+    # the same from a bare state dict: the NAME_backbone weights, or an error
+    torch.save(ckpt["state_dict"], tmp_path / "bare.pt")
+    bare, _ = load_any_backbone(tmp_path / "bare.pt", which="target", backbone="vit", backbone_kwargs=TINY_BACKBONE["backbone_kwargs"])
+    assert all(torch.equal(bare.state_dict()[k], v) for k, v in teacher.items())
+    with pytest.raises(ValueError, match="which='nope' but the state dict has no nope_backbone"):
+        load_any_backbone(tmp_path / "bare.pt", which="nope", backbone="vit", backbone_kwargs=TINY_BACKBONE["backbone_kwargs"])
 
 
 def test_dino_student_on_request(dino_ckpt, tmp_path):

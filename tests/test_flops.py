@@ -148,6 +148,20 @@ def test_mocov3_logits_grow_with_the_global_batch() -> None:
     assert extra == pytest.approx(8 * b * c)
 
 
+def test_a_subclass_of_a_method_may_count_its_own_flops() -> None:
+    from ssl_vit.flops import linear_flops
+
+    module, views = _tiny_method("mpp")
+
+    class Counted(type(module)):
+        def step_flops(self, views_shapes, world_size):
+            return 7.0
+
+    module.__class__ = Counted  # (the same module, its class now counting its own)
+    probe = 2.0 * linear_flops(module.probe) if module.probe is not None else 0.0
+    assert method_step_flops(module, [v.shape for v in views]) == pytest.approx(7.0 + probe)
+
+
 def test_method_step_flops_rejects_bad_input() -> None:
     module, views = _tiny_method("mocov3")
     with pytest.raises(ValueError, match="two views"):

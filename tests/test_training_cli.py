@@ -225,7 +225,7 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         pytest.param(["--trainer.accelerator", "mps"], "`MPSAccelerator` can not run on your system",
                      marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")),
         (["--model.init_args.backbone_kwargs.embed_dim", "abc"], "backbone 'vit': embed_dim must be an integer, got 'abc'"),
-        (["--model.init_args.backbone_kwargs.img_size", "32"], "the backbone was built for 32x32 images (model backbone_kwargs.img_size) but the data gives 16x16 crops"),
+        (["--model.init_args.backbone_kwargs.img_size", "8"], "the backbone was built for 8x8 images (model backbone_kwargs.img_size) but the data gives 16x16 crops"),
         (["--model", "Dino"], "(methods: MPP, MoCoV3, DINO, Supervised, or the dotted path of a PretextModule of your own)"),
         (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR100DataModule, CIFAR10DataModule, FashionMNISTDataModule,"),
         (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
@@ -244,6 +244,17 @@ def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ssl-vit fit: error: ") and message in err[-1]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_crops_smaller_than_the_backbone_are_a_note_and_a_resnet_takes_any_size(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
+    assert cli_main(["fit", "--config", str(cfg), "--data.init_args.img_size", "8", "--data.init_args.views.init_args.size", "8", "--trainer.max_steps", "1"]) == 0
+    assert "note: the backbone was built for 16x16 images (model backbone_kwargs.img_size) but the data gives 8x8 crops" in capsys.readouterr().err
+    (tmp_path / "resnet").mkdir()
+    cfg = tiny_config(tmp_path / "resnet", method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
+    resnet = ["--model.init_args.backbone", "resnet18", "--model.init_args.backbone_kwargs", "{in_chans: 3, small_input: true}"]
+    assert cli_main(["fit", "--config", str(cfg), *resnet, "--trainer.max_steps", "1"]) == 0  # (its img_size is nominal)
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_a_batch_limit_of_1_is_one_batch(tmp_path):

@@ -67,6 +67,8 @@ def main(argv: list[str]) -> int:
     extra = dict(args.data_arg)
     if Path(args.images).is_dir():
         name, extra = "imagefolder", {"train_dir": args.images, **extra}
+    elif Path(args.images).exists():
+        raise ValueError(f"--images {args.images}: a file; name a folder of images or a dataset ({', '.join(sorted(DATASETS))})")
     elif args.images in DATASETS or re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", args.images):  # a name, or a datamodule's dotted path
         name = args.images
         datamodule_class(name, "--images")

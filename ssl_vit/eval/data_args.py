@@ -84,8 +84,19 @@ def parse_data_args(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in extra.items():
         if isinstance(value, ArgText):
-            text = (plain_type(hints.get(key)) or (None, False))[0] is str
-            value = str(value) if text else yaml.safe_load(value)
+            kind, optional = plain_type(hints.get(key)) or (None, False)
+            if optional and value.strip() in ("null", "~", "None", ""):
+                value = None
+            elif kind is str:
+                value = str(value)  # text stays text (train_dir=2024)
+            else:
+                parsed = yaml.safe_load(value)
+                if kind is float and isinstance(parsed, str):  # YAML 1.1 reads 1e-3 as text
+                    try:
+                        parsed = float(parsed)
+                    except ValueError:
+                        pass
+                value = parsed
         values[key] = value
     try:
         check_argument_types(cls, values, "--data-arg ")

@@ -127,6 +127,8 @@ class EvalResult:
         for name in ("backbone", "data", "metrics", "protocol_args", "pretrain"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"EvalResult.{name} must be a dict, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"EvalResult.source must be a non-empty string (a path or 'random'), got {self.source!r}")
         for name in ("backbone", "data"):
             if not isinstance(getattr(self, name).get("name"), str):
                 raise ValueError(f"EvalResult.{name} needs a string 'name' entry, got {getattr(self, name)!r}")
@@ -177,13 +179,13 @@ class EvalResult:
         return data_label(self.data)
 
     @property
-    def pretraining(self) -> tuple[str, Any, Any]:
-        """Which pretraining the backbone came from: its file (a normalised path; ``random``),
-        the step it was saved at and the data it was pretrained on. Records of one method,
-        backbone and dataset from different pretrainings (another run, or the same run's
-        ``last.ckpt`` further on) are rows of their own in ``compare`` and files of their own in
-        a results folder."""
-        return (os.path.normpath(self.source), self.pretrain.get("steps"), self.pretrain.get("data"))
+    def pretraining(self) -> tuple[str, Any]:
+        """Which pretraining the backbone came from: its file (``random``; evaluations record
+        it as an absolute path) and the step it was saved at. Records of one method, backbone
+        and dataset from different pretrainings (another run, or the same run's ``last.ckpt``
+        further on) are rows of their own in ``compare`` and files of their own in a results
+        folder."""
+        return (os.path.normpath(self.source), self.pretrain.get("steps"))
 
     @property
     def main_metric(self) -> float | None:

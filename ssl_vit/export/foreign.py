@@ -65,6 +65,11 @@ def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
         picked = _select_prefix(sd, ("teacher_backbone.",))
         if picked is not None:
             return picked
+    elif which not in (None, "student"):  # a method's own NAME_backbone
+        picked = _select_prefix(sd, (f"{which}_backbone.", f"module.{which}_backbone."))
+        if picked is None:
+            raise ValueError(f"which={which!r} but the state dict has no {which}_backbone.* weights")
+        return picked
     picked = _select_prefix(sd, ("module.base_encoder.", "base_encoder."))  # official MoCo v3
     if picked is not None:
         if which == "teacher":

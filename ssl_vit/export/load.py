@@ -145,7 +145,8 @@ def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
         "method": source.method,
         "which": source.which,
         "default_which": source.default_which,
-        "source": source.path,
+        # (absolute: records of one checkpoint agree however its path was typed)
+        "source": source.path if source.kind == "random" else str(Path(source.path).resolve()),
         "kind": source.kind,
         "data": source.data,
         "recipe": source.recipe,

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
+from ssl_vit.backbones import is_vit
 from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.io import stale_temporaries
@@ -155,16 +156,20 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
             if size % stride:
                 raise ConfigError(f"data.views {type(views).__name__}.{name} {size} is not divisible by the backbone's patch size {stride}")
     built = getattr(backbone, "img_size", None)
-    if built is not None and img is not None:
-        # The backbone's size is the largest crop it sees (DINO's global crops; one view's size).
+    if built is not None and img is not None and is_vit(backbone):  # (a ResNet takes any size)
+        # The backbone's size is the largest crop it sees (DINO's global crops; one view's size):
+        # larger crops than it was built for are a mistake; smaller ones resample its position
+        # embedding at every step, which a recipe may mean (training below the evaluation size).
         crops = _view_sizes(views, img) if views is not None else {}
         fed = max(crops.get("size", 0), crops.get("global_size", 0)) or img
         fed = (fed, fed) if isinstance(fed, int) else tuple(fed)
         if tuple(built) != fed:
-            raise ConfigError(
-                f"the backbone was built for {built[0]}x{built[1]} images (model backbone_kwargs.img_size) but the data gives "
-                f"{fed[0]}x{fed[1]} crops (data img_size / views); set them to match"
-            )
+            what = (f"the backbone was built for {built[0]}x{built[1]} images (model backbone_kwargs.img_size) but the data gives "
+                    f"{fed[0]}x{fed[1]} crops (data img_size / views)")
+            if fed[0] > built[0] or fed[1] > built[1]:
+                raise ConfigError(f"{what}; set them to match")
+            if rank_zero_only.rank == 0:
+                print(f"ssl-vit fit: note: {what}: its position embedding is resampled for them at every step", file=sys.stderr)
     chans = getattr(datamodule, "in_chans", None)
     if chans is not None and chans != backbone.in_chans:
         raise ConfigError(

@@ -123,9 +123,10 @@ class RecipeEvaluation:
         if "fewshot" in self.protocols and num_classes:
             shots = max(FEATURE_PROTOCOLS["fewshot"](**self.protocol_kwargs("fewshot")).shots)
             if shots * int(num_classes) > n:
+                most = n // int(num_classes)
+                fix = f"set evaluate.fewshot shots to at most {most}, or a larger {whence}" if most else f"a larger {whence}"
                 raise ValueError(f"evaluate.fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, "
-                                 f"more than the {n} of {whence}; set evaluate.fewshot shots to at most {n // int(num_classes)}, "
-                                 f"or a larger {whence}")
+                                 f"more than the {n} of {whence}; {fix}")
 
     def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
         """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""
@@ -154,7 +155,7 @@ class RecipeEvaluation:
             method=info.get("method") or "unknown", data={k: v for k, v in data.items() if v is not None},
             num_classes=int(num_classes), feature_mode=self.features, batch_size=self.batch_size,
             num_workers=int(getattr(datamodule, "num_workers", 0)), device=str(trainer.strategy.root_device),
-            source=str(checkpoint), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out_dir=out,
+            source=str(Path(checkpoint).resolve()), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out_dir=out,
         )
 
     def protocol_kwargs(self, protocol: str) -> dict[str, Any]:
