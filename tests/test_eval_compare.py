@@ -118,7 +118,7 @@ def test_a_folder_without_records_says_why_each_file_was_skipped(tmp_path, resul
         load_results([d])
     (d / "a.json").write_text(json.dumps({"method": "dino"}))
     (d / "b.json").write_text(json.dumps([1, 2]))
-    (d / "c.json").write_text(json.dumps([{"protocol": "knn", "metrics": {}}, {"protocol": "knn"}]))
+    (d / "c.json").write_text(json.dumps([{"method": "dino"}, {"protocol": "knn"}]))
     (d / "d.json").write_text("not json")
     (d / "e.json").write_text("[]")
     with pytest.raises(ValueError) as err:
@@ -126,7 +126,7 @@ def test_a_folder_without_records_says_why_each_file_was_skipped(tmp_path, resul
     assert str(err.value) == (
         f"no result records found in {d}: {d / 'a.json'}: no 'protocol'/'metrics' fields; "
         f"{d / 'b.json'}: item [0] of a list: a JSON number, not an object; "
-        f"{d / 'c.json'}: item [1] of a list: no 'metrics' field; and 2 more file(s)"
+        f"{d / 'c.json'}: item [0] of a list: no 'protocol'/'metrics' fields; and 2 more file(s)"
     )
     empty = tmp_path / "empty.json"
     empty.write_text("[]")
@@ -296,3 +296,10 @@ def test_the_pretraining_data_is_named_as_evaluation_data():
     assert pretraining_data({"name": "ImageFolderDataModule", "train_dir": "/data/imagenet/train"}) == "imagefolder:imagenet/train"
     assert pretraining_data({"name": "MyDataModule"}) == "MyDataModule"
     assert pretraining_data(None) is None
+
+
+def test_a_list_of_records_with_a_broken_item_in_a_folder_is_named(results_dir, tmp_path):
+    good = EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.5}).to_dict()
+    (results_dir / "mixed.json").write_text(json.dumps([good, {"protocol": "knn"}]))
+    with pytest.raises(ValueError, match=r"mixed.json: item \[1\] of a list: no 'metrics' field, beside result records"):
+        load_results([results_dir])

@@ -72,6 +72,9 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
                     skipped.append(f"{f}: not JSON")
                     continue
                 why = _not_records(d)
+                if why is not None and isinstance(d, list) and any(_not_records(r) is None for r in d):
+                    # some items are records: the others are broken records, not another kind of file
+                    raise ValueError(f"{f}: {why}, beside result records")
                 if why is not None:
                     skipped.append(f"{f}: {why}")
                     continue
