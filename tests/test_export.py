@@ -5,6 +5,7 @@ and the CLI. Checkpoints are written by a real Lightning Trainer after a couple 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -161,6 +162,18 @@ def test_an_encoder_of_a_method_of_ones_own_is_named_by_its_attribute(dino_ckpt,
     assert all(torch.equal(bare.state_dict()[k], v) for k, v in teacher.items())
     with pytest.raises(ValueError, match="which='nope' but the state dict has no nope_backbone"):
         load_any_backbone(tmp_path / "bare.pt", which="nope", backbone="vit", backbone_kwargs=TINY_BACKBONE["backbone_kwargs"])
+
+
+def test_a_checkpoint_and_its_export_are_one_pretraining(dino_ckpt, tmp_path):
+    from ssl_vit.eval.results import EvalResult
+
+    out = export_backbone(dino_ckpt, tmp_path / "exp").out_dir
+    records = []
+    for spec in (dino_ckpt, out, export_backbone(out, tmp_path / "exp2").out_dir):  # an export of the export too
+        _, info = load_any_backbone(spec)
+        assert info["pretrain"]["checkpoint"] == str(Path(dino_ckpt).resolve())
+        records.append(EvalResult("dino", {"name": "vit"}, {"name": "fashion_mnist"}, "knn", {"top1": 0.5}, pretrain=info["pretrain"], source=info["source"]))
+    assert len({r.pretraining for r in records}) == 1
 
 
 def test_dino_student_on_request(dino_ckpt, tmp_path):

@@ -102,7 +102,8 @@ class EvalResult:
         metrics: name -> value, accuracies as fractions in [0, 1].
         protocol_args: the protocol's settings (k, T, epochs, feature mode ...).
         pretrain: what the backbone cost and what it was pretrained on: ``steps``, ``epochs``,
-            ``flops``, ``wall_time_s``, ``global_batch_size``, ``data`` (any subset).
+            ``flops``, ``wall_time_s``, ``global_batch_size``, ``data``, ``checkpoint`` (the
+            absolute path of the checkpoint, also for an export of it) (any subset).
         source: checkpoint or export path the backbone came from, or ``"random"``.
         created: ISO-8601 time of the evaluation (UTC).
         ssl_vit_version: the package version that wrote the record.
@@ -180,12 +181,12 @@ class EvalResult:
 
     @property
     def pretraining(self) -> tuple[str, Any]:
-        """Which pretraining the backbone came from: its file (``random``; evaluations record
-        it as an absolute path) and the step it was saved at. Records of one method, backbone
+        """Which pretraining the backbone came from: its checkpoint (``pretrain.checkpoint``, the
+        same for an export of it; else ``source``; ``random``) and the step it was saved at. Records of one method, backbone
         and dataset from different pretrainings (another run, or the same run's ``last.ckpt``
         further on) are rows of their own in ``compare`` and files of their own in a results
         folder."""
-        return (os.path.normpath(self.source), self.pretrain.get("steps"))
+        return (os.path.normpath(self.pretrain.get("checkpoint") or self.source), self.pretrain.get("steps"))
 
     @property
     def main_metric(self) -> float | None:

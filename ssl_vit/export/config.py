@@ -67,6 +67,14 @@ def weights_format(model: nn.Module) -> str:
     return "ssl_vit"
 
 
+def source_origin(source: Any) -> str | None:
+    """The absolute path of the file a :class:`BackboneSource`'s weights were first read from: its
+    own path, or the checkpoint an export recorded (None for a random initialisation)."""
+    if source.origin:
+        return source.origin
+    return None if source.kind == "random" else str(Path(source.path).resolve())
+
+
 def timm_architecture(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
     """``(timm model name, model_args)`` that build the same network in timm, or ``None``."""
     if is_plain_vit(model):
@@ -233,6 +241,7 @@ def build_config(
         "which": source.which,
         "default_which": source.default_which,
         "source": source.path,
+        "origin": source_origin(source),
         "training": source.training,
         "data": source.data,
         "recipe": source.recipe,

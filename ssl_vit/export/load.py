@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone
 from ssl_vit.eval.results import pretraining_data
-from ssl_vit.export.config import resolve_normalization
+from ssl_vit.export.config import resolve_normalization, source_origin
 from ssl_vit.export.foreign import filter_foreign_state_dict, fit_state_dict, load_weights
 from ssl_vit.export.sources import BackboneSource, normalize_which, read_source
 
@@ -135,6 +135,7 @@ def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
         "wall_time_s": training.get("wall_time_s"),
         "global_batch_size": training.get("global_batch_size"),
         "data": pretraining_data(source.data),
+        "checkpoint": source_origin(source),  # (one pretraining, whether its checkpoint or an export of it is evaluated)
     }
     return {
         "name": source.backbone,

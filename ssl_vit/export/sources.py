@@ -93,6 +93,8 @@ class BackboneSource:
         method: the pretext method key (``dino``, ``mocov3``, ``mpp``, ``supervised``, ``random``).
         which: the encoder taken (``student``, ``teacher``, ``momentum``).
         default_which: the encoder the method is evaluated with by default, when recorded.
+        origin: the absolute path of the file the weights were first read from (an export keeps
+            its checkpoint's): one pretraining, whichever copy is evaluated.
         normalization: ``{"mean", "std", "source"}`` when the file records it.
         training: the run's record (``global_step``, ``epoch``, ``global_batch_size``,
             ``pretrain_flops`` ...), ``data`` the data record, ``recipe`` the resolved YAML.
@@ -106,6 +108,7 @@ class BackboneSource:
     method: str | None = None
     which: str | None = None
     default_which: str | None = None
+    origin: str | None = None
     normalization: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] | None = None
@@ -232,6 +235,7 @@ def _from_export_dir(folder: Path) -> BackboneSource:
         method=info.get("method"),
         which=info.get("which"),
         default_which=info.get("default_which"),
+        origin=info.get("origin"),
         normalization=info.get("normalization"),
         training=dict(info.get("training") or {}),
         data=info.get("data"),
