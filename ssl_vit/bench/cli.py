@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -108,14 +107,11 @@ def _check_options(args: argparse.Namespace) -> None:
 def _check_writable(path: Path) -> None:
     """The ``--json`` file can be written: its folder is made now and a file created in it, so
     a bad path fails before the measurements rather than after them."""
+    from ssl_vit.eval.options import check_output_folder
+
     if path.is_dir():
         raise IsADirectoryError(f"--json {path}: is a folder; give the path of a file")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as err:
-        raise OSError(f"--json {path}: cannot write in its folder {path.parent} ({err.strerror or err})") from None
+    check_output_folder(path.parent, f"--json {path}", create=True)
 
 
 def main(argv: list[str]) -> int:
