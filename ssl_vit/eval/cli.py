@@ -236,6 +236,7 @@ def main(argv: list[str]) -> int:
     num_classes = dm.num_classes
     if not num_classes:
         raise ValueError(f"{args.data}: evaluation needs labelled data (num_classes is unknown)")
+    test_ds = subsample(test_ds, args.test_subset, args.seed)
     # One class scores 100 % whatever the backbone: said before any feature is extracted.
     for split, dataset, folder in (("training", train_ds, data_args.get("train_dir")), ("test", test_ds, data_args.get("val_dir"))):
         classes = labelled_classes(dataset)
@@ -246,7 +247,6 @@ def main(argv: list[str]) -> int:
                              "evaluation needs at least 2 classes")
     if first_process:
         note_channel_conversion(train_ds, backbone.in_chans, "ssl-vit eval", f"--data {args.data}")
-    test_ds = subsample(test_ds, args.test_subset, args.seed)
     if args.protocol in ("knn", "frozen") and "knn" in getattr(args, "protocols", ["knn"]) and args.k > len(train_ds):
         raise ValueError(f"--k {args.k}: more neighbours than the {len(train_ds)} training images")
     data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}

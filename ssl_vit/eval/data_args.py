@@ -133,14 +133,20 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
 
 
 def labelled_classes(dataset: Any) -> int | None:
-    """How many classes the labelled images of an evaluation split (``eval_datasets``) hold;
-    None when its images do not list their labels."""
+    """How many classes the labelled images of an evaluation split (``eval_datasets``, or a
+    ``Subset`` of one: ``--test-subset``) hold; None when its images do not list their labels."""
+    import torch
+    from torch.utils.data import Subset
+
+    indices = None
+    if isinstance(dataset, Subset):
+        indices, dataset = dataset.indices, dataset.dataset
     labels = getattr(getattr(dataset, "source", None), "labels", None)
     if labels is None:
         return None
-    import torch
-
     labels = torch.as_tensor(labels)
+    if indices is not None:
+        labels = labels[torch.as_tensor(list(indices), dtype=torch.long)]
     return int(labels[labels >= 0].unique().numel())
 
 
