@@ -543,7 +543,7 @@ def test_data_of_one_class_is_refused_before_the_features(tmp_path, monkeypatch,
 def test_a_test_subset_of_one_class_is_refused_too(tmp_path, capsys):
     data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', {'a': 2, 'b': 2})}",
             "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', {'a': 2, 'b': 2})}", "--num-workers", "0", "--k", "1"]
-    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--test-subset", "1"]) == 1
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--test-subset", "1", "--out", str(tmp_path / "r")]) == 1
     assert f"the test images ({tmp_path}/val) are of 1 class; evaluation needs at least 2 classes" in capsys.readouterr().err
 
 
