@@ -8,10 +8,14 @@ one); anything richer is left to the callee."""
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
+
+# An option's rule: (is the value valid?, the rule as the message says it).
+OptionRule = tuple[Callable[[Any], bool], str]
 
 _PLAIN: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
@@ -63,3 +67,21 @@ def check_argument_types(fn: Callable[..., Any], kwargs: Mapping[str, Any], wher
         if (value is None and optional) or _accepts(kind, value):
             continue
         raise TypeError(f"{where}{name} must be {_PLAIN[kind]}{' or null' if optional else ''}, got {value!r}")
+
+
+def _finite(v: Any) -> bool:
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def check_option_values(args: Any, rules: Mapping[str, OptionRule]) -> None:
+    """Raise ``ValueError`` naming the first command-line option (``rules``: argparse dest ->
+    rule) whose value is not finite or breaks its rule: ``"--lr must be > 0, got -1"``. A list
+    value is checked as a whole and shown item by item; options ``args`` lacks are skipped."""
+    for dest, (valid, rule) in rules.items():
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        values = value if isinstance(value, list | tuple) else [value]
+        if not (all(_finite(v) for v in values) and valid(value)):
+            shown = " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+            raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {shown}")

@@ -13,9 +13,9 @@ keeps the two in step); ``--epochs`` and ``--subset`` scale the budget, ``--quic
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,21 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace, batch_size: int) -> None:
     """The numeric options, before anything is trained: a value that cannot work is one line now,
     not a failure after the first method's pretraining."""
-    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
-        raise ValueError(f"--epochs must be a positive number, got {args.epochs:g}")
-    ranges = {
+    from ssl_vit.arguments import check_option_values
+
+    def within(low: int, high: int) -> Callable[[Any], bool]:
+        return lambda v: v is None or low <= v <= high
+
+    check_option_values(args, {
+        "epochs": (lambda v: v is None or v > 0, "a positive number"),
         # a subset smaller than one batch leaves no full training batch
-        "subset": (args.subset, batch_size, TRAIN_IMAGES, f"at least one batch of {batch_size}, at most the {TRAIN_IMAGES} training images"),
-        "eval_train": (args.eval_train, KNN_K, TRAIN_IMAGES, f"at least the kNN's k={KNN_K}, at most the {TRAIN_IMAGES} training images"),
-        "eval_test": (args.eval_test, 1, TEST_IMAGES, f"at most the {TEST_IMAGES} test images"),
-        "num_workers": (args.num_workers, 0, None, ""),
-        "seed": (args.seed, 0, 2**32 - 1, ""),
-    }
-    for name, (value, low, high, why) in ranges.items():
-        if value is None or (value >= low and (high is None or value <= high)):
-            continue
-        bounds = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ValueError(f"--{name.replace('_', '-')} must be {bounds}" + (f" ({why})" if why else "") + f", got {value}")
+        "subset": (within(batch_size, TRAIN_IMAGES), f"in {batch_size}..{TRAIN_IMAGES} (at least one batch of {batch_size}, "
+                                                     f"at most the {TRAIN_IMAGES} training images)"),
+        "eval_train": (within(KNN_K, TRAIN_IMAGES), f"in {KNN_K}..{TRAIN_IMAGES} (at least the kNN's k={KNN_K}, "
+                                                    f"at most the {TRAIN_IMAGES} training images)"),
+        "eval_test": (within(1, TEST_IMAGES), f"in 1..{TEST_IMAGES} (at most the {TEST_IMAGES} test images)"),
+        "num_workers": (lambda v: v >= 0, ">= 0"),
+        "seed": (within(0, 2**32 - 1), f"in 0..{2**32 - 1}"),
+    })
 
 
 def earlier_run(out: Path) -> list[Path]:

@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.arguments import OptionRule, check_option_values
 from ssl_vit.bench.config import METHOD_NAMES, RESULT_FORMAT, preset
 from ssl_vit.bench.report import format_report
 
 # The numeric options and the least value each takes (warm-up steps may be none at all).
 _AT_LEAST: dict[str, int] = {"steps": 1, "warmup": 0, "backbone_batch": 1, "method_batch": 1, "threads": 1}
+# (unset: the preset's value)
+_OPTION_RULES: dict[str, OptionRule] = {name: (lambda v, least=least: v is None or v >= least, f">= {least}") for name, least in _AT_LEAST.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,10 +95,7 @@ def _json_kind(value: Any) -> str:
 
 def _check_options(args: argparse.Namespace) -> None:
     """The numeric options, before anything is measured."""
-    for name, least in _AT_LEAST.items():
-        value = getattr(args, name)
-        if value is not None and value < least:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    check_option_values(args, _OPTION_RULES)
     methods = args.methods or METHOD_NAMES
     if args.method_batch is not None and args.method_batch < 2 and "mocov3" in methods:
         raise ValueError(

@@ -4,10 +4,10 @@ with, and output folders that could not take its records or its fine-tuned model
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from ssl_vit.arguments import OptionRule, check_option_values
 
 
 def check_output_folder(folder: str | Path, what: str, create: bool = False) -> None:
@@ -58,12 +58,8 @@ def check_export(export: str, create: bool = False) -> None:
     check_output_folder(path if path.is_dir() else path.parent, f"--export {export}", create)
 
 
-def _finite(v: Any) -> bool:
-    return not isinstance(v, float) or math.isfinite(v)
-
-
 # dest: (valid?, the rule as the message says it). Checked for the options a protocol has.
-_OPTION_RULES: dict[str, tuple[Any, str]] = {
+_OPTION_RULES: dict[str, OptionRule] = {
     "batch_size": (lambda v: v >= 1, ">= 1"),
     "num_workers": (lambda v: v >= 0, ">= 0"),
     "train_subset": (lambda v: v is None or v >= 1, ">= 1 (images)"),
@@ -95,11 +91,4 @@ _OPTION_RULES: dict[str, tuple[Any, str]] = {
 def check_options(args: argparse.Namespace) -> None:
     """Refuse the option values an evaluation cannot run with (or would record without running
     them: a negative MixUp alpha is off), before anything is loaded, naming the option."""
-    for dest, (valid, rule) in _OPTION_RULES.items():
-        if not hasattr(args, dest):
-            continue
-        value = getattr(args, dest)
-        values = value if isinstance(value, list | tuple) else [value]
-        if not (all(_finite(v) for v in values) and valid(value)):
-            shown = " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
-            raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {shown}")
+    check_option_values(args, _OPTION_RULES)
