@@ -23,6 +23,12 @@ DATASETS = {
 }
 
 
+def dataset_name(class_name: str) -> str:
+    """``FashionMNISTDataModule`` -> ``fashion_mnist``: a datamodule as ``--data`` names it (and
+    result records do), or its class name when ``--data`` has no name for it."""
+    return next((name for name, cls in DATASETS.items() if cls == class_name), class_name)
+
+
 def key_value(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")

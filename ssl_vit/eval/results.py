@@ -60,10 +60,9 @@ def pretraining_data(record: Mapping[str, Any] | None) -> str | None:
     datamodule's class name, an image folder's ``train_dir``); None when it records none."""
     if not record or not isinstance(record.get("name"), str):
         return None
-    from ssl_vit.eval.data_args import DATASETS
+    from ssl_vit.eval.data_args import dataset_name
 
-    key = {cls: key for key, cls in DATASETS.items()}.get(record["name"], record["name"])
-    return data_label({**record, "name": key})
+    return data_label({**record, "name": dataset_name(record["name"])})
 
 
 def read_json(path: str | os.PathLike) -> Any:

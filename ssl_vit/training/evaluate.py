@@ -167,9 +167,6 @@ class RecipeEvaluation:
 def datamodule_name(datamodule: L.LightningDataModule) -> str:
     """``FashionMNISTDataModule`` -> ``fashion_mnist``: the names ``ssl-vit eval --data`` uses, so
     that ``compare`` puts a recipe's records beside those of ``ssl-vit eval``."""
-    from ssl_vit.eval.data_args import DATASETS
+    from ssl_vit.eval.data_args import dataset_name
 
-    for name, class_name in DATASETS.items():
-        if class_name == type(datamodule).__name__:
-            return name
-    return type(datamodule).__name__
+    return dataset_name(type(datamodule).__name__)
