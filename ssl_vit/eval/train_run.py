@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
@@ -28,7 +27,7 @@ from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
 from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
-from ssl_vit.training.step_checkpoint import StepCheckpoint, newest_checkpoint
+from ssl_vit.training.step_checkpoint import StepCheckpoint, load_record, newest_checkpoint
 
 ModuleFactory = Callable[[int, int, int], L.LightningModule]
 """``(total_steps, steps_per_epoch, world_size) -> module``: the module to train, its LR schedule
@@ -196,7 +195,7 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
     """A run's checkpoint, its tensors memory-mapped (not read); None when it is not one (Lightning
     then says why it cannot load it)."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = load_record(path)
     except Exception:  # not a checkpoint of this torch: left to Lightning's loading
         return None
     return checkpoint if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), Mapping) else None

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Union
 
 import lightning as L
-import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -52,6 +51,7 @@ from ssl_vit.training.step_checkpoint import (
     StepCheckpoint,
     default_checkpoint_dir,
     hpc_checkpoints,
+    load_record,
     newest_checkpoint,
 )
 
@@ -349,10 +349,7 @@ def check_continuable(model: PretextModule, ckpt_path: str) -> None:
     if not Path(ckpt_path).is_file():
         raise ConfigError(f"--ckpt_path {ckpt_path}: no such file")
     try:
-        try:  # memory-mapped: only the small record is read
-            checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
-        except RuntimeError:  # a file system without mmap, or an old serialisation format
-            checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        checkpoint = load_record(ckpt_path)  # memory-mapped: only the small record is read
     except Exception as err:  # not a checkpoint at all
         raise ConfigError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({type(err).__name__}: {_one_line(str(err))})") from None
     meta = (checkpoint.get("ssl_vit") if isinstance(checkpoint, dict) else None) or {}

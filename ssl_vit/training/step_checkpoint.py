@@ -147,13 +147,22 @@ def newest_checkpoint(dirpath: str | Path, root_dir: str | Path | None = None) -
     return max(files, key=lambda p: (recorded_step(p), p.stat().st_mtime_ns, p.name == "last.ckpt", p.name)) if files else None
 
 
-def recorded_step(path: str | Path) -> int:
-    """The ``global_step`` a Lightning checkpoint records (its tensors memory-mapped, not read);
-    -1 for a file that is not one."""
+def load_record(path: str | Path) -> Any:
+    """A checkpoint's content with its tensors memory-mapped, not read (the record and the keys
+    are what is wanted); raises what ``torch.load`` raises for a file that is not one."""
     import torch
 
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except RuntimeError:  # a file system without mmap, or an old serialisation format
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def recorded_step(path: str | Path) -> int:
+    """The ``global_step`` a Lightning checkpoint records (its tensors memory-mapped, not read);
+    -1 for a file that is not one."""
+    try:
+        checkpoint = load_record(path)
     except Exception:  # not a checkpoint (or not of this torch): ordered by time alone
         return -1
     step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
