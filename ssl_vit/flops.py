@@ -180,15 +180,26 @@ def method_step_flops(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     own = getattr(module, "step_flops", None)  # a method's own count (PretextModule.step_flops)
     counted = own(shapes, world_size) if callable(own) else None
-    if counted is not None or not isinstance(module, MoCoV3 | DINO | MPP | Supervised):
-        if counted is None:
-            raise NoFlopModel(
-                f"no FLOP model for {type(module).__name__}: method_step_flops knows MPP, MoCoV3, DINO and Supervised, "
-                "and a PretextModule may count its own in step_flops (or measure with flop_counter())"
-            )
+    if counted is not None:
         total = float(counted)
-        probe = getattr(module, "probe", None)
-        return total + (2.0 * linear_flops(probe) if include_probe and probe is not None else 0.0)
+    elif isinstance(module, MoCoV3 | DINO | MPP | Supervised):
+        total = _builtin_step_flops(module, shapes, world_size)
+    else:
+        raise NoFlopModel(
+            f"no FLOP model for {type(module).__name__}: method_step_flops knows MPP, MoCoV3, DINO and Supervised, "
+            "and a PretextModule may count its own in step_flops (or measure with flop_counter())"
+        )
+    probe = getattr(module, "probe", None)
+    if include_probe and probe is not None:
+        total += 2.0 * linear_flops(probe)
+    return total
+
+
+def _builtin_step_flops(module: nn.Module, shapes: list[Shape], world_size: int) -> float:
+    """FLOPs per image of a built-in method's step, the online probe aside (see
+    :func:`method_step_flops`)."""
+    from ssl_vit.pretext import DINO, MPP, MoCoV3
+
     batch = shapes[0][0]
     backbone = module.backbone
     shape_of = module.shape_before_wrapping  # (FSDP flattens the parameters)
@@ -223,9 +234,6 @@ def method_step_flops(
         total = backbone_train_flops(backbone, s[-2:], shape_of) + 3.0 * k * linear_flops(module.head)
     else:  # Supervised
         total = backbone_train_flops(backbone, shapes[0][-2:], shape_of) + 3.0 * linear_flops(module.classifier)
-    probe = getattr(module, "probe", None)
-    if include_probe and probe is not None:
-        total += 2.0 * linear_flops(probe)
     return total
 
 
