@@ -99,6 +99,22 @@ def test_main_writes_report_and_figures(results_dir, tmp_path, capsys):
         assert (out.parent / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def spy_on_axes(monkeypatch) -> list:
+    """The axes of every figure compare draws from now on (filled as they are made)."""
+    from ssl_vit.eval import compare
+
+    axes: list = []
+    real_figure = compare._figure
+
+    def spy(*args, **kwargs):
+        fig, made = real_figure(*args, **kwargs)
+        axes.extend(made)
+        return fig, made
+
+    monkeypatch.setattr(compare, "_figure", spy)
+    return axes
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_results([tmp_path / "nothing.json"])
@@ -195,15 +211,7 @@ def test_image_folder_datasets_are_told_apart_in_rows_baselines_files_and_the_co
     assert cmp.get(imagenet, "linear", "Δ sup") is None  # no supervised record on that dataset
     assert cmp.get(flowers, "linear", "Δ sup") == pytest.approx(0.90 - 0.95)
     assert len({result_path(tmp_path, r) for r in records}) == 3  # no record overwrites another on disk
-    axes = []
-    real_figure = compare._figure
-
-    def spy(*args, **kwargs):
-        fig, made = real_figure(*args, **kwargs)
-        axes.extend(made)
-        return fig, made
-
-    monkeypatch.setattr(compare, "_figure", spy)
+    axes = spy_on_axes(monkeypatch)
     compare.plot_compute(records, tmp_path / "compute.png")
     lines = sorted((line.get_label(), len(line.get_xdata())) for ax in axes for line in ax.get_lines())
     assert lines == [("dino, imagefolder:flowers/train", 1), ("dino, imagefolder:imagenet/train", 1),
@@ -240,17 +248,9 @@ def test_each_pretraining_is_a_row_of_its_own_and_a_point_of_the_compute_plot(tm
     assert cmp.get(rows["vit_tiny/4 (30 ep)"], "knn", "top1") == pytest.approx(0.81)
     assert cmp.get(rows["vit_tiny/4 (10 ep)"], "knn", "Δ sup") == pytest.approx(0.70 - 0.85)
     assert ("supervised", "vit_tiny/4", "fashion_mnist") in cmp.rows  # one pretraining: no tag
-    lines = []
-    real_figure = compare._figure
-
-    def spy(*args, **kwargs):
-        fig, axes = real_figure(*args, **kwargs)
-        lines.append(axes)
-        return fig, axes
-
-    monkeypatch.setattr(compare, "_figure", spy)
+    axes = spy_on_axes(monkeypatch)
     compare.plot_compute(cmp.results, tmp_path / "compute.png")
-    (dino_line,) = [line for line in lines[0][0].get_lines() if line.get_label() == "dino"]
+    (dino_line,) = [line for line in axes[0].get_lines() if line.get_label() == "dino"]
     assert list(dino_line.get_xdata()) == [1e15, 2e15, 3e15]
 
 
