@@ -151,8 +151,9 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         if sizes[0] % stride or sizes[1] % stride:
             raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {stride}")
     views = getattr(datamodule, "views", None)
-    if stride and views is not None:
-        for name, size in _view_sizes(views, img).items():
+    crops = _view_sizes(views, img) if views is not None else {}
+    if stride:
+        for name, size in crops.items():
             if size % stride:
                 raise ConfigError(f"data.views {type(views).__name__}.{name} {size} is not divisible by the backbone's patch size {stride}")
     built = getattr(backbone, "img_size", None)
@@ -160,7 +161,6 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         # The backbone's size is the largest crop it sees (DINO's global crops; one view's size):
         # larger crops than it was built for are a mistake; smaller ones resample its position
         # embedding at every step, which a recipe may mean (training below the evaluation size).
-        crops = _view_sizes(views, img) if views is not None else {}
         fed = max(crops.get("size", 0), crops.get("global_size", 0)) or img
         fed = (fed, fed) if isinstance(fed, int) else tuple(fed)
         if tuple(built) != fed:
