@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     from torch.utils.data import DataLoader
 
     from ssl_vit.analysis.render import FIGURES, applicable_figures, render_all
-    from ssl_vit.eval.data_args import build_datamodule, note_channel_conversion
+    from ssl_vit.eval.data_args import build_datamodule, note_channel_conversion, parse_data_args
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
     from ssl_vit.runtime import resolve_device
@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
             raise ValueError("--images imagefolder needs --data-arg train_dir=DIR; or name the folder itself: --images DIR")
     else:
         raise FileNotFoundError(f"--images {args.images!r} is neither a folder nor a dataset ({', '.join(sorted(DATASETS))})")
+    extra = parse_data_args(name, extra)  # before the datamodule compares or opens them
     device = resolve_device(args.device)
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
     backbone = backbone.to(device)

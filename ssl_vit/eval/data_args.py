@@ -114,10 +114,10 @@ def parse_data_args(name: str, extra: dict[str, Any]) -> dict[str, Any]:
 def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], train_subset: int | None, img_size: int | None = None,
                      option: str = "--data") -> Any:
     """The named datamodule at the backbone's resolution and channels, normalised as in pretraining.
-    ``extra`` holds the ``--data-arg`` values, checked against the datamodule's arguments;
-    ``option`` is the command's option that names the data (in its messages)."""
+    ``extra`` holds the ``--data-arg`` values as :func:`parse_data_args` reads them, checked
+    against the datamodule's arguments; ``option`` is the command's option that names the data
+    (in its messages)."""
     cls = datamodule_class(name)
-    extra = parse_data_args(name, extra)  # before the datamodule compares or opens them
     kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans, "subset": train_subset}
     # The statistics the backbone was trained with when it records them, ImageNet's for foreign
     # 3-channel weights that record none (what timm's expect); else (a random initialisation,
