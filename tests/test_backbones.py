@@ -419,3 +419,70 @@ def test_a_backbone_argument_of_the_wrong_type_is_named(kwargs, message):
         create_backbone("vit", **{"img_size": 28, "patch_size": 7, "embed_dim": 32, "depth": 1, "num_heads": 2, **kwargs})
     assert message in str(err.value)
     create_backbone("vit", img_size=[28, 14], patch_size=7, embed_dim=32, depth=1, num_heads=2, drop_path_rate=0)  # an int where a float goes
+
+
+# ----------------------------------------------------------------------------- sizes (`ssl-vit backbones`)
+
+
+@pytest.mark.parametrize(
+    ("name", "peer"),
+    [
+        ("vit_small", lambda: timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=0)),
+        ("resnet50", lambda: torchvision.models.resnet50(num_classes=1)),
+    ],
+)
+def test_backbone_size_matches_the_peer_model_counted_by_torch(name, peer):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ssl_vit.backbones.cli import backbone_size
+
+    size = backbone_size(name, 224, {"img_size": 224})
+    with torch.device("meta"):
+        model = peer()
+    params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("fc."))  # torchvision's classifier
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.empty(1, 3, 224, 224, device="meta"))
+    fc = 2 * 2048 if name == "resnet50" else 0  # torchvision's 1-class classifier, not part of the backbone
+    assert size.params == params
+    assert size.forward_flops == pytest.approx(counter.get_total_flops() - fc, rel=1e-6)
+    assert size.tokens == (197 if name == "vit_small" else None)
+    # a training pass: 3x the forward, less the image's gradient through the first layer
+    assert 2.9 * size.forward_flops < size.train_flops < 3 * size.forward_flops
+
+
+def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(capsys):
+    from ssl_vit.backbones.cli import main
+
+    assert main(["--img-size", "28", "--in-chans", "1", "--sort", "flops", "--no-kwargs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("at 28x28 px, 1 channel;")
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert set(rows) == set(list_backbones())
+    assert "(image size 28x28 is not divisible by the patch size 16)" in rows["vit_small"]
+    sized = [line.split()[0] for line in lines[2:] if "not divisible" not in line]
+    flops = [float(rows[n].split()[2]) for n in sized]
+    assert "resnet18" in sized and flops == sorted(flops) and lines.index(rows["vit_small"]) > lines.index(rows["resnet50"])
+
+    # an --arg goes to the backbones that take it: the ResNet's CIFAR stem beside a ViT
+    assert main(["vit_tiny", "resnet18", "--img-size", "28", "--patch-size", "7", "--arg", "small_input=true", "--no-kwargs"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["vit_tiny"][4] == "17" and float(rows["resnet18"][2]) > 0.5  # stride-1 stem, no max-pool: 0.91 (0.07 without)
+
+
+def test_backbones_command_errors_name_the_problem(capsys):
+    from ssl_vit.backbones.cli import main
+
+    with pytest.raises(ValueError, match="backbone 'vit_tiny': image size 30x30 is not divisible by the patch size 16"):
+        main(["vit_tiny", "--img-size", "30"])
+    with pytest.raises(ValueError, match=r"backbone 'resnet18' takes no argument\(s\) \['small_inpt'\]; it accepts: img_size, in_chans"):
+        main(["resnet18", "--arg", "small_inpt=1"])
+    with pytest.raises(ValueError, match=r"none of these backbones takes the argument\(s\) \['depth'\]; they accept: "):
+        main(["resnet18", "resnet50", "--arg", "depth=3"])
+    with pytest.raises(ValueError, match="unknown backbone 'vit_smal'"):
+        main(["vit_smal"])
+    with pytest.raises(ValueError, match="must be positive"):
+        main(["--img-size", "0"])
+    # a named `vit` takes its shape from --arg; values are read as YAML (numbers are numbers)
+    assert main(["vit", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4", "--img-size", "28", "--patch-size", "7", "--no-kwargs"]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split()
+    assert row[0] == "vit" and row[1] == "0.8M" and row[4] == "17"
