@@ -64,6 +64,7 @@ SHAPE_CASES = [
     ("hybrid_r50_vit_large", {}, 1024, 197),
     ("hybrid_r18_vit_tiny", {}, 192, 197),
     ("hybrid_r18_vit_small", {"num_stages": 2}, 384, 785),
+    ("hybrid", {"resnet": "resnet18", "embed_dim": 64, "depth": 4, "num_heads": 4}, 64, 197),
     ("resnet18", {}, 512, None),
     ("resnet34", {}, 512, None),
     ("resnet50", {}, 2048, None),
@@ -459,7 +460,8 @@ def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(c
     rows = {line.split()[0]: line for line in lines[2:]}
     assert set(rows) == set(list_backbones())
     assert "(image size 28x28 is not divisible by the patch size 16)" in rows["vit_small"]
-    sized = [line.split()[0] for line in lines[2:] if "not divisible" not in line]
+    assert "(sized when --arg gives embed_dim, depth, num_heads)" in rows["vit"]
+    sized = [line.split()[0] for line in lines[2:] if line.split()[2] != "-"]
     flops = [float(rows[n].split()[2]) for n in sized]
     assert "resnet18" in sized and flops == sorted(flops) and lines.index(rows["vit_small"]) > lines.index(rows["resnet50"])
 
@@ -486,3 +488,15 @@ def test_backbones_command_errors_name_the_problem(capsys):
     assert main(["vit", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4", "--img-size", "28", "--patch-size", "7", "--no-kwargs"]) == 0
     row = capsys.readouterr().out.splitlines()[2].split()
     assert row[0] == "vit" and row[1] == "0.8M" and row[4] == "17"
+    with pytest.raises(ValueError, match=r"backbone 'vit' has no shape of its own: set embed_dim, depth, num_heads with --arg"):
+        main(["vit"])  # (it would build ViT-B's defaults: not what a user asking for `vit` means)
+    with pytest.raises(ValueError, match=r"backbone 'hybrid' has no shape of its own: set resnet with --arg"):
+        main(["hybrid", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4"])
+
+
+def test_a_hybrid_of_any_width_sits_beside_small_vits():
+    # `hybrid`: ResNet-18's stem and first stage (stride 4 at 28 px: 7x7 tokens) feeding a 4-layer D=128 ViT
+    hybrid = create_backbone("hybrid", resnet="resnet18", embed_dim=128, depth=4, num_heads=4, img_size=28, in_chans=1, num_stages=1)
+    assert hybrid.grid_size == (7, 7) and hybrid.embed_dim == 128 and len(hybrid.blocks) == 4
+    assert hybrid(torch.randn(2, 1, 28, 28)).shape == (2, 128)
+    assert hybrid.get_attention_maps(torch.randn(1, 1, 28, 28))[0].shape == (1, 4, 50, 50)

@@ -55,5 +55,11 @@ for _resnet, _size in (("resnet50", "small"), ("resnet50", "base"), ("resnet50",
         )
     )
 
+# Any other hybrid (small ones to set beside small ViTs and ResNets at equal compute): the ResNet
+# and the Transformer's width, depth and heads free.
+register_backbone(
+    BackboneSpec("hybrid", hybrid_vit, description="resnet18/resnet50 stages feeding a ViT of any width/depth/heads (set resnet, embed_dim, depth, num_heads)")
+)
+
 for _arch in ("resnet18", "resnet34", "resnet50", "resnet101"):
     register_backbone(BackboneSpec(_arch, ResNetBackbone, fixed={"arch": _arch}, description=f"torchvision {_arch}, no classifier"))
