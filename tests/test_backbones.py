@@ -489,7 +489,9 @@ def test_backbones_command_errors_name_the_problem(capsys):
     row = capsys.readouterr().out.splitlines()[2].split()
     assert row[0] == "vit" and row[1] == "0.8M" and row[4] == "17"
     with pytest.raises(ValueError, match=r"backbone 'vit' has no shape of its own: set embed_dim, depth, num_heads with --arg"):
-        main(["vit"])  # (it would build ViT-B's defaults: not what a user asking for `vit` means)
+        main(["vit"])
+    with pytest.raises(TypeError, match=r"backbone 'vit' needs depth \(it has no shape of its own"):
+        create_backbone("vit", embed_dim=64, num_heads=4)  # not ViT-B's 12 layers behind the user's back
     with pytest.raises(ValueError, match=r"backbone 'hybrid' has no shape of its own: set resnet with --arg"):
         main(["hybrid", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4"])
 

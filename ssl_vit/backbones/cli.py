@@ -55,10 +55,6 @@ def backbone_size(name: str, img_size: int, kwargs: dict[str, Any]) -> BackboneS
     )
 
 
-# The arguments that make a shape: a registered size fixes them, `vit` and `hybrid` leave them to the user.
-SHAPE_ARGS = {"resnet": "resnet18", "embed_dim": 192, "depth": 12, "num_heads": 3}
-
-
 def _key_value(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -96,11 +92,10 @@ def main(argv: list[str]) -> int:
     for name in names:
         allowed = set(get_spec(name).allowed_kwargs())
         kwargs = {k: v for k, v in {**settings, **extra}.items() if k in allowed}
-        unset = [k for k in SHAPE_ARGS if k in allowed and k not in extra]
+        unset = [k for k in get_spec(name).required if k not in extra]
         if unset:  # `vit`, `hybrid`: a shape of one's own, not a size of their own
-            needs = f"set {', '.join(unset)} with --arg"
             if args.names:
-                raise ValueError(f"backbone {name!r} has no shape of its own: {needs} (e.g. --arg {unset[0]}={SHAPE_ARGS[unset[0]]})")
+                raise ValueError(f"backbone {name!r} has no shape of its own: set {', '.join(unset)} with --arg (e.g. --arg {unset[0]}=...)")
             rows.append((name, f"sized when --arg gives {', '.join(unset)}"))
             continue
         try:

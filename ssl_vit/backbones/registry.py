@@ -20,10 +20,15 @@ from ssl_vit.arguments import check_argument_types
 
 @dataclass(frozen=True)
 class BackboneSpec:
+    """A registered architecture: ``build(**fixed, **kwargs)``. ``required``: the kwargs a user
+    must give (`vit`'s width, depth and heads: it has no shape of its own, though
+    ``VisionTransformer`` alone would default to ViT-B's)."""
+
     name: str
     build: Callable[..., nn.Module]
     fixed: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    required: tuple[str, ...] = ()
 
     def allowed_kwargs(self) -> list[str]:
         params = inspect.signature(self.build).parameters
@@ -80,6 +85,9 @@ def create_backbone(name: str, **kwargs: Any) -> nn.Module:
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"backbone {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(allowed)}")
+    missing = [k for k in spec.required if k not in kwargs]
+    if missing:
+        raise TypeError(f"backbone {name!r} needs {', '.join(missing)} (it has no shape of its own; or pick a sized one, e.g. vit_small)")
     check_argument_types(spec.build, kwargs, f"backbone {name!r}: ")
     model = spec.build(**spec.fixed, **kwargs)
     model.backbone_name = name

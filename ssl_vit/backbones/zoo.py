@@ -39,7 +39,10 @@ register_backbone(
 )
 
 # Any other shape (small ViTs for 2-core CPU runs and tests): every argument free, timm layout kept.
-register_backbone(BackboneSpec("vit", VisionTransformer, description="ViT of any width/depth/heads (set embed_dim, depth, num_heads)"))
+register_backbone(
+    BackboneSpec("vit", VisionTransformer, description="ViT of any width/depth/heads (set embed_dim, depth, num_heads)",
+                 required=("embed_dim", "depth", "num_heads"))
+)
 
 # Hybrids: the ViT paper's R50+ViT-B/16 (stride-16 map from the extended stage 3), and a small
 # ResNet-18 hybrid for 28–32 px images (use small_input=True, num_stages=2 or 3).
@@ -58,7 +61,8 @@ for _resnet, _size in (("resnet50", "small"), ("resnet50", "base"), ("resnet50",
 # Any other hybrid (small ones to set beside small ViTs and ResNets at equal compute): the ResNet
 # and the Transformer's width, depth and heads free.
 register_backbone(
-    BackboneSpec("hybrid", hybrid_vit, description="resnet18/resnet50 stages feeding a ViT of any width/depth/heads (set resnet, embed_dim, depth, num_heads)")
+    BackboneSpec("hybrid", hybrid_vit, description="resnet18/resnet50 stages feeding a ViT of any width/depth/heads (set resnet, embed_dim, depth, num_heads)",
+                 required=("resnet", "embed_dim", "depth", "num_heads"))
 )
 
 for _arch in ("resnet18", "resnet34", "resnet50", "resnet101"):
