@@ -205,6 +205,26 @@ def test_resample_matches_timm_and_is_identity_on_same_grid():
     assert resample_pos_embed(pe, (4, 4), (4, 4)) is pe
 
 
+def test_resampling_a_grid_that_is_not_square_matches_timm():
+    # a 3x5 grid (a 48x80 px model at patch 16) to 6x10 and to 5x3: rows and columns kept apart
+    pe = torch.randn(1, 1 + 3 * 5, 16)
+    for new in ((6, 10), (5, 3)):
+        ref = resample_abs_pos_embed(pe, new, (3, 5), num_prefix_tokens=1)
+        assert torch.allclose(resample_pos_embed(pe, new, (3, 5)), ref, atol=1e-6)
+
+
+def test_average_pooling_matches_timms_avg_pool_vit():
+    # global_pool="avg": the mean of the patch tokens after the final LayerNorm, [CLS] left out
+    # (timm's global_pool="avg" with fc_norm=False, the layout our exports declare)
+    torch.manual_seed(0)
+    ours = create_backbone("vit_tiny", img_size=32, patch_size=8, global_pool="avg").eval()
+    ref = _timm_twin("vit_tiny", img_size=32, patch_size=8, global_pool="avg", fc_norm=False)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max() < 1e-5
+
+
 def test_set_img_size_changes_the_grid_permanently():
     torch.manual_seed(0)
     m = create_backbone("vit_tiny", img_size=32, patch_size=8).eval()

@@ -11,6 +11,7 @@ from ssl_vit import create_backbone
 from ssl_vit.backbones import VisionTransformer
 from ssl_vit.eval.finetune import (
     FineTuneModule,
+    new_head,
     param_groups_layer_decay,
     run_finetune,
     set_drop_path,
@@ -244,3 +245,20 @@ def test_a_run_dir_of_another_run_is_refused_in_one_line_before_lightning_loads_
 def test_fine_tuning_settings_it_cannot_run_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FineTuneModule(tiny_vit(), 3, **kwargs)
+
+
+def test_the_training_loss_is_label_smoothed_cross_entropy_from_a_near_zero_head(monkeypatch):
+    # MAE main_finetune.py: the head starts trunc-normal(std 2e-5) (predictions near uniform);
+    # the loss is cross-entropy with label smoothing 0.1.
+    head = new_head(512, 100, seed=0)
+    assert float(head.weight.std()) == pytest.approx(2e-5, rel=0.05)  # (truncated at ±2 absolute, as timm's: in effect not)
+    assert not head.bias.any()
+    module = FineTuneModule(tiny_vit(), 3, drop_path_rate=0.0, label_smoothing=0.1)
+    torch.nn.init.normal_(module.head.weight)  # logits away from uniform, where smoothing shows
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 0])
+    loss = module.training_step((x, y), 0)
+    with torch.no_grad():
+        logp = module(x).log_softmax(-1)
+    smoothed = 0.9 * torch.nn.functional.one_hot(y, 3) + 0.1 / 3  # (1 - ε) onehot + ε / K
+    assert loss.item() == pytest.approx(-(smoothed * logp).sum(-1).mean().item(), rel=1e-5)

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from ssl_vit.eval.linear import LARS, LinearProbe
@@ -62,3 +63,24 @@ def test_lars_gets_maes_base_lr_when_none_is_given():
     default = LinearProbe(epochs=30, batch_size=128, optimizer="lars").evaluate(xtr, ytr, xte, yte)["top1"]
     sgd_lr = LinearProbe(epochs=30, batch_size=128, optimizer="lars", base_lr=0.01).evaluate(xtr, ytr, xte, yte)["top1"]
     assert default > 0.5 > 0.3 > sgd_lr
+
+
+def test_the_probe_lr_is_scaled_by_the_batch_and_warms_up_then_decays(monkeypatch):
+    # MAE main_linprobe.py: lr = base_lr x batch / 256; per step a linear warm-up, then cosine to 0
+    import ssl_vit.eval.linear as linear
+
+    lrs, real = [], linear.warmup_cosine
+
+    def spy(opt, *args):
+        sched = real(opt, *args)
+        step = sched.step  # called after each optimiser step: the LR that step used
+        sched.step = lambda: (lrs.append(opt.param_groups[0]["lr"]), step())
+        return sched
+
+    monkeypatch.setattr(linear, "warmup_cosine", spy)
+    x, y = torch.randn(128, 4), torch.arange(128) % 2
+    LinearProbe(epochs=4, batch_size=64, base_lr=0.1, warmup_epochs=1).fit(x, y, 2)  # 2 steps an epoch, 8 in all
+    peak = 0.1 * 64 / 256
+    assert lrs[:2] == pytest.approx([peak / 2, peak])  # warm-up over the first 2 steps
+    assert lrs[2] == pytest.approx(peak) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))

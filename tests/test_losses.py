@@ -95,6 +95,14 @@ def test_mocov3_keys_get_no_gradient() -> None:
     assert k1.grad is None and k2.grad is None
 
 
+def test_contrastive_loss_stops_the_gradient_at_the_keys() -> None:
+    # MoCo: keys come from the momentum encoder, without gradient, also when a caller passes keys
+    # that require one
+    q, k = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    contrastive_loss(q, k, 0.2).backward()
+    assert q.grad is not None and k.grad is None
+
+
 def test_concat_all_gather_single_process() -> None:
     x = torch.randn(3, 2, requires_grad=True)
     out = concat_all_gather(x)
@@ -249,6 +257,8 @@ def test_teacher_temperature_schedule_matches_reference() -> None:
     assert np.allclose(got, ref)
     assert teacher_temperature(0.5) == pytest.approx(0.04 + 0.03 * 0.5 / 29)
     assert teacher_temperature(3, warmup_epochs=0) == 0.07
+    assert teacher_temperature(0, warmup_epochs=0) == 0.07  # no warm-up: the final value from the start
+    assert teacher_temperature(1, warmup_epochs=1) == 0.07  # linspace(0.04, 0.07, 1) = [0.04], then 0.07
     assert teacher_temperature(0, warmup_epochs=1) == 0.04
     assert teacher_temperature(5, 0.04, 0.04) == 0.04
     with pytest.raises(ValueError, match="epoch"):

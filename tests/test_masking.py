@@ -32,11 +32,12 @@ def _paint(colors: list[list[tuple[float, ...]]], p: int) -> torch.Tensor:
 # corruption plan
 
 
-@pytest.mark.parametrize("ratio,n", [(0.5, 16), (0.15, 196), (0.5, 49), (1.0, 9), (0.3, 10)])
+@pytest.mark.parametrize("ratio,n", [(0.5, 16), (0.15, 196), (0.5, 49), (1.0, 9), (0.3, 10), (0.15, 64)])
 def test_exact_number_corrupted_per_image(ratio: float, n: int) -> None:
     plan = make_corruption_plan(7, n, ratio=ratio, generator=_gen())
     expected = round(ratio * n)
     assert num_corrupted(n, ratio) == expected
+    assert num_corrupted(64, 0.15) == 10  # round(9.6): rounded, not floored
     assert plan.corrupted.shape == (7, n)
     assert plan.corrupted.sum(dim=1).tolist() == [expected] * 7
     # The listed positions are exactly the marked ones, each once, in ascending order.
@@ -248,6 +249,18 @@ def test_downsized_targets_on_crafted_patch() -> None:
         for c in range(4)
     ]
     assert ids[0, 1].tolist() == expected
+
+
+def test_downsized_targets_follow_the_patches_in_row_major_order() -> None:
+    # A 2x3 grid of patches, each one flat level: patch n of the targets is grid cell (n // 3, n % 3)
+    # (as the tokens of the ViT, row-major), also when the grid is not square.
+    levels = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    img = ((levels.float() + 0.5) / 8).repeat_interleave(4, 0).repeat_interleave(4, 1)[None, None]  # [1, 1, 8, 12]
+    ids = downsized_color_targets(img, 4)
+    assert ids.shape == (1, 6, 16)
+    assert ids[0].tolist() == [[v] * 16 for v in levels.flatten().tolist()]
+    square = ((levels[:, :2].float() + 0.5) / 8).repeat_interleave(4, 0).repeat_interleave(4, 1)[None, None]  # 2x2
+    assert downsized_color_targets(square, 4)[0, :, 0].tolist() == [0, 1, 3, 4]
 
 
 def test_downsized_averages_inside_cells() -> None:

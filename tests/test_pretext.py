@@ -538,3 +538,94 @@ class RepeatList(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.items[i]
+
+
+# ----------------------------------------------------------------------------- wiring of each step
+# (how a method's step connects views, encoders, tokens and schedules: each test recomputes the
+# paper's quantity from the modules by hand)
+
+
+def _ctr(q: torch.Tensor, k: torch.Tensor, tau: float) -> torch.Tensor:
+    """MoCo v3 Alg. 1 ctr(q, k), written out: 2τ · CE(q̂ k̂ᵀ / τ, arange)."""
+    q, k = torch.nn.functional.normalize(q, dim=1), torch.nn.functional.normalize(k, dim=1)
+    return 2 * tau * torch.nn.functional.cross_entropy(q @ k.T / tau, torch.arange(q.shape[0]))
+
+
+def test_mocov3_contrasts_each_views_query_with_the_other_views_key():
+    # MoCo v3 Alg. 1: loss = ctr(q1, k2) + ctr(q2, k1): a query's positive is the momentum
+    # encoder's key of the *other* view of its image.
+    torch.manual_seed(0)
+    model = make("mocov3")
+    views, labels = fixed_views([16, 16], batch=8)
+    x1, x2 = views
+    x2 = x2.flip(-1)  # views that differ, so pairing a query with its own view's key shows
+    loss = model.step([x1, x2], labels)["loss"]
+    with torch.no_grad():
+        q1, q2 = (model.predictor(model.projector(model.backbone(x))) for x in (x1, x2))
+        k1, k2 = (model.momentum_projector(model.momentum_backbone(x)) for x in (x1, x2))
+    tau = model.criterion.temperature
+    assert loss.item() == pytest.approx((_ctr(q1, k2, tau) + _ctr(q2, k1, tau)).item(), rel=1e-5)
+    assert loss.item() != pytest.approx((_ctr(q1, k1, tau) + _ctr(q2, k2, tau)).item(), rel=1e-3)
+
+
+def test_mpp_head_reads_the_output_tokens_of_the_corrupted_patches(monkeypatch):
+    # ViT paper B.1.2: each corrupted patch's colour is predicted from that patch's own output
+    # token ([CLS] aside), not a neighbour's.
+    import ssl_vit.pretext.mpp as mpp_module
+
+    torch.manual_seed(0)
+    model = make("mpp")
+    plans, seen = [], {}
+    real_plan = mpp_module.make_corruption_plan
+    monkeypatch.setattr(mpp_module, "make_corruption_plan", lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
+    model.backbone.norm.register_forward_hook(lambda m, i, o: seen.setdefault("tokens", o.detach()))
+    model.head.register_forward_hook(lambda m, i, o: seen.setdefault("head_in", i[0].detach()))
+    x = fixed_views([16], batch=4)[0][0].clamp(-1, 1)
+    model.step([x], torch.zeros(4, dtype=torch.long))
+    tokens, idx = seen["tokens"], plans[0].corrupted_idx  # [B, 1+N, D], [B, k]
+    expected = torch.stack([tokens[b, 1 + idx[b]] for b in range(4)])  # patch n is token 1 + n
+    assert torch.equal(seen["head_in"], expected)
+
+
+def test_the_ema_momentum_of_each_step_follows_the_cosine_from_its_first_step():
+    # MoCo v3 / DINO: a cosine from m0 to 1 over the optimiser steps t = 0..T-1, t = 0 first;
+    # m_t = 1 - (1 - m0)(cos(πt/(T-1)) + 1)/2 (lightly's cosine_schedule; the references divide
+    # by T, which ends a hair below 1).
+    model = make("dino", momentum=0.9)
+    seen = []
+
+    class Momentum(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.append(float(trainer.callback_metrics["train/ema_momentum"]))
+
+    views, labels = fixed_views([16, 16, 8, 8], batch=4)
+    fit_steps(model, views, labels, steps=5, callbacks_extra=[Momentum()])
+    expected = [1 - 0.1 * (math.cos(math.pi * t / 4) + 1) / 2 for t in range(5)]
+    assert seen == pytest.approx(expected)
+
+
+def test_the_optimisers_weight_decay_follows_the_cosine_schedule_on_the_decayed_group():
+    # DINO: weight decay cosine 0.04 -> 0.4, applied to the optimiser at every step (not only
+    # computed); biases and norms stay at 0.
+    model = make("dino", weight_decay=0.04, weight_decay_end=0.4)
+    seen = []
+
+    class WeightDecay(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(sorted(g["weight_decay"] for g in optimizer.param_groups))
+
+    views, labels = fixed_views([16, 16, 8, 8], batch=4)
+    fit_steps(model, views, labels, steps=3, callbacks_extra=[WeightDecay()])
+    # groups: no-decay 0, probe 0, decayed; the decayed one at 0.04, 0.22, 0.4
+    assert [row[-1] for row in seen] == pytest.approx([0.04, 0.22, 0.4])
+    assert all(row[:-1] == [0.0, 0.0] for row in seen)
+
+
+def test_dinos_online_probe_and_collapse_monitor_read_the_first_global_crop():
+    torch.manual_seed(0)
+    model = make("dino")
+    views, labels = fixed_views([16, 16, 8, 8], batch=4)
+    views[1] = views[1].flip(-1)
+    out = model.step(views, labels)
+    with torch.no_grad():
+        assert torch.allclose(out["features"], model.backbone(views[0]), atol=1e-6)

@@ -159,7 +159,9 @@ class FineTuneModule(L.LightningModule):
             ViT-B, 1e-3 for ViT-L).
         batch_size: the global batch size, used only for that scaling.
         weight_decay: AdamW weight decay (MAE fine-tune: 0.05).
-        layer_decay: layer-wise LR decay (BEiT/MAE 0.65–0.75); 1 turns it off.
+        layer_decay: layer-wise LR decay; 1 turns it off. The default is MAE's ViT-B recipe
+            (FINETUNE.md: ``--blr 5e-4 --layer_decay 0.65``, the pair of ``base_lr``'s default);
+            its ViT-L/H recipes pair 0.75 with 1e-3.
         drop_path_rate: stochastic depth at the last block (MAE ViT-B: 0.1); ViTs only, ignored
             with a warning for ResNets.
         label_smoothing: on the (possibly mixed) targets (DeiT/MAE: 0.1).
@@ -189,7 +191,7 @@ class FineTuneModule(L.LightningModule):
         base_lr: float = 5e-4,
         batch_size: int = 256,
         weight_decay: float = 0.05,
-        layer_decay: float = 0.75,
+        layer_decay: float = 0.65,
         drop_path_rate: float = 0.1,
         label_smoothing: float = 0.1,
         warmup_epochs: float = 5.0,
