@@ -61,3 +61,13 @@ def test_defaults_are_the_papers(fn, expected):
 def test_dinos_attention_maps_keep_sixty_percent_of_the_mass():
     # DINO visualize_attention.py --threshold 0.6 (Fig. 3)
     assert attention_maps.DINO_THRESHOLD == 0.6
+
+
+def test_imagenet_normalisation_is_torchvisions():
+    # the statistics every ImageNet-pretrained reference normalises with (torchvision's weights)
+    import torchvision
+
+    from ssl_vit.data.base import IMAGENET_MEAN, IMAGENET_STD
+
+    preset = torchvision.models.ResNet50_Weights.IMAGENET1K_V1.transforms()
+    assert (IMAGENET_MEAN, IMAGENET_STD) == (tuple(preset.mean), tuple(preset.std))
