@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 from ssl_vit.analysis import attention_distance, attention_maps, filters
+from ssl_vit.data import MultiCrop, SingleView, TwoViews
 from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.finetune import FineTuneModule
 from ssl_vit.eval.knn import KNNClassifier
@@ -38,6 +39,17 @@ def defaults(fn) -> dict:
         # patch / 10 % kept; target the 3-bit mean colour.
         (MPP, {"corruption_ratio": 0.5, "mask_prob": 0.8, "random_prob": 0.1, "target": "mean_color"}),
         (make_corruption_plan, {"ratio": 0.5, "mask_prob": 0.8, "random_prob": 0.1}),
+        # BYOL's augmentations (MoCo v3 §4 uses them): crop (0.08, 1), flip 0.5, colour jitter
+        # 0.4/0.4/0.2/0.1 with p 0.8, grey 0.2, blur p 1.0 / 0.1, solarise p 0 / 0.2.
+        (TwoViews, {"scale": (0.08, 1.0), "flip_p": 0.5, "jitter_p": 0.8, "brightness": 0.4, "contrast": 0.4, "saturation": 0.2,
+                    "hue": 0.1, "grayscale_p": 0.2, "blur_p": (1.0, 0.1), "solarize_p": (0.0, 0.2)}),
+        # DINO main_dino.py DataAugmentationDINO: global crops (0.4, 1), 8 local crops (0.05, 0.4),
+        # the same jitter, blur p 1.0 / 0.1 / 0.5 (global 1, global 2, local), solarise 0.2, bicubic.
+        (MultiCrop, {"n_local": 8, "global_scale": (0.4, 1.0), "local_scale": (0.05, 0.4), "flip_p": 0.5, "jitter_p": 0.8,
+                     "brightness": 0.4, "contrast": 0.4, "saturation": 0.2, "hue": 0.1, "grayscale_p": 0.2,
+                     "blur_p": (1.0, 0.1, 0.5), "solarize_p": 0.2, "interpolation": "bicubic"}),
+        # Inception-style crop (0.08, 1) and flip for the supervised and MPP runs.
+        (SingleView, {"scale": (0.08, 1.0), "flip_p": 0.5}),
         # DINO §4 weighted kNN: k 20, T 0.07.
         (KNNClassifier, {"k": 20, "temperature": 0.07}),
         # ViT paper §4.1 few-shot: 1/5/10/25 shots; big_vision fewshot_lsr: λ = 2^10.
