@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from ssl_vit.backbones.registry import create_backbone, get_spec, list_backbones
+from ssl_vit.eval.data_args import key_value
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,13 @@ def backbone_size(name: str, img_size: int, kwargs: dict[str, Any]) -> BackboneS
     )
 
 
-def _key_value(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)  # 128 a number, true a flag, sincos text
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ssl-vit backbones", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help="backbones to list (default: all)")
     parser.add_argument("--img-size", type=int, default=224, help="input resolution in pixels (default 224)")
     parser.add_argument("--patch-size", type=int, default=None, help="patch size of the ViTs (default: each one's own, 16)")
     parser.add_argument("--in-chans", type=int, default=3, help="input channels (default 3; 1 for grey images)")
-    parser.add_argument("--arg", dest="args", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+    parser.add_argument("--arg", dest="args", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                         help="another backbone argument, given to the backbones that take it (e.g. small_input=true for "
                              "the ResNets, embed_dim=128 for `vit`); repeatable")
     parser.add_argument("--sort", choices=("name", "params", "flops"), default="name", help="row order (default: name)")
@@ -81,7 +75,7 @@ def main(argv: list[str]) -> int:
     for name in names:
         get_spec(name)  # an unknown name lists the known ones
     settings = {"img_size": args.img_size, "in_chans": args.in_chans, **({"patch_size": args.patch_size} if args.patch_size else {})}
-    extra = dict(args.args)
+    extra = {k: yaml.safe_load(v) for k, v in args.args}  # 128 a number, true a flag, sincos text
     taken = {k for name in names for k in get_spec(name).allowed_kwargs()}
     unused = sorted(set(extra) - taken)
     if unused:  # a misspelt --arg would change nothing: say so
@@ -103,7 +97,7 @@ def main(argv: list[str]) -> int:
         except (TypeError, ValueError) as err:
             if args.names:
                 raise ValueError(f"backbone {name!r}: {err}") from None
-            rows.append((name, str(err).splitlines()[0]))  # e.g. `vit` without its width: listed, not sized
+            rows.append((name, str(err).splitlines()[0]))  # e.g. a size its patch does not divide: listed, not sized
 
     def order(row: tuple[str, BackboneSize | str]) -> tuple[Any, ...]:
         name, size = row
