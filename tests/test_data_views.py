@@ -188,13 +188,18 @@ def test_size_binding_and_errors():
         to_pil(torch.rand(3, 8, 8))
 
 
-def test_eval_transform_resize_and_centre_crop_matches_torchvision():
-    # Reference: torchvision's Resize(short side) + CenterCrop on the same PIL image.
-    img = _rgb_image(64).resize((60, 40))
-    out = EvalTransform(16, crop_pct=0.875)(img)  # short side -> floor(16 / 0.875) = 18
-    ref = TF.center_crop(TF.resize(img, 18, interpolation=TF.InterpolationMode.BICUBIC), [16, 16])
+@pytest.mark.parametrize(("shape", "crop_pct", "short"), [((60, 40), 0.875, 18), ((40, 30), 0.5, 32), ((30, 41), 0.875, 18)])
+def test_eval_transform_resize_and_centre_crop_matches_torchvision(shape, crop_pct, short):
+    # Reference: torchvision's Resize(short side) + CenterCrop on the same PIL image; the long
+    # side truncated as torchvision does (40x30 at short 32: 42, not round(42.67) = 43).
+    img = _rgb_image(64).resize(shape)
+    out = EvalTransform(16, crop_pct=crop_pct)(img)  # short side -> floor(16 / crop_pct)
+    ref = TF.center_crop(TF.resize(img, short, interpolation=TF.InterpolationMode.BICUBIC), [16, 16])
     expected = torch.from_numpy(np.asarray(ref).transpose(2, 0, 1).copy()).float() / 255
     torch.testing.assert_close(out, expected)
+
+
+def test_eval_transform_leaves_an_image_of_the_size_as_it_is():
     same = _grey_image(16)
     expected = torch.from_numpy(np.array(same, dtype=np.float32)) / 255
     torch.testing.assert_close(EvalTransform(16)(same)[0], expected)

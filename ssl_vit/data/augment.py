@@ -115,8 +115,8 @@ def resize_center_crop(img: Image.Image, size: int, crop_pct: float, resample: i
     w, h = img.size
     if min(w, h) != size:
         short = int(math.floor(size / crop_pct))
-        scale = short / min(w, h)
-        w, h = max(size, round(w * scale)), max(size, round(h * scale))
+        # torchvision's Resize(int): the long side truncated, int(short * long / short side).
+        w, h = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
         img = img.resize((w, h), resample)
     if (w, h) == (size, size):
         return img
