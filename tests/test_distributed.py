@@ -428,6 +428,29 @@ def test_finetuning_on_two_processes_takes_the_steps_of_one_process_at_twice_the
             torch.testing.assert_close(two["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_a_two_process_recipe_fine_tunes_on_both_processes_and_records_once(tmp_path):
+    """A recipe's ``evaluate: {protocols: [finetune, knn]}`` after a two-process fit: both processes
+    of the run fine-tune (each its half of every epoch), process 0 alone tests, writes the record
+    and runs kNN."""
+    import json
+
+    from test_faults import recipe
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = recipe(tmp_path, data={"num_samples": 32, "num_test_samples": 8}, max_epochs=1)
+    cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(root / "recipes/trainer/ddp_cpu2.yaml"),
+           "--evaluate.protocols", "[finetune, knn]", "--evaluate.knn", "{k: 3}", "--evaluate.finetune", "{epochs: 1, batch_size: 4, warmup_epochs: 0}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.count("finetune  dino") == 1 and done.stdout.count("knn       dino") == 1
+    records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
+    assert set(records) == {"dino_vit-4_synthetic_finetune.json", "dino_vit-4_synthetic_knn.json"}
+    ft = records["dino_vit-4_synthetic_finetune.json"]
+    assert ft["protocol_args"]["devices"] == 2 and ft["data"]["test_size"] == 8
+    # 32 images, 4 per process and step on 2 processes: 4 steps.
+    assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
 @pytest.mark.slow
 def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
     """``ssl-vit fit --config <recipe> --config recipes/trainer/ddp_cpu2.yaml`` (Lightning starts

@@ -436,6 +436,66 @@ def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
     assert not (tmp_path / "plain" / "run" / "results").exists()
 
 
+def test_a_recipe_fine_tunes_its_final_backbone_and_resumes_the_fine_tuning(tmp_path, capsys):
+    # protocols: [finetune]: every weight trained with a new classifier after the pretraining, on
+    # the run's processes, checkpointed into <default_root_dir>/finetune; then the frozen protocols.
+    cfg = tiny_config(tmp_path)
+    args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, knn]", "--evaluate.knn", "{k: 3}",
+            "--evaluate.finetune", "{epochs: 2, batch_size: 8, warmup_epochs: 0.5, layer_decay: 0.75, checkpoint_every: 2}"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "finetune  dino  vit/4  synthetic" in out and "knn       dino  vit/4  synthetic" in out
+    records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
+    assert set(records) == {"dino_vit-4_synthetic_finetune.json", "dino_vit-4_synthetic_knn.json"}
+    ft = records["dino_vit-4_synthetic_finetune.json"]
+    assert ft["protocol"] == "finetune" and ft["pretrain"]["steps"] == 3 and ft["source"].endswith("last.ckpt")
+    assert {k: ft["protocol_args"][k] for k in ("epochs", "lr", "layer_decay", "batch_size", "devices", "precision", "crop_scale")} == {
+        "epochs": 2, "lr": 5e-4, "layer_decay": 0.75, "batch_size": 8, "devices": 1, "precision": "32-true", "crop_scale": [0.5, 1.0]}
+    assert ft["data"] == {"name": "synthetic", "train_size": 32, "test_size": 8} and 0 <= ft["metrics"]["top1"] <= 1
+    # The fine-tuning's own checkpoint (32 images at batch 8: 4 steps an epoch) says what it holds.
+    tuned = torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert tuned["ssl_vit"]["method"] == "dino+finetune" and tuned["ssl_vit"]["global_step"] == 8
+    # --resume on the finished run: nothing trains again, the records are rewritten in place.
+    assert cli_main([*args, "--resume"]) == 0
+    assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["global_step"] == 8
+    again = json.loads((tmp_path / "run" / "results" / "dino_vit-4_synthetic_finetune.json").read_text())
+    assert again["metrics"] == ft["metrics"] and len(list((tmp_path / "run" / "results").glob("*.json"))) == 2
+
+
+def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_fine_tuning_settings_stop_before_training(tmp_path, capsys):
+    cfg = tiny_config(tmp_path)
+    args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune]"]
+    assert cli_main([*args, "--evaluate.finetune", "{epoch: 2}"]) == 1
+    assert "evaluate.finetune: FineTuneSettings.__init__() got an unexpected keyword argument 'epoch'" in capsys.readouterr().err
+    assert cli_main([*args, "--evaluate.finetune", "{layer_decay: 1.5}"]) == 1
+    assert "evaluate.finetune: layer_decay must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert cli_main([*args, "--evaluate.finetune", "{crop_scale: [0.5, 0.2]}"]) == 1
+    assert "evaluate.finetune: crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got [0.5, 0.2]" in capsys.readouterr().err
+    held = tmp_path / "run" / "finetune" / "checkpoints"
+    held.mkdir(parents=True)
+    torch.save({"state_dict": {}}, held / "last.ckpt")
+    assert cli_main(args) == 1
+    assert f"evaluate.finetune: {held} already holds the fine-tuning of an earlier run (last.ckpt)" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_a_signal_during_the_recipes_fine_tuning_says_how_to_continue(tmp_path, capsys, monkeypatch):
+    import signal
+
+    import ssl_vit.eval.finetune_run as finetune_run
+    from ssl_vit.eval.train_run import EvalRunInterrupted
+
+    def stopped(*args, **kwargs):
+        raise EvalRunInterrupted("fine-tuning", "SIGTERM", 5, tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt")
+
+    monkeypatch.setattr(finetune_run, "run_finetune", stopped)
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, knn]", "--evaluate.knn", "{k: 3}"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "the pretraining is done; evaluate's fine-tuning stopped by SIGTERM at step 5" in err and "continue with --resume" in err
+    assert not (tmp_path / "run" / "results").exists()  # the frozen protocols did not run either
+
+
 def test_resuming_with_another_batch_size_says_so(tmp_path, caplog):
     cfg = tiny_config(tmp_path, max_steps=2)
     assert cli_main(["fit", "--config", str(cfg)]) == 0
@@ -465,6 +525,8 @@ def _overrides(recipe: Path, tmp_path: Path) -> list[str]:
         args += [f"--data.init_args.views.init_args.{key}", str(value)]
     if "evaluate" in cfg:  # the recipe's evaluation too, sized for 8 images
         args += ["--evaluate.knn", "{k: 3}", "--evaluate.linear", "{epochs: 2}", "--evaluate.fewshot", "{shots: [1], num_seeds: 1}"]
+        finetune = {**(cfg["evaluate"].get("finetune") or {}), "epochs": 1, "batch_size": 4, "max_steps": 1}  # the recipe's, one step
+        args += ["--evaluate.finetune", yaml.safe_dump(finetune, default_flow_style=True).strip()]
     return args
 
 

@@ -205,7 +205,8 @@ def main(argv: list[str]) -> int:
 
     from ssl_vit.data import SingleView
     from ssl_vit.eval.features import feature_dim
-    from ssl_vit.eval.finetune import new_head, run_finetune
+    from ssl_vit.eval.finetune import new_head
+    from ssl_vit.eval.finetune_run import FineTuneSettings, finetune_and_record
     from ssl_vit.eval.linear_augmented import run_linear_augmented
     from ssl_vit.eval.results import EvalResult, backbone_info, chosen_encoder
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
@@ -213,6 +214,13 @@ def main(argv: list[str]) -> int:
     from ssl_vit.export.load import resolve, source_info
     from ssl_vit.runtime import resolve_device
 
+    # (settings it cannot run: refused before the backbone loads)
+    settings = None if args.protocol != "finetune" else FineTuneSettings(
+        epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path,
+        label_smoothing=args.label_smoothing, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, mixup_alpha=args.mixup,
+        cutmix_alpha=args.cutmix, augment=not args.no_augment, crop_scale=args.crop_scale, max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every,
+    )
     device = resolve_device(args.device)
     if args.precision == "16-mixed" and not device.startswith("cuda"):
         raise ValueError("--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true")
@@ -228,7 +236,9 @@ def main(argv: list[str]) -> int:
     data_args = parse_data_args(args.data, dict(args.data_arg))
     dm = build_datamodule(args.data, backbone, info, data_args, args.train_subset, getattr(args, "img_size", None))
     train_views = None
-    if on_images and not getattr(args, "no_augment", False):
+    if args.protocol == "finetune":
+        train_views = settings.train_views(dm.img_size)
+    elif on_images:
         args.crop_scale = tuple(args.crop_scale or ((0.08, 1.0) if dm.img_size >= 96 else (0.5, 1.0)))
         train_views = SingleView(scale=args.crop_scale)
     train_ds, test_ds = dm.eval_datasets(train_views=train_views)
@@ -264,23 +274,20 @@ def main(argv: list[str]) -> int:
                    resume=args.resume, checkpoint_every=args.checkpoint_every)
         try:
             if args.protocol == "finetune":
-                protocol = "finetune"
                 head = new_head(backbone.embed_dim, num_classes, seed=args.seed)  # trained in place, for --export
                 # What the run's checkpoints and its export say of the fine-tuned backbone's origin.
-                finetuned = {"method": f"{method}+finetune", "data": {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}}
-                metrics = run_finetune(
-                    backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.batch_size, **run, head=head,
-                    base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path, label_smoothing=args.label_smoothing,
-                    weight_decay=args.weight_decay, img_size=args.img_size, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
-                    warmup_epochs=args.warmup_epochs,
-                    record=finetuned,
+                normalization = {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}
+                done = finetune_and_record(
+                    backbone, train_ds, test_ds, num_classes, settings, img_size=dm.img_size, new_img_size=args.img_size,
+                    data_record=data_record, normalization=normalization, out=args.out, head=head,
+                    accelerator=run["accelerator"], devices=run["devices"], num_nodes=args.num_nodes, precision=args.precision,
+                    seed=args.seed, num_workers=args.num_workers, run_dir=args.run_dir, resume=args.resume,
+                    **{k: common[k] for k in ("method", "source", "pretrain", "backbone_record")},
                 )
-                protocol_args = {k: getattr(args, k) for k in ("epochs", "lr", "layer_decay", "drop_path", "label_smoothing", "weight_decay",
-                                                               "img_size", "batch_size", "mixup", "cutmix", "precision", "devices", "num_nodes",
-                                                               "warmup_epochs")}
-                protocol_args["crop_scale"] = None if args.no_augment else list(args.crop_scale)
+                if done is None:
+                    return 0  # another process of a distributed run: process 0 tests and writes the record
+                results = [done]
             else:
-                protocol = "linear_aug"
                 metrics = run_linear_augmented(
                     backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.probe_batch_size, **run,
                     features=args.features, base_lr=args.lr, optimizer=args.optimizer, warmup_epochs=args.warmup_epochs,
@@ -288,17 +295,17 @@ def main(argv: list[str]) -> int:
                 protocol_args = {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
                                  "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "precision": args.precision, "devices": args.devices,
                                  "num_nodes": args.num_nodes, "seed": args.seed}
+                if metrics is None:
+                    return 0  # another process of a distributed run: process 0 tests and writes the record
+                result = EvalResult(
+                    method=method, backbone=common["backbone_record"], data=data_record, protocol="linear_aug", metrics=metrics,
+                    protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
+                )
+                results = [(result, result.to_json(result_path(args.out, result)))]
         except EvalRunInterrupted as stop:
             if stop.rank == 0:
                 print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)
             return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
-        if metrics is None:
-            return 0  # another process of a distributed run: process 0 tests and writes the record
-        result = EvalResult(
-            method=method, backbone=common["backbone_record"], data=data_record, protocol=protocol, metrics=metrics,
-            protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
-        )
-        results = [(result, result.to_json(result_path(args.out, result)))]
     else:
         names = args.protocols if args.protocol == "frozen" else [args.protocol]
         out = evaluate_features(
@@ -310,6 +317,7 @@ def main(argv: list[str]) -> int:
         print(result.summary_line())
         print(f"  -> {path}")
     if args.protocol == "finetune" and args.export is not None:
+        finetuned = {"method": f"{method}+finetune", "data": normalization}
         export_finetuned(backbone, head, source, finetuned, args.export, args.export_format, results[0][1])
     return 0
 

@@ -149,6 +149,24 @@ def new_head(in_dim: int, num_classes: int, seed: int | None = None) -> nn.Linea
     return head
 
 
+def check_finetune_settings(
+    base_lr: float, batch_size: int, weight_decay: float, layer_decay: float, drop_path_rate: float, label_smoothing: float,
+    warmup_epochs: float, mixup_alpha: float, cutmix_alpha: float,
+) -> None:
+    """Refuse settings a fine-tuning cannot run, naming them (before any backbone is loaded)."""
+    if not 0 < layer_decay <= 1:
+        raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+    if not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if not 0 <= drop_path_rate < 1:
+        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+    if not (base_lr > 0 and batch_size >= 1 and weight_decay >= 0 and warmup_epochs >= 0):
+        raise ValueError(f"need base_lr > 0, batch_size >= 1, weight_decay >= 0 and warmup_epochs >= 0; "
+                         f"got {base_lr}, {batch_size}, {weight_decay} and {warmup_epochs}")
+    if mixup_alpha < 0 or cutmix_alpha < 0:
+        raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0 (0: off), got {mixup_alpha} and {cutmix_alpha}")
+
+
 class FineTuneModule(L.LightningModule):
     """Backbone + linear head trained end to end (module docstring for the recipe).
 
@@ -208,17 +226,8 @@ class FineTuneModule(L.LightningModule):
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        if not 0 < layer_decay <= 1:
-            raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
-        if not 0 <= label_smoothing < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        if not 0 <= drop_path_rate < 1:
-            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-        if not (base_lr > 0 and batch_size >= 1 and weight_decay >= 0 and warmup_epochs >= 0):
-            raise ValueError(f"need base_lr > 0, batch_size >= 1, weight_decay >= 0 and warmup_epochs >= 0; "
-                             f"got {base_lr}, {batch_size}, {weight_decay} and {warmup_epochs}")
-        if mixup_alpha < 0 or cutmix_alpha < 0:
-            raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0 (0: off), got {mixup_alpha} and {cutmix_alpha}")
+        check_finetune_settings(base_lr, batch_size, weight_decay, layer_decay, drop_path_rate, label_smoothing, warmup_epochs,
+                                mixup_alpha, cutmix_alpha)
         self.save_hyperparameters(ignore=["backbone", "head", "record"])
         self.record = dict(record or {})
         self.backbone = backbone

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
 from ssl_vit.backbones import is_vit
 from ssl_vit.backbones.registry import kwargs_differences
+from ssl_vit.eval.train_run import EvalRunInterrupted
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.io import stale_temporaries
 from ssl_vit.pretext.base import NO_LENGTH, PretextModule
@@ -65,7 +66,7 @@ class ConfigError(ValueError):
 class SSLViTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
-        parser.add_class_arguments(RecipeEvaluation, "evaluate", help="frozen-feature evaluations of the final backbone (none by default)")
+        parser.add_class_arguments(RecipeEvaluation, "evaluate", help="evaluations of the final backbone: fine-tuning and frozen-feature protocols (none by default)")
         parser.add_argument("--global_batch_size", type=int | None, default=None, help="total batch over all devices, nodes and accumulation steps (the papers' batch size)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from; 'last' (--resume) resumes the newest in the run directory; 'auto' does that when there is one and starts a new run otherwise (job scripts)")
         # The datamodule knows whether labels exist (and how many classes): the online probe and
@@ -294,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     if ckpt_path is not None:
         check_continuable(cli.model, ckpt_path)
+    resuming = ckpt_path is not None or _slurm_requeued(cli.trainer)
+    if isinstance(evaluation, RecipeEvaluation):
+        try:
+            evaluation.check_finetune_dir(cli.trainer, resuming)
+        except ValueError as err:
+            raise ConfigError(_one_line(str(err))) from None
     if rank_zero_only.rank == 0 and ckpt_dir.is_dir():
         # A job killed while writing a checkpoint leaves its temporary file (the old checkpoint
         # is whole); one of full checkpoint size each time, so they go.
@@ -322,14 +329,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ssl-vit fit: stopped by {stopped_by} at step {cli.trainer.global_step}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     evaluation = cli.config_init.get("evaluate")
-    if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols and rank_zero_only.rank == 0:
-        # The run's result, evaluated as `ssl-vit eval` would (the other processes are done).
+    if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols:
+        # The run's result, evaluated as `ssl-vit eval` would: fine-tuning on every process of the
+        # run, then the frozen-feature protocols in process 0 (the other processes are done).
+        first = rank_zero_only.rank == 0
         last = newest_checkpoint(ckpt_dir)
         if last is None:
+            if not first:
+                return 1
             raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
+        results = []
         try:
-            results = evaluation.run(last, cli.datamodule, cli.trainer)
+            if "finetune" in evaluation.protocols:
+                done = evaluation.finetune(last, cli.datamodule, cli.trainer, resuming=resuming)
+                results += [done[0]] if done is not None else []
+            if first:
+                results += evaluation.run(last, cli.datamodule, cli.trainer)
+        except EvalRunInterrupted as stop:
+            if stop.rank == 0:
+                print(f"ssl-vit fit: the pretraining is done; evaluate's {stop}; continue with --resume", file=sys.stderr)
+            return 128 + int(getattr(signal, stop.signal_name, signal.SIGTERM))
         except (ValueError, RuntimeError, OSError) as err:
+            if not first:
+                raise
             # The training is done and kept: say how to evaluate it without training again.
             raise ValueError(f"evaluate: {_one_line(str(err))} (the trained backbone is kept in {last}: fix the evaluate section "
                               f"and run the same command with --resume, which evaluates without training further, "

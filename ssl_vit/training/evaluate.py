@@ -1,15 +1,21 @@
-"""The ``evaluate`` section of a recipe: frozen-feature evaluations of the backbone a run ends
-with, so that one ``ssl-vit fit`` runs a whole experiment (pretraining, then the linear probe /
-kNN / few-shot records that ``ssl-vit compare`` tabulates).
+"""The ``evaluate`` section of a recipe: evaluations of the backbone a run ends with, so that one
+``ssl-vit fit`` runs a whole experiment (pretraining, then the fine-tuning / linear probe / kNN /
+few-shot records that ``ssl-vit compare`` tabulates).
 
 It evaluates exactly what ``ssl-vit eval`` would: the backbone is loaded from the run's final
 ``last.ckpt`` (DINO: its teacher, as ``ssl-vit eval`` defaults to), the splits are the run's
 datamodule's ``eval_datasets()``, and each protocol writes its own result record::
 
     evaluate:
-      protocols: [linear, knn]
+      protocols: [finetune, linear, knn]
+      finetune: {epochs: 100, batch_size: 32, base_lr: 5.0e-4, layer_decay: 0.65}
       linear: {epochs: 100, base_lr: 0.01}
       knn: {k: 20, temperature: 0.07}
+
+Fine-tuning trains on the run's devices and nodes (every process of the run takes part, as in
+``ssl-vit eval finetune --devices N``), at the run's precision, checkpointed into
+``<default_root_dir>/finetune`` so that ``--resume`` continues it after an interruption; the
+frozen-feature protocols then run in process 0.
 """
 
 from __future__ import annotations
@@ -20,14 +26,15 @@ from typing import Any, Literal
 
 import lightning as L
 
-Protocol = Literal["linear", "knn", "fewshot"]
+Protocol = Literal["finetune", "linear", "knn", "fewshot"]
 
 
 class RecipeEvaluation:
     """Evaluations run after a finished fit (none by default).
 
     Args:
-        protocols: which frozen-feature protocols to run: ``linear``, ``knn``, ``fewshot``.
+        protocols: which protocols to run: ``finetune`` (every weight trained, with a new
+            classifier), and on frozen features ``linear``, ``knn``, ``fewshot``.
         features: the representation: ``cls``, ``last4`` (DINO's linear protocol for ViT-S),
             ``avg`` or ``cls_avg`` (DINO's for ViT-B).
         which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``, or
@@ -36,13 +43,18 @@ class RecipeEvaluation:
         linear: arguments of ``LinearProbe`` (its defaults where not given).
         knn: arguments of ``KNNClassifier``.
         fewshot: arguments of ``FewShotEvaluator``.
+        finetune: arguments of ``ssl_vit.eval.finetune_run.FineTuneSettings`` (epochs,
+            batch_size per process, base_lr, layer_decay, drop_path_rate, label_smoothing,
+            weight_decay, warmup_epochs, mixup_alpha, cutmix_alpha, augment, crop_scale, max_steps,
+            checkpoint_every); it fine-tunes at the run's resolution (another one:
+            ``ssl-vit eval finetune --img-size``).
         out: folder of the result records; None: ``<default_root_dir>/results``.
         batch_size: images per forward pass of the feature extraction.
         train_subset: fit the probe / fill the kNN bank with a fixed random subset of this many
             training images (None: all), drawn from the run's training split (``data.subset``
             when the run trained on a subset).
         test_subset: evaluate on a fixed random subset of this many test images (None: all).
-        seed: of those subsets and of the linear probe and few-shot draws.
+        seed: of those subsets, of the linear probe and few-shot draws, and of the fine-tuning.
     """
 
     def __init__(
@@ -53,6 +65,7 @@ class RecipeEvaluation:
         linear: dict[str, Any] | None = None,
         knn: dict[str, Any] | None = None,
         fewshot: dict[str, Any] | None = None,
+        finetune: dict[str, Any] | None = None,
         out: str | None = None,
         batch_size: int = 256,
         train_subset: int | None = None,
@@ -62,7 +75,7 @@ class RecipeEvaluation:
         self.protocols = list(protocols or [])
         self.features = features
         self.which = which
-        self.kwargs = {"linear": dict(linear or {}), "knn": dict(knn or {}), "fewshot": dict(fewshot or {})}
+        self.kwargs = {"finetune": dict(finetune or {}), "linear": dict(linear or {}), "knn": dict(knn or {}), "fewshot": dict(fewshot or {})}
         self.out = out
         self.batch_size = batch_size
         self.train_subset = train_subset
@@ -70,12 +83,10 @@ class RecipeEvaluation:
         self.seed = seed
         # Build each evaluator now: a misspelt or invalid argument fails before the training,
         # not after it.
-        from ssl_vit.eval.run import FEATURE_PROTOCOLS
-
         given = [p for p, kwargs in self.kwargs.items() if kwargs]  # settings of protocols not run are checked too
         for protocol in dict.fromkeys([*self.protocols, *given]):
             try:
-                FEATURE_PROTOCOLS[protocol](**self.protocol_kwargs(protocol))
+                _evaluator(protocol)(**self.protocol_kwargs(protocol))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"evaluate.{protocol}: {err}") from None
         unused = [p for p in given if p not in self.protocols]
@@ -97,6 +108,8 @@ class RecipeEvaluation:
             held = encoders_in([f"{name}." for name, _ in model.named_children()])
             raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone "
                              f"({encoder_prefix(which)}*); it holds {', '.join(held)}")
+        if not self.frozen_protocols:
+            return
         try:
             feature_dim(model.backbone, self.features)
         except ValueError as err:
@@ -128,40 +141,108 @@ class RecipeEvaluation:
                 raise ValueError(f"evaluate.fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, "
                                  f"more than the {n} of {whence}; {fix}")
 
-    def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
-        """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits; returns the records."""
-        if not self.protocols:
-            return []
-        from ssl_vit.eval.results import backbone_info, chosen_encoder
-        from ssl_vit.eval.run import evaluate_features, subsample
-        from ssl_vit.export import load_any_backbone
+    @property
+    def frozen_protocols(self) -> list[str]:
+        """The protocols on frozen features (run in process 0 alone)."""
+        return [p for p in self.protocols if p != "finetune"]
 
+    def finetune_dir(self, trainer: L.Trainer) -> Path:
+        """Where the fine-tuning of the run's backbone keeps its checkpoints."""
+        return Path(trainer.default_root_dir) / "finetune"
+
+    def check_finetune_dir(self, trainer: L.Trainer, resuming: bool) -> None:
+        """A new run must not meet another run's fine-tuning checkpoints (it would refuse to
+        overwrite them after the pretraining, not before it)."""
+        if "finetune" not in self.protocols or resuming:
+            return
+        from ssl_vit.training.step_checkpoint import newest_checkpoint
+
+        held = newest_checkpoint(self.finetune_dir(trainer) / "checkpoints")
+        if held is not None:
+            raise ValueError(f"evaluate.finetune: {held.parent} already holds the fine-tuning of an earlier run ({held.name}): "
+                             "continue that run with --resume, or remove that folder first")
+
+    def finetune(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer, resuming: bool) -> tuple[Any, Path] | None:
+        """Fine-tune the backbone of ``checkpoint`` on the run's processes (every one calls this)
+        and write its record; process 0 returns ``(record, path)``, the others None. ``resuming``:
+        the run was resumed, so a fine-tuning it had begun continues from its checkpoint."""
+        from ssl_vit.eval.finetune_run import FineTuneSettings, finetune_and_record
+        from ssl_vit.eval.results import backbone_info, chosen_encoder
+        from ssl_vit.export import load_any_backbone
+        from ssl_vit.training.step_checkpoint import newest_checkpoint
+
+        settings = FineTuneSettings(**self.protocol_kwargs("finetune"))
+        train_ds, test_ds, num_classes = self._splits(datamodule, settings.train_views(datamodule.img_size))
+        backbone, info = load_any_backbone(checkpoint, which=self.which)
+        run_dir = self.finetune_dir(trainer)
+        root = trainer.strategy.root_device
+        method = info.get("method") or "unknown"
+        data = {**self._data_record(datamodule), "train_size": len(train_ds), "test_size": len(test_ds)}
+        return finetune_and_record(
+            backbone, train_ds, test_ds, num_classes, settings, img_size=datamodule.img_size, new_img_size=None, method=method,
+            data_record=data, normalization={"name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)},
+            source=str(Path(checkpoint).resolve()), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)),
+            out=self._out(trainer), accelerator="gpu" if root.type == "cuda" else "cpu", devices=trainer.num_devices, num_nodes=trainer.num_nodes,
+            precision=str(trainer.precision), seed=self.seed, num_workers=int(getattr(datamodule, "num_workers", 0)), run_dir=run_dir,
+            resume=resuming and newest_checkpoint(run_dir / "checkpoints") is not None,
+        )
+
+    def _splits(self, datamodule: L.LightningDataModule, train_views: Any = None) -> tuple[Any, Any, int]:
         eval_datasets = getattr(datamodule, "eval_datasets", None)
         if eval_datasets is None:
             raise ValueError(f"evaluate: {type(datamodule).__name__} has no eval_datasets() to evaluate on")
-        train_ds, test_ds = eval_datasets()
+        train_ds, test_ds = eval_datasets(train_views=train_views) if train_views is not None else eval_datasets()
         num_classes = getattr(datamodule, "num_classes", None)
         if test_ds is None or not num_classes:
             raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on")
-        train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
-        backbone, info = load_any_backbone(checkpoint, which=self.which)
+        from ssl_vit.eval.run import subsample
+
+        return subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed), int(num_classes)
+
+    def _data_record(self, datamodule: L.LightningDataModule) -> dict[str, Any]:
         data = {"name": datamodule_name(datamodule), "subset": getattr(datamodule, "subset", None)}
         for key in ("train_dir", "val_dir"):  # an image folder's folders, as `ssl-vit eval --data-arg` records them
             if getattr(datamodule, key, None) is not None:
                 data[key] = str(getattr(datamodule, key))
-        out = Path(self.out) if self.out is not None else Path(trainer.default_root_dir) / "results"
+        return {k: v for k, v in data.items() if v is not None}
+
+    def _out(self, trainer: L.Trainer) -> Path:
+        return Path(self.out) if self.out is not None else Path(trainer.default_root_dir) / "results"
+
+    def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
+        """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits by the frozen-feature
+        protocols; returns the records."""
+        if not self.frozen_protocols:
+            return []
+        from ssl_vit.eval.results import backbone_info, chosen_encoder
+        from ssl_vit.eval.run import evaluate_features
+        from ssl_vit.export import load_any_backbone
+
+        train_ds, test_ds, num_classes = self._splits(datamodule)
+        backbone, info = load_any_backbone(checkpoint, which=self.which)
         return evaluate_features(
-            backbone, train_ds, test_ds, {p: self.protocol_kwargs(p) for p in self.protocols},
-            method=info.get("method") or "unknown", data={k: v for k, v in data.items() if v is not None},
-            num_classes=int(num_classes), feature_mode=self.features, batch_size=self.batch_size,
+            backbone, train_ds, test_ds, {p: self.protocol_kwargs(p) for p in self.frozen_protocols},
+            method=info.get("method") or "unknown", data=self._data_record(datamodule), num_classes=num_classes, feature_mode=self.features, batch_size=self.batch_size,
             num_workers=int(getattr(datamodule, "num_workers", 0)), device=str(trainer.strategy.root_device),
-            source=str(Path(checkpoint).resolve()), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out_dir=out,
+            source=str(Path(checkpoint).resolve()), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)),
+            out_dir=self._out(trainer),
         )
 
     def protocol_kwargs(self, protocol: str) -> dict[str, Any]:
         """The evaluator's arguments: the recipe's, with this section's seed where it takes one."""
         seeded = {"seed": self.seed} if protocol in ("linear", "fewshot") else {}
         return {**seeded, **self.kwargs[protocol]}
+
+
+def _evaluator(protocol: str) -> Any:
+    """The class a protocol's settings construct (and are checked by)."""
+    if protocol == "finetune":
+        from ssl_vit.eval.finetune_run import FineTuneSettings
+
+        return FineTuneSettings
+    from ssl_vit.eval.run import FEATURE_PROTOCOLS
+
+    return FEATURE_PROTOCOLS[protocol]
 
 
 def datamodule_name(datamodule: L.LightningDataModule) -> str:
