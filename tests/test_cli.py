@@ -430,7 +430,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_evaluation(tmp_path, 
 
 
 def test_the_output_folders_are_made_before_the_fine_tuning_and_not_on_a_bad_command(tmp_path, monkeypatch, capsys):
-    import ssl_vit.eval.finetune_run as finetune_run
+    import ssl_vit.eval.image_runs as image_runs
 
     made = []
 
@@ -438,7 +438,7 @@ def test_the_output_folders_are_made_before_the_fine_tuning_and_not_on_a_bad_com
         made.append(((tmp_path / "a" / "b").is_dir(), (tmp_path / "c").is_dir(), (tmp_path / "c" / "exp").exists()))
         raise RuntimeError("stopped here")
 
-    monkeypatch.setattr(finetune_run, "run_finetune", training)
+    monkeypatch.setattr(image_runs, "run_finetune", training)
     args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "a" / "b"),
             "--export", str(tmp_path / "c" / "exp")]
     assert cli_main([*args, "--data-arg", "img_size=abc"]) == 1  # a bad command leaves no folders behind

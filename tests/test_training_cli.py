@@ -436,17 +436,24 @@ def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
     assert not (tmp_path / "plain" / "run" / "results").exists()
 
 
-def test_a_recipe_fine_tunes_its_final_backbone_and_resumes_the_fine_tuning(tmp_path, capsys):
-    # protocols: [finetune]: every weight trained with a new classifier after the pretraining, on
-    # the run's processes, checkpointed into <default_root_dir>/finetune; then the frozen protocols.
+def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes_them(tmp_path, capsys):
+    # protocols: [finetune, linear_aug]: every weight trained with a new classifier, and the papers'
+    # linear probe on augmented images, after the pretraining, on the run's processes, each
+    # checkpointed into <default_root_dir>/<protocol>; then the frozen-feature protocols.
     cfg = tiny_config(tmp_path)
-    args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, knn]", "--evaluate.knn", "{k: 3}",
-            "--evaluate.finetune", "{epochs: 2, batch_size: 8, warmup_epochs: 0.5, layer_decay: 0.75, checkpoint_every: 2}"]
+    args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, linear_aug, knn]", "--evaluate.knn", "{k: 3}",
+            "--evaluate.finetune", "{epochs: 2, batch_size: 8, warmup_epochs: 0.5, layer_decay: 0.75, checkpoint_every: 2}",
+            "--evaluate.linear_aug", "{epochs: 1, batch_size: 16, optimizer: lars, crop_scale: [0.6, 1.0]}", "--evaluate.features", "avg"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "finetune  dino  vit/4  synthetic" in out and "knn       dino  vit/4  synthetic" in out
+    assert "finetune  dino  vit/4  synthetic" in out and "knn       dino  vit/4 [avg]  synthetic" in out
+    assert "linear_aug dino  vit/4 [avg]  synthetic" in out
     records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
-    assert set(records) == {"dino_vit-4_synthetic_finetune.json", "dino_vit-4_synthetic_knn.json"}
+    assert set(records) == {"dino_vit-4_synthetic_finetune.json", "dino_vit-4_synthetic_linear_aug-avg.json", "dino_vit-4_synthetic_knn-avg.json"}
+    probe = records["dino_vit-4_synthetic_linear_aug-avg.json"]
+    assert {k: probe["protocol_args"][k] for k in ("epochs", "base_lr", "optimizer", "batch_size", "crop_scale", "features", "devices")} == {
+        "epochs": 1, "base_lr": 0.1, "optimizer": "lars", "batch_size": 16, "crop_scale": [0.6, 1.0], "features": "avg", "devices": 1}
+    assert torch.load(tmp_path / "run" / "linear_aug" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
     ft = records["dino_vit-4_synthetic_finetune.json"]
     assert ft["protocol"] == "finetune" and ft["pretrain"]["steps"] == 3 and ft["source"].endswith("last.ckpt")
     assert {k: ft["protocol_args"][k] for k in ("epochs", "lr", "layer_decay", "batch_size", "devices", "precision", "crop_scale")} == {
@@ -459,10 +466,10 @@ def test_a_recipe_fine_tunes_its_final_backbone_and_resumes_the_fine_tuning(tmp_
     assert cli_main([*args, "--resume"]) == 0
     assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["global_step"] == 8
     again = json.loads((tmp_path / "run" / "results" / "dino_vit-4_synthetic_finetune.json").read_text())
-    assert again["metrics"] == ft["metrics"] and len(list((tmp_path / "run" / "results").glob("*.json"))) == 2
+    assert again["metrics"] == ft["metrics"] and len(list((tmp_path / "run" / "results").glob("*.json"))) == 3
 
 
-def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_fine_tuning_settings_stop_before_training(tmp_path, capsys):
+def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_settings_of_image_protocols_stop_before_training(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune]"]
     assert cli_main([*args, "--evaluate.finetune", "{epoch: 2}"]) == 1
@@ -471,24 +478,28 @@ def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_fine_tuning_settings_st
     assert "evaluate.finetune: layer_decay must be in (0, 1], got 1.5" in capsys.readouterr().err
     assert cli_main([*args, "--evaluate.finetune", "{crop_scale: [0.5, 0.2]}"]) == 1
     assert "evaluate.finetune: crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got [0.5, 0.2]" in capsys.readouterr().err
+    assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[linear_aug, knn]", "--evaluate.linear_aug", "{features: last4}"]) == 1
+    assert "evaluate.linear_aug.features: n_last_blocks=4 is out of range for a backbone of depth" in capsys.readouterr().err
+    assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[linear_aug]", "--evaluate.linear_aug", "{optimizer: adam}"]) == 1
+    assert "evaluate.linear_aug: optimizer must be 'sgd' or 'lars', got 'adam'" in capsys.readouterr().err
     held = tmp_path / "run" / "finetune" / "checkpoints"
     held.mkdir(parents=True)
     torch.save({"state_dict": {}}, held / "last.ckpt")
     assert cli_main(args) == 1
-    assert f"evaluate.finetune: {held} already holds the fine-tuning of an earlier run (last.ckpt)" in capsys.readouterr().err
+    assert f"evaluate.finetune: {held} already holds the finetune run of an earlier pretraining (last.ckpt)" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
 
 
 def test_a_signal_during_the_recipes_fine_tuning_says_how_to_continue(tmp_path, capsys, monkeypatch):
     import signal
 
-    import ssl_vit.eval.finetune_run as finetune_run
+    import ssl_vit.eval.image_runs as image_runs
     from ssl_vit.eval.train_run import EvalRunInterrupted
 
     def stopped(*args, **kwargs):
         raise EvalRunInterrupted("fine-tuning", "SIGTERM", 5, tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt")
 
-    monkeypatch.setattr(finetune_run, "run_finetune", stopped)
+    monkeypatch.setattr(image_runs, "run_finetune", stopped)
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, knn]", "--evaluate.knn", "{k: 3}"]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
@@ -525,8 +536,11 @@ def _overrides(recipe: Path, tmp_path: Path) -> list[str]:
         args += [f"--data.init_args.views.init_args.{key}", str(value)]
     if "evaluate" in cfg:  # the recipe's evaluation too, sized for 8 images
         args += ["--evaluate.knn", "{k: 3}", "--evaluate.linear", "{epochs: 2}", "--evaluate.fewshot", "{shots: [1], num_seeds: 1}"]
-        finetune = {**(cfg["evaluate"].get("finetune") or {}), "epochs": 1, "batch_size": 4, "max_steps": 1}  # the recipe's, one step
-        args += ["--evaluate.finetune", yaml.safe_dump(finetune, default_flow_style=True).strip()]
+        for protocol in ("finetune", "linear_aug"):  # the recipe's settings, one step
+            settings = {**(cfg["evaluate"].get(protocol) or {}), "epochs": 1, "batch_size": 4, "max_steps": 1}
+            if settings.get("features") == "last4":
+                settings["features"] = "cls"  # (the tiny backbone has 2 blocks)
+            args += [f"--evaluate.{protocol}", yaml.safe_dump(settings, default_flow_style=True).strip()]
     return args
 
 

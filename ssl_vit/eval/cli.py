@@ -203,24 +203,33 @@ def main(argv: list[str]) -> int:
     if getattr(args, "export", None) is not None:
         check_export(args.export)
 
-    from ssl_vit.data import SingleView
     from ssl_vit.eval.features import feature_dim
     from ssl_vit.eval.finetune import new_head
-    from ssl_vit.eval.finetune_run import FineTuneSettings, finetune_and_record
-    from ssl_vit.eval.linear_augmented import run_linear_augmented
-    from ssl_vit.eval.results import EvalResult, backbone_info, chosen_encoder
+    from ssl_vit.eval.image_runs import (
+        FineTuneSettings,
+        LinearAugSettings,
+        finetune_and_record,
+        linear_aug_and_record,
+    )
+    from ssl_vit.eval.results import backbone_info, chosen_encoder
     from ssl_vit.eval.run import evaluate_features, result_path, subsample
     from ssl_vit.eval.train_run import EvalRunInterrupted
     from ssl_vit.export.load import resolve, source_info
     from ssl_vit.runtime import resolve_device
 
     # (settings it cannot run: refused before the backbone loads)
-    settings = None if args.protocol != "finetune" else FineTuneSettings(
-        epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path,
-        label_smoothing=args.label_smoothing, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, mixup_alpha=args.mixup,
-        cutmix_alpha=args.cutmix, augment=not args.no_augment, crop_scale=args.crop_scale, max_steps=args.max_steps,
-        checkpoint_every=args.checkpoint_every,
-    )
+    settings: Any = None
+    if args.protocol == "linear" and args.augment:
+        settings = LinearAugSettings(epochs=args.epochs, batch_size=args.probe_batch_size, base_lr=args.lr, optimizer=args.optimizer,
+                                     warmup_epochs=args.warmup_epochs, crop_scale=args.crop_scale, max_steps=args.max_steps,
+                                     checkpoint_every=args.checkpoint_every)
+    elif args.protocol == "finetune":
+        settings = FineTuneSettings(
+            epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path,
+            label_smoothing=args.label_smoothing, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, mixup_alpha=args.mixup,
+            cutmix_alpha=args.cutmix, augment=not args.no_augment, crop_scale=args.crop_scale, max_steps=args.max_steps,
+            checkpoint_every=args.checkpoint_every,
+        )
     device = resolve_device(args.device)
     if args.precision == "16-mixed" and not device.startswith("cuda"):
         raise ValueError("--precision 16-mixed needs a CUDA device; on a CPU use bf16-mixed or 32-true")
@@ -235,12 +244,7 @@ def main(argv: list[str]) -> int:
         feature_dim(backbone, args.features)  # a read-out this backbone lacks: said before any data is read
     data_args = parse_data_args(args.data, dict(args.data_arg))
     dm = build_datamodule(args.data, backbone, info, data_args, args.train_subset, getattr(args, "img_size", None))
-    train_views = None
-    if args.protocol == "finetune":
-        train_views = settings.train_views(dm.img_size)
-    elif on_images:
-        args.crop_scale = tuple(args.crop_scale or ((0.08, 1.0) if dm.img_size >= 96 else (0.5, 1.0)))
-        train_views = SingleView(scale=args.crop_scale)
+    train_views = settings.train_views(dm.img_size) if on_images else None
     train_ds, test_ds = dm.eval_datasets(train_views=train_views)
     if test_ds is None:
         raise ValueError(f"{args.data}: no test split to evaluate on (an ImageFolder needs val_dir=...)")
@@ -269,39 +273,21 @@ def main(argv: list[str]) -> int:
                   backbone_record=backbone_info(backbone, chosen_encoder(info)))
 
     if on_images:
-        run = dict(max_steps=args.max_steps, num_workers=args.num_workers, accelerator="gpu" if device.startswith("cuda") else "cpu", seed=args.seed,
-                   devices=_trainer_devices(device, args.devices), num_nodes=args.num_nodes, precision=args.precision, run_dir=args.run_dir,
-                   resume=args.resume, checkpoint_every=args.checkpoint_every)
+        run = dict(accelerator="gpu" if device.startswith("cuda") else "cpu", devices=_trainer_devices(device, args.devices), num_nodes=args.num_nodes,
+                   precision=args.precision, seed=args.seed, num_workers=args.num_workers, run_dir=args.run_dir, resume=args.resume,
+                   out=args.out, data_record=data_record, **{k: common[k] for k in ("method", "source", "pretrain", "backbone_record")})
         try:
             if args.protocol == "finetune":
                 head = new_head(backbone.embed_dim, num_classes, seed=args.seed)  # trained in place, for --export
                 # What the run's checkpoints and its export say of the fine-tuned backbone's origin.
                 normalization = {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}
-                done = finetune_and_record(
-                    backbone, train_ds, test_ds, num_classes, settings, img_size=dm.img_size, new_img_size=args.img_size,
-                    data_record=data_record, normalization=normalization, out=args.out, head=head,
-                    accelerator=run["accelerator"], devices=run["devices"], num_nodes=args.num_nodes, precision=args.precision,
-                    seed=args.seed, num_workers=args.num_workers, run_dir=args.run_dir, resume=args.resume,
-                    **{k: common[k] for k in ("method", "source", "pretrain", "backbone_record")},
-                )
-                if done is None:
-                    return 0  # another process of a distributed run: process 0 tests and writes the record
-                results = [done]
+                done = finetune_and_record(backbone, train_ds, test_ds, num_classes, settings, img_size=dm.img_size, new_img_size=args.img_size,
+                                           normalization=normalization, head=head, **run)
             else:
-                metrics = run_linear_augmented(
-                    backbone, train_ds, test_ds, num_classes, epochs=args.epochs, batch_size=args.probe_batch_size, **run,
-                    features=args.features, base_lr=args.lr, optimizer=args.optimizer, warmup_epochs=args.warmup_epochs,
-                )
-                protocol_args = {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
-                                 "warmup_epochs": args.warmup_epochs, "crop_scale": list(args.crop_scale), "features": args.features, "precision": args.precision, "devices": args.devices,
-                                 "num_nodes": args.num_nodes, "seed": args.seed}
-                if metrics is None:
-                    return 0  # another process of a distributed run: process 0 tests and writes the record
-                result = EvalResult(
-                    method=method, backbone=common["backbone_record"], data=data_record, protocol="linear_aug", metrics=metrics,
-                    protocol_args=protocol_args, pretrain=common["pretrain"], source=common["source"],
-                )
-                results = [(result, result.to_json(result_path(args.out, result)))]
+                done = linear_aug_and_record(backbone, train_ds, test_ds, num_classes, settings, img_size=dm.img_size, features=args.features, **run)
+            if done is None:
+                return 0  # another process of a distributed run: process 0 tests and writes the record
+            results = [done]
         except EvalRunInterrupted as stop:
             if stop.rank == 0:
                 print(f"ssl-vit eval: {stop}; continue with the same command and --resume", file=sys.stderr)

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     resuming = ckpt_path is not None or _slurm_requeued(cli.trainer)
     if isinstance(evaluation, RecipeEvaluation):
         try:
-            evaluation.check_finetune_dir(cli.trainer, resuming)
+            evaluation.check_run_dirs(cli.trainer, resuming)
         except ValueError as err:
             raise ConfigError(_one_line(str(err))) from None
     if rank_zero_only.rank == 0 and ckpt_dir.is_dir():
@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     evaluation = cli.config_init.get("evaluate")
     if isinstance(evaluation, RecipeEvaluation) and evaluation.protocols:
-        # The run's result, evaluated as `ssl-vit eval` would: fine-tuning on every process of the
-        # run, then the frozen-feature protocols in process 0 (the other processes are done).
+        # The run's result, evaluated as `ssl-vit eval` would: the protocols that train on images
+        # on every process of the run, then those on extracted features in process 0 alone.
         first = rank_zero_only.rank == 0
         last = newest_checkpoint(ckpt_dir)
         if last is None:
@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
         results = []
         try:
-            if "finetune" in evaluation.protocols:
-                done = evaluation.finetune(last, cli.datamodule, cli.trainer, resuming=resuming)
+            for protocol in evaluation.image_protocols:
+                done = evaluation.train_on_images(protocol, last, cli.datamodule, cli.trainer, resuming=resuming)
                 results += [done[0]] if done is not None else []
             if first:
                 results += evaluation.run(last, cli.datamodule, cli.trainer)

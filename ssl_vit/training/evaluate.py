@@ -7,15 +7,16 @@ It evaluates exactly what ``ssl-vit eval`` would: the backbone is loaded from th
 datamodule's ``eval_datasets()``, and each protocol writes its own result record::
 
     evaluate:
-      protocols: [finetune, linear, knn]
+      protocols: [finetune, linear_aug, knn]
       finetune: {epochs: 100, batch_size: 32, base_lr: 5.0e-4, layer_decay: 0.65}
-      linear: {epochs: 100, base_lr: 0.01}
+      linear_aug: {epochs: 100, batch_size: 128, base_lr: 0.01}
       knn: {k: 20, temperature: 0.07}
 
-Fine-tuning trains on the run's devices and nodes (every process of the run takes part, as in
-``ssl-vit eval finetune --devices N``), at the run's precision, checkpointed into
-``<default_root_dir>/finetune`` so that ``--resume`` continues it after an interruption; the
-frozen-feature protocols then run in process 0.
+The protocols that train on images (``finetune``; ``linear_aug``, the papers' linear probe on
+augmented images) run on the run's devices and nodes (every process of the run takes part, as in
+``ssl-vit eval finetune --devices N``), at the run's precision, each checkpointed into
+``<default_root_dir>/<protocol>`` so that ``--resume`` continues it after an interruption; the
+frozen-feature protocols (``linear``, ``knn``, ``fewshot``) then run in process 0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any, Literal
 
 import lightning as L
 
-Protocol = Literal["finetune", "linear", "knn", "fewshot"]
+Protocol = Literal["finetune", "linear_aug", "linear", "knn", "fewshot"]
+ON_IMAGES = ("finetune", "linear_aug")  # the protocols that train on images, on every process of the run
 
 
 class RecipeEvaluation:
@@ -34,20 +36,25 @@ class RecipeEvaluation:
 
     Args:
         protocols: which protocols to run: ``finetune`` (every weight trained, with a new
-            classifier), and on frozen features ``linear``, ``knn``, ``fewshot``.
-        features: the representation: ``cls``, ``last4`` (DINO's linear protocol for ViT-S),
-            ``avg`` or ``cls_avg`` (DINO's for ViT-B).
+            classifier), ``linear_aug`` (the papers' linear probe, on augmented images through the
+            frozen backbone), and on features extracted once ``linear``, ``knn``, ``fewshot``.
+        features: the representation of the linear probes and kNN: ``cls``, ``last4`` (DINO's
+            linear protocol for ViT-S), ``avg`` or ``cls_avg`` (DINO's for ViT-B).
         which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``, or
             ``NAME`` for a method's ``NAME_backbone``); None: the method's default (DINO's
             teacher, otherwise the online backbone).
         linear: arguments of ``LinearProbe`` (its defaults where not given).
         knn: arguments of ``KNNClassifier``.
         fewshot: arguments of ``FewShotEvaluator``.
-        finetune: arguments of ``ssl_vit.eval.finetune_run.FineTuneSettings`` (epochs,
+        finetune: arguments of ``ssl_vit.eval.image_runs.FineTuneSettings`` (epochs,
             batch_size per process, base_lr, layer_decay, drop_path_rate, label_smoothing,
             weight_decay, warmup_epochs, mixup_alpha, cutmix_alpha, augment, crop_scale, max_steps,
             checkpoint_every); it fine-tunes at the run's resolution (another one:
             ``ssl-vit eval finetune --img-size``).
+        linear_aug: arguments of ``ssl_vit.eval.image_runs.LinearAugSettings`` (epochs,
+            batch_size per process, base_lr, optimizer, warmup_epochs, crop_scale, features: its
+            own representation, e.g. DINO's ``last4`` beside kNN's ``cls``, max_steps,
+            checkpoint_every).
         out: folder of the result records; None: ``<default_root_dir>/results``.
         batch_size: images per forward pass of the feature extraction.
         train_subset: fit the probe / fill the kNN bank with a fixed random subset of this many
@@ -66,6 +73,7 @@ class RecipeEvaluation:
         knn: dict[str, Any] | None = None,
         fewshot: dict[str, Any] | None = None,
         finetune: dict[str, Any] | None = None,
+        linear_aug: dict[str, Any] | None = None,
         out: str | None = None,
         batch_size: int = 256,
         train_subset: int | None = None,
@@ -75,7 +83,8 @@ class RecipeEvaluation:
         self.protocols = list(protocols or [])
         self.features = features
         self.which = which
-        self.kwargs = {"finetune": dict(finetune or {}), "linear": dict(linear or {}), "knn": dict(knn or {}), "fewshot": dict(fewshot or {})}
+        self.kwargs = {"finetune": dict(finetune or {}), "linear_aug": dict(linear_aug or {}), "linear": dict(linear or {}), "knn": dict(knn or {}),
+                       "fewshot": dict(fewshot or {})}
         self.out = out
         self.batch_size = batch_size
         self.train_subset = train_subset
@@ -108,12 +117,15 @@ class RecipeEvaluation:
             held = encoders_in([f"{name}." for name, _ in model.named_children()])
             raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone "
                              f"({encoder_prefix(which)}*); it holds {', '.join(held)}")
-        if not self.frozen_protocols:
-            return
-        try:
-            feature_dim(model.backbone, self.features)
-        except ValueError as err:
-            raise ValueError(f"evaluate.features: {err}") from None
+        reads = [("evaluate.features", self.features)] if self.frozen_protocols else []
+        if "linear_aug" in self.protocols:
+            own = self.kwargs["linear_aug"].get("features")
+            reads.append(("evaluate.linear_aug.features", own) if own else ("evaluate.features", self.features))
+        for where, mode in dict.fromkeys(reads):
+            try:
+                feature_dim(model.backbone, mode)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
 
     def check_data(self, datamodule: L.LightningDataModule) -> None:
         """What the evaluators need of a training split whose size the recipe fixes (the run's
@@ -143,49 +155,59 @@ class RecipeEvaluation:
 
     @property
     def frozen_protocols(self) -> list[str]:
-        """The protocols on frozen features (run in process 0 alone)."""
-        return [p for p in self.protocols if p != "finetune"]
+        """The protocols on features extracted once (run in process 0 alone)."""
+        return [p for p in self.protocols if p not in ON_IMAGES]
 
-    def finetune_dir(self, trainer: L.Trainer) -> Path:
-        """Where the fine-tuning of the run's backbone keeps its checkpoints."""
-        return Path(trainer.default_root_dir) / "finetune"
+    @property
+    def image_protocols(self) -> list[str]:
+        """The protocols that train on images (every process of the run takes part)."""
+        return [p for p in self.protocols if p in ON_IMAGES]
 
-    def check_finetune_dir(self, trainer: L.Trainer, resuming: bool) -> None:
-        """A new run must not meet another run's fine-tuning checkpoints (it would refuse to
-        overwrite them after the pretraining, not before it)."""
-        if "finetune" not in self.protocols or resuming:
+    def run_dir(self, protocol: str, trainer: L.Trainer) -> Path:
+        """Where protocol ``protocol``'s training on the run's backbone keeps its checkpoints."""
+        return Path(trainer.default_root_dir) / protocol
+
+    def check_run_dirs(self, trainer: L.Trainer, resuming: bool) -> None:
+        """A new run must not meet an earlier run's evaluation checkpoints (they would be refused
+        after the pretraining, not before it)."""
+        if resuming:
             return
         from ssl_vit.training.step_checkpoint import newest_checkpoint
 
-        held = newest_checkpoint(self.finetune_dir(trainer) / "checkpoints")
-        if held is not None:
-            raise ValueError(f"evaluate.finetune: {held.parent} already holds the fine-tuning of an earlier run ({held.name}): "
-                             "continue that run with --resume, or remove that folder first")
+        for protocol in self.image_protocols:
+            held = newest_checkpoint(self.run_dir(protocol, trainer) / "checkpoints")
+            if held is not None:
+                raise ValueError(f"evaluate.{protocol}: {held.parent} already holds the {protocol} run of an earlier pretraining "
+                                 f"({held.name}): continue that run with --resume, or remove that folder first")
 
-    def finetune(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer, resuming: bool) -> tuple[Any, Path] | None:
-        """Fine-tune the backbone of ``checkpoint`` on the run's processes (every one calls this)
-        and write its record; process 0 returns ``(record, path)``, the others None. ``resuming``:
-        the run was resumed, so a fine-tuning it had begun continues from its checkpoint."""
-        from ssl_vit.eval.finetune_run import FineTuneSettings, finetune_and_record
+    def train_on_images(self, protocol: str, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer,
+                        resuming: bool) -> tuple[Any, Path] | None:
+        """Run ``protocol`` (``finetune`` or ``linear_aug``) on the backbone of ``checkpoint`` on the
+        run's processes (every one calls this) and write its record; process 0 returns ``(record,
+        path)``, the others None. ``resuming``: the run was resumed, so a protocol's run it had
+        begun continues from its checkpoint."""
+        from ssl_vit.eval.image_runs import finetune_and_record, linear_aug_and_record
         from ssl_vit.eval.results import backbone_info, chosen_encoder
         from ssl_vit.export import load_any_backbone
         from ssl_vit.training.step_checkpoint import newest_checkpoint
 
-        settings = FineTuneSettings(**self.protocol_kwargs("finetune"))
+        settings = _evaluator(protocol)(**self.protocol_kwargs(protocol))
         train_ds, test_ds, num_classes = self._splits(datamodule, settings.train_views(datamodule.img_size))
         backbone, info = load_any_backbone(checkpoint, which=self.which)
-        run_dir = self.finetune_dir(trainer)
+        run_dir = self.run_dir(protocol, trainer)
         root = trainer.strategy.root_device
-        method = info.get("method") or "unknown"
         data = {**self._data_record(datamodule), "train_size": len(train_ds), "test_size": len(test_ds)}
-        return finetune_and_record(
-            backbone, train_ds, test_ds, num_classes, settings, img_size=datamodule.img_size, new_img_size=None, method=method,
-            data_record=data, normalization={"name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)},
-            source=str(Path(checkpoint).resolve()), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)),
-            out=self._out(trainer), accelerator="gpu" if root.type == "cuda" else "cpu", devices=trainer.num_devices, num_nodes=trainer.num_nodes,
+        common = dict(
+            img_size=datamodule.img_size, method=info.get("method") or "unknown", data_record=data, source=str(Path(checkpoint).resolve()),
+            pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out=self._out(trainer),
+            accelerator="gpu" if root.type == "cuda" else "cpu", devices=trainer.num_devices, num_nodes=trainer.num_nodes,
             precision=str(trainer.precision), seed=self.seed, num_workers=int(getattr(datamodule, "num_workers", 0)), run_dir=run_dir,
             resume=resuming and newest_checkpoint(run_dir / "checkpoints") is not None,
         )
+        if protocol == "linear_aug":
+            return linear_aug_and_record(backbone, train_ds, test_ds, num_classes, settings, features=self.features, **common)
+        normalization = {"name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)}
+        return finetune_and_record(backbone, train_ds, test_ds, num_classes, settings, new_img_size=None, normalization=normalization, **common)
 
     def _splits(self, datamodule: L.LightningDataModule, train_views: Any = None) -> tuple[Any, Any, int]:
         eval_datasets = getattr(datamodule, "eval_datasets", None)
@@ -236,10 +258,10 @@ class RecipeEvaluation:
 
 def _evaluator(protocol: str) -> Any:
     """The class a protocol's settings construct (and are checked by)."""
-    if protocol == "finetune":
-        from ssl_vit.eval.finetune_run import FineTuneSettings
+    if protocol in ON_IMAGES:
+        from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings
 
-        return FineTuneSettings
+        return FineTuneSettings if protocol == "finetune" else LinearAugSettings
     from ssl_vit.eval.run import FEATURE_PROTOCOLS
 
     return FEATURE_PROTOCOLS[protocol]
