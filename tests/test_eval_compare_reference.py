@@ -1,0 +1,134 @@
+"""``ssl-vit compare`` checked against hand-written expectations: which baseline record a row is
+compared with, what the figures draw (main metric per protocol, in percent) and which of two
+records of one evaluation is kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from ssl_vit.eval import compare
+from ssl_vit.eval.compare import build_comparison, load_results
+from ssl_vit.eval.results import MAIN_METRIC, EvalResult
+
+BACKBONE = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}
+DATA = {"name": "fashion_mnist"}
+ROW = "vit_tiny/4"
+
+
+def record(method, protocol, metrics, created="2025-01-01T00:00:00", source=None, **pretrain):
+    return EvalResult(method, BACKBONE, DATA, protocol, metrics, pretrain=pretrain, created=created,
+                      source=source or f"{method}.ckpt")
+
+
+@pytest.fixture()
+def axes(monkeypatch) -> list:
+    """The axes of every figure compare draws during the test."""
+    made: list = []
+    real = compare._figure
+
+    def spy(*args, **kwargs):
+        fig, ax = real(*args, **kwargs)
+        made.extend(ax)
+        return fig, ax
+
+    monkeypatch.setattr(compare, "_figure", spy)
+    return made
+
+
+# ------------------------------------------------------------------------ baselines
+
+
+@pytest.mark.parametrize("order", ["newest_last", "newest_first"])
+def test_of_several_supervised_baselines_the_newest_is_the_reference(order):
+    # Hand-written expectation (build_comparison: "of several such baselines (several
+    # pretrainings), the newest"): Δ sup = 0.85 - 0.90, from the record created last, whatever
+    # order the records come in.
+    older = record("supervised", "knn", {"top1": 0.80}, "2025-01-01T00:00:00", source="runs/sup_a/last.ckpt")
+    newer = record("supervised", "knn", {"top1": 0.90}, "2025-03-01T00:00:00", source="runs/sup_b/last.ckpt")
+    dino = record("dino", "knn", {"top1": 0.85})
+    sups = [older, newer] if order == "newest_last" else [newer, older]
+    cmp = build_comparison([dino, *sups])
+    assert cmp.get(("dino", ROW, "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.85 - 0.90)
+    sup_rows = [row for row in cmp.rows if row[0] == "supervised"]
+    assert len(sup_rows) == 2  # two pretrainings: two rows
+    assert sorted(cmp.get(row, "knn", "Δ sup") for row in sup_rows) == pytest.approx([0.80 - 0.90, 0.0])
+
+
+# ------------------------------------------------------------------------ figures
+
+
+def test_compute_plot_draws_the_main_metric_in_percent(axes, tmp_path):
+    # Hand-written expectation: points at (FLOPs, 100 x main metric); few-shot's is 5-shot.
+    records = [record("dino", "knn", {"top1": 0.80, "top5": 0.99}, flops=2e15),
+               record("dino", "fewshot", {"1shot": 0.40, "5shot": 0.60}, flops=2e15)]
+    assert compare.plot_compute(records, tmp_path / "compute.png") is not None
+    knn_ax, fewshot_ax = axes
+    (knn_line,) = knn_ax.get_lines()
+    assert list(knn_line.get_xdata()) == pytest.approx([2e15]) and list(knn_line.get_ydata()) == pytest.approx([80.0])
+    (fewshot_line,) = fewshot_ax.get_lines()
+    assert list(fewshot_line.get_ydata()) == pytest.approx([60.0])
+    assert knn_ax.get_ylabel() == "knn top1 (%)" and fewshot_ax.get_ylabel() == "fewshot 5shot (%)"
+
+
+def test_bars_show_each_protocols_own_main_metric(axes, tmp_path):
+    # Hand-written expectation: the linear group shows top-1 (83%), the few-shot group its 5-shot
+    # accuracy (60%), not a top-1 it does not have nor its 1-shot.
+    records = [record("dino", "linear", {"top1": 0.83, "top5": 0.99}), record("dino", "fewshot", {"1shot": 0.40, "5shot": 0.60})]
+    cmp = build_comparison(records)
+    compare.plot_bars(cmp, tmp_path / "bars.png")
+    (ax,) = axes
+    (bars,) = ax.containers
+    assert [b.get_height() for b in bars] == pytest.approx([83.0, 60.0])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["linear (top1)", "fewshot (5shot)"]
+    assert MAIN_METRIC["fewshot"] == "5shot" and ax.get_ylim() == (0, 100)
+
+
+def test_records_without_their_main_metric_are_left_out_not_fatal(axes, tmp_path):
+    # Hand-written expectation: a few-shot record with only 1-shot and a supervised k-NN record
+    # with only top-5 have no main metric: no Δ against them, no point, no bar; the rest is drawn.
+    records = [record("dino", "knn", {"top1": 0.80}, flops=2e15),
+               record("supervised", "knn", {"top5": 0.99}, flops=1e15),
+               record("random", "knn", {"top1": 0.70}),
+               record("dino", "fewshot", {"1shot": 0.40}, flops=2e15)]
+    cmp = build_comparison(records)
+    dino, sup = ("dino", ROW, "fashion_mnist"), ("supervised", ROW, "fashion_mnist")
+    assert cmp.get(dino, "knn", "Δ sup") is None and cmp.get(sup, "knn", "Δ sup") is None
+    assert cmp.get(sup, "knn", "Δ rand") is None
+    assert cmp.get(dino, "knn", "Δ rand") == pytest.approx(0.80 - 0.70)
+    assert cmp.get(dino, "fewshot", "1shot") == pytest.approx(0.40)
+    out = compare.write_report(cmp, tmp_path / "report.md")
+    assert [p.name for p in out] == ["report.md", "report_bars.png", "report_compute.png"]
+    bars_ax, compute_ax = axes  # one compute panel: k-NN (the few-shot record has no 5-shot)
+    assert compute_ax.get_title() == "knn"
+    points = sorted((line.get_label(), list(line.get_ydata())) for line in compute_ax.get_lines())
+    assert points == [("dino", pytest.approx([80.0]))]
+    heights = {c.get_label(): [b.get_height() for b in c] for c in bars_ax.containers}
+    assert heights == {f"dino {ROW}": pytest.approx([80.0]), f"supervised {ROW}": [], f"random {ROW}": pytest.approx([70.0])}
+    # with FLOPs only on records without a main metric there is nothing to plot: no file
+    assert compare.plot_compute([records[1], records[3]], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
+
+
+# ------------------------------------------------------------------------ duplicates
+
+
+def _write_twice(folder, first_created, second_created) -> None:
+    # the same evaluation (same metrics) recorded at two times, in files read in this order
+    for name, created in (("a.json", first_created), ("b.json", second_created)):
+        record("dino", "knn", {"top1": 0.80}, created).to_json(folder / name)
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_a_record_repeated_at_another_time_is_kept_and_the_newest_wins(tmp_path, older_first):
+    # Hand-written expectation: records that differ only in `created` are two evaluations (the
+    # read-twice deduplication keys on `created`); the table keeps the newer one, whichever file
+    # is read first. The same record read twice stays one.
+    old, new = "2025-01-01T00:00:00", "2025-02-01T00:00:00"
+    _write_twice(tmp_path, *((old, new) if older_first else (new, old)))
+    records = load_results([tmp_path])
+    assert sorted(r.created for r in records) == [old, new]
+    cmp = build_comparison(records)
+    assert [r.created for r in cmp.results] == [new]
+    assert f", {new})" in compare.format_markdown(cmp) and f", {old})" not in compare.format_markdown(cmp)
+    (tmp_path / "c.json").write_text((tmp_path / "a.json").read_text())
+    assert len(load_results([tmp_path])) == 2
