@@ -233,3 +233,15 @@ def test_load_any_backbone_reads_pretrain_flops_and_global_step(supervised_ckpt,
         assert pretrain["epochs"] == ckpt["epoch"] != pretrain["steps"]
         assert pretrain["flops"] == pytest.approx(flops)
         assert pretrain["checkpoint"] == str(path.resolve())
+
+
+def test_the_flops_of_a_checkpoint_without_its_ssl_vit_record_are_read_from_lightnings_top_level(supervised_ckpt, tmp_path):
+    # PretrainFlopsCounter writes the count at the checkpoint's top level as well as in its record:
+    # a checkpoint whose record was stripped (another tool re-saved it) keeps its x-axis value.
+    path, flops = supervised_ckpt
+    ckpt = torch.load(path, weights_only=False)
+    ckpt.pop("ssl_vit")
+    ckpt["pretrain_flops"] = flops
+    torch.save(ckpt, tmp_path / "bare.ckpt")
+    _, info = load_any_backbone(tmp_path / "bare.ckpt", backbone="vit", backbone_kwargs=ckpt["hyper_parameters"]["backbone_kwargs"])
+    assert info["pretrain"]["flops"] == pytest.approx(flops) and info["pretrain"]["steps"] == 3

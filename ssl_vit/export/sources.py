@@ -187,6 +187,8 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
     training = {k: v for k, v in record.items() if k not in RECORD_FIELDS}
     training.setdefault("global_step", ckpt.get("global_step"))
     training.setdefault("epoch", ckpt.get("epoch"))
+    if training.get("pretrain_flops") is None:  # PretrainFlopsCounter writes it at the top level too
+        training["pretrain_flops"] = ckpt.get("pretrain_flops")
     return BackboneSource(
         weights,
         name,
