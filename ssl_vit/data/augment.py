@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from PIL import Image, ImageFilter
+from PIL import Image, ImageFilter, ImageStat
 
 # Aspect-ratio range of the Inception-style random resized crop, the same in timm, DINO
 # (main_dino.py DataAugmentationDINO) and MoCo v3 (main_moco.py): torchvision's default.
@@ -131,10 +131,10 @@ def adjust_brightness(img: Image.Image, factor: float) -> Image.Image:
 
 
 def adjust_contrast(img: Image.Image, factor: float) -> Image.Image:
-    # ImageEnhance.Contrast: blend with a flat image at the rounded mean grey level. The box
-    # reduction to one pixel is that mean, computed in C.
+    # ImageEnhance.Contrast: blend with a flat image at the mean grey level rounded half up, as
+    # Pillow rounds it (a box reduction to one pixel rounds otherwise: up to a level apart).
     grey = img if img.mode == "L" else img.convert("L")
-    mean = grey.reduce(grey.size).getpixel((0, 0))
+    mean = int(ImageStat.Stat(grey).mean[0] + 0.5)
     fill = mean if img.mode == "L" else (mean, mean, mean)
     return Image.blend(Image.new(img.mode, img.size, fill), img, factor)
 

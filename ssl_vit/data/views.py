@@ -93,7 +93,9 @@ class ViewRecipe:
 
     def __call__(self, img: Image.Image) -> tuple[Image.Image, bool]:
         box = random_resized_crop_box(img.width, img.height, self.scale)
-        img = img.resize((self.size, self.size), self.resample, box=box)
+        # Cropped, then resized, as torchvision's resized_crop: a resize of a box of the whole
+        # image would filter the pixels just outside it into the crop's border.
+        img = img.crop(box).resize((self.size, self.size), self.resample)
         if random.random() < self.flip_p:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if self.jitter_p > 0 and random.random() < self.jitter_p:
