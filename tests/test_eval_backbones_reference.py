@@ -195,7 +195,7 @@ class _Record(L.Callback):
 
 def test_fine_tuning_by_the_trainers_estimate_decays_to_zero_and_draws_anew_each_epoch():
     # Without total_steps the schedule spans the trainer's steps (2 epochs x 1 batch): the peak,
-    # then the cosine's end (0 at the last step); the MixUp draw of batch 0 differs between epochs.
+    # then MAE's cosine at step 1 of 2, 0.5 * (1 + cos(pi / 2)); the MixUp draw of batch 0 differs between epochs.
     module = FineTuneModule(tiny_vit(), 3, base_lr=0.256, batch_size=8, warmup_epochs=0, mixup_alpha=1.0, drop_path_rate=0.1)
     lams = []
     module.mix.register_forward_hook(lambda m, args, out: lams.append(float(out[1][0, int(args[1][0])])))
@@ -205,7 +205,7 @@ def test_fine_tuning_by_the_trainers_estimate_decays_to_zero_and_draws_anew_each
     trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", callbacks=[record])
     trainer.fit(module, DataLoader(data, batch_size=8))
-    assert record.lrs == pytest.approx([0.256 * 8 / 256, 0.0])
+    assert record.lrs == pytest.approx([0.256 * 8 / 256, 0.5 * 0.256 * 8 / 256])
     assert len(lams) == 2 and lams[0] != lams[1]
 
 
@@ -329,7 +329,7 @@ def test_the_probe_shuffles_every_epoch_by_its_seed_and_scales_the_lr_by_the_bat
 
     monkeypatch.setattr(torch.optim.SGD, "step", step)
     LinearProbe(epochs=2, batch_size=64, base_lr=0.1, warmup_epochs=0).fit(x[:6], y[:6], 2)
-    assert lrs == pytest.approx([0.1 * 6 / 256, 0.0])  # (the cosine reaches 0 at the last step)
+    assert lrs == pytest.approx([0.1 * 6 / 256, 0.5 * 0.1 * 6 / 256])  # MAE: cos(pi * t / T), T = 2 steps
 
 
 def test_predicted_logits_use_the_running_statistics():

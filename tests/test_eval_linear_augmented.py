@@ -41,7 +41,7 @@ def _trainer(steps: int) -> L.Trainer:
 def test_it_trains_the_head_on_frozen_features_as_the_protocol_states():
     """Against the protocol written out here: eval-mode [CLS] features, BatchNorm without affine +
     Linear (trunc-normal std 0.01, zero bias), SGD momentum 0.9 at base_lr x batch / 256, a
-    linear warm-up over one epoch then a cosine that reaches 0 at the last step, per step."""
+    linear warm-up over one epoch then MAE's cosine cos(pi (t - W) / (T - W)), per step."""
     data, batch, epochs, base_lr = _data(24), 8, 3, 0.5
     steps_per_epoch = len(data) // batch
     total = epochs * steps_per_epoch
@@ -65,7 +65,7 @@ def test_it_trains_the_head_on_frozen_features_as_the_protocol_states():
     opt = torch.optim.SGD(linear.parameters(), lr=peak, momentum=0.9)
     for step in range(total):
         warm = steps_per_epoch
-        factor = (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm - 1)))
+        factor = (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm)))
         for g in opt.param_groups:
             g["lr"] = peak * factor
         i = step % steps_per_epoch

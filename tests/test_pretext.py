@@ -166,10 +166,12 @@ def test_mocov3_random_patch_projection_stays_frozen_and_momentum_follows_ema():
 def test_mocov3_momentum_follows_a_cosine_from_0_99_to_1():
     model = make("mocov3")
     ema = model.ema
+    # MoCo v3 adjust_moco_momentum: 1 - 0.5 * (1 + cos(pi * t / T)) * (1 - m0), t = 0..T-1
     assert ema.momentum(0, 100) == pytest.approx(0.99)
-    assert ema.momentum(99, 100) == pytest.approx(1.0)
-    mid = 0.99 + (1 - 0.99) * (1 - math.cos(math.pi * 50 / 99)) / 2
-    assert ema.momentum(50, 100) == pytest.approx(mid)
+    for t in (50, 99):
+        assert ema.momentum(t, 100) == pytest.approx(1 - 0.5 * (1 + math.cos(math.pi * t / 100)) * (1 - 0.99))
+    assert ema.momentum(99, 100) < 1.0  # the last update still moves the momentum encoder
+    assert ema.momentum(100, 100) == pytest.approx(1.0)
 
 
 def test_mocov3_momentum_encoder_has_no_stochastic_depth_and_no_grad():
@@ -347,13 +349,14 @@ def test_lr_warmup_cosine_and_weight_decay_schedule():
     values = [model.schedule_values(s) for s in range(100)]
     lrs = [v["lr"] for v in values]
     assert lrs[0] == pytest.approx(0.2 / 20) and lrs[19] == pytest.approx(0.2)  # linear warm-up over 20 steps
-    assert lrs[-1] == pytest.approx(0.001)
     assert all(a >= b for a, b in zip(lrs[19:], lrs[20:]))  # then monotone cosine decay
-    step = 60  # cosine over the 80 post-warm-up steps, lightly's convention (max_steps - 1)
-    expected = 0.001 + (0.2 - 0.001) * (1 + math.cos(math.pi * (step - 20) / 79)) / 2
-    assert lrs[step] == pytest.approx(expected)
+    # DINO cosine_scheduler over the N = 80 post-warm-up steps: min + (peak - min)(1 + cos(pi i / N)) / 2
+    for step in (20, 60, 99):
+        assert lrs[step] == pytest.approx(0.001 + (0.2 - 0.001) * (1 + math.cos(math.pi * (step - 20) / 80)) / 2)
+    assert lrs[-1] > 0.001
     wds = [v["weight_decay"] for v in values]
-    assert wds[0] == pytest.approx(0.04) and wds[-1] == pytest.approx(0.4)
+    assert wds[0] == pytest.approx(0.04)
+    assert wds[-1] == pytest.approx(0.4 + (0.04 - 0.4) * (1 + math.cos(math.pi * 99 / 100)) / 2)
 
 
 def test_lr_is_scaled_by_global_batch_over_256_and_set_on_the_optimiser():
@@ -589,8 +592,7 @@ def test_mpp_head_reads_the_output_tokens_of_the_corrupted_patches(monkeypatch):
 
 def test_the_ema_momentum_of_each_step_follows_the_cosine_from_its_first_step():
     # MoCo v3 / DINO: a cosine from m0 to 1 over the optimiser steps t = 0..T-1, t = 0 first;
-    # m_t = 1 - (1 - m0)(cos(πt/(T-1)) + 1)/2 (lightly's cosine_schedule; the references divide
-    # by T, which ends a hair below 1).
+    # m_t = 1 - (1 - m0)(cos(πt/T) + 1)/2 (DINO momentum_schedule, MoCo v3 adjust_moco_momentum).
     model = make("dino", momentum=0.9)
     seen = []
 
@@ -600,7 +602,7 @@ def test_the_ema_momentum_of_each_step_follows_the_cosine_from_its_first_step():
 
     views, labels = fixed_views([16, 16, 8, 8], batch=4)
     fit_steps(model, views, labels, steps=5, callbacks_extra=[Momentum()])
-    expected = [1 - 0.1 * (math.cos(math.pi * t / 4) + 1) / 2 for t in range(5)]
+    expected = [1 - 0.1 * (math.cos(math.pi * t / 5) + 1) / 2 for t in range(5)]
     assert seen == pytest.approx(expected)
 
 
@@ -616,8 +618,8 @@ def test_the_optimisers_weight_decay_follows_the_cosine_schedule_on_the_decayed_
 
     views, labels = fixed_views([16, 16, 8, 8], batch=4)
     fit_steps(model, views, labels, steps=3, callbacks_extra=[WeightDecay()])
-    # groups: no-decay 0, probe 0, decayed; the decayed one at 0.04, 0.22, 0.4
-    assert [row[-1] for row in seen] == pytest.approx([0.04, 0.22, 0.4])
+    # groups: no-decay 0, probe 0, decayed; the decayed one on DINO's cosine_scheduler, i / N of N = 3
+    assert [row[-1] for row in seen] == pytest.approx([0.4 + (0.04 - 0.4) * (1 + math.cos(math.pi * t / 3)) / 2 for t in range(3)])
     assert all(row[:-1] == [0.0, 0.0] for row in seen)
 
 

@@ -155,14 +155,14 @@ class _GroupLRs(Callback):
 def test_the_online_probe_keeps_its_fixed_lr_while_the_model_follows_the_schedule():
     # base.py: "probe_lr: AdamW learning rate of the online probe (constant ...)". The model's LR:
     # peak = base_lr x 16/256 = 0.00625, a linear warm-up over 2 steps ((s + 1) / 2 x peak), then a
-    # cosine over the 3 remaining steps to 0 (lightly's cosine_schedule: cos(pi s / (3 - 1))).
+    # cosine over the 3 remaining steps towards 0 (DINO's cosine_scheduler: cos(pi i / 3)).
     torch.manual_seed(0)
     model = Supervised(**TINY_BACKBONE, num_classes=4, base_lr=0.1, warmup_steps=2, weight_decay=0.0, probe_lr=0.0123)
     recorder = _GroupLRs({id(p) for p in model.probe.parameters()})
     views, labels = fixed_views([16], batch=16)
     fit_steps(model, views, labels, steps=5, callbacks_extra=[recorder])
     peak = 0.1 * 16 / 256
-    expected = [peak / 2, peak, peak, peak * (math.cos(math.pi / 2) + 1) / 2, 0.0]
+    expected = [peak / 2, peak, *(peak * (math.cos(math.pi * i / 3) + 1) / 2 for i in range(3))]
     assert recorder.probe == [0.0123] * 5
     assert len(recorder.model) == 5 and all(len(lrs) >= 1 for lrs in recorder.model)
     for lrs, want in zip(recorder.model, expected):

@@ -88,10 +88,13 @@ def probe_optimizer(params: Iterable[nn.Parameter], optimizer: str, lr: float, m
 
 
 def warmup_cosine(opt: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> CosineWarmupScheduler:
-    """Per-step linear warm-up over ``warmup_epochs`` (at most the whole run), then cosine decay to
-    0 at the last step (MAE ``util/lr_sched.py``); each parameter group keeps its own LR ratio."""
+    """Per-step linear warm-up over ``warmup_epochs`` (at most the whole run), then cosine decay
+    towards 0 (MAE ``util/lr_sched.py``: step t of T after W warm-up steps has
+    ``cos(pi * (t - W) / (T - W))``, so the last step, and a one-step run, still trains; lightly's
+    scheduler reaches its end value at ``max_epochs - 1``, hence ``total_steps + 1``); each
+    parameter group keeps its own LR ratio."""
     warmup = min(int(warmup_epochs * steps_per_epoch), total_steps)
-    return CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total_steps, end_value=0.0)
+    return CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total_steps + 1, end_value=0.0)
 
 
 def _check(features: Tensor, labels: Tensor, what: str) -> None:

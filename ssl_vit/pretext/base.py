@@ -314,9 +314,14 @@ class PretextModule(L.LightningModule):
         warmup_steps = hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self._steps_per_epoch)
         warmup = min(int(warmup_steps), total)
         step = min(step, total)
-        lr = cosine_warmup_schedule(step, total, self.peak_lr, hp.min_lr, warmup, 0.0) if warmup else cosine_schedule(step, total, self.peak_lr, hp.min_lr)
+        # lightly's schedules reach their end value at max_steps - 1; the references' cosine is
+        # cos(pi * i / N) over the N = total - warmup steps after the warm-up (DINO
+        # cosine_scheduler: np.arange(N) / N), so the last step is just above the end value:
+        # max_steps = total + 1 gives exactly that.
+        lr = (cosine_warmup_schedule(step, total + 1, self.peak_lr, hp.min_lr, warmup, 0.0) if warmup
+              else cosine_schedule(step, total + 1, self.peak_lr, hp.min_lr))
         wd_end = hp.weight_decay if hp.weight_decay_end is None else hp.weight_decay_end
-        wd = cosine_schedule(step, total, hp.weight_decay, wd_end)
+        wd = cosine_schedule(step, total + 1, hp.weight_decay, wd_end)
         return {"lr": lr, "weight_decay": wd}
 
     def _seed_step(self, batch_idx: int) -> None:

@@ -39,7 +39,10 @@ class EMAPairs:
         self.end = end
 
     def momentum(self, step: int, total_steps: int) -> float:
-        return cosine_schedule(min(step, total_steps), total_steps, self.start, self.end)
+        # cos(pi * step / total_steps), as DINO's momentum_schedule (i / N) and MoCo v3's
+        # adjust_moco_momentum (epoch / epochs): lightly's schedule ends one step early (at
+        # max_steps - 1), hence total_steps + 1; the last update still moves the target a little.
+        return cosine_schedule(min(step, total_steps), total_steps + 1, self.start, self.end)
 
     def update(self, step: int, total_steps: int) -> float:
         """Average every pair with the momentum of ``step``; returns that momentum."""
