@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ssl_vit.data import SingleView
-from ssl_vit.eval.features import FeatureMode
+from ssl_vit.eval.features import FEATURE_MODES, FeatureMode
 from ssl_vit.eval.finetune import check_finetune_settings, new_head, run_finetune
 from ssl_vit.eval.linear import check_probe_settings
 from ssl_vit.eval.linear_augmented import run_linear_augmented
@@ -210,8 +210,8 @@ class LinearAugSettings:
         max_steps: int = -1,
         checkpoint_every: int = 500,
     ) -> None:
-        if features not in (None, "cls", "last4", "avg", "cls_avg"):
-            raise ValueError(f"features must be cls, last4, avg or cls_avg, got {features!r}")
+        if features is not None and features not in FEATURE_MODES:
+            raise ValueError(f"features must be {', '.join(FEATURE_MODES[:-1])} or {FEATURE_MODES[-1]}, got {features!r}")
         self.features = features
         self.base_lr = check_probe_settings(optimizer, base_lr, warmup_epochs)  # (the LR that runs is the one recorded)
         _check_run(epochs, batch_size, max_steps, checkpoint_every)
