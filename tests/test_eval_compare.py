@@ -303,3 +303,27 @@ def test_a_list_of_records_with_a_broken_item_in_a_folder_is_named(results_dir, 
     (results_dir / "mixed.json").write_text(json.dumps([good, {"protocol": "knn"}]))
     with pytest.raises(ValueError, match=r"mixed.json: item \[1\] of a list: no 'metrics' field, beside result records"):
         load_results([results_dir])
+
+
+def test_backbones_of_one_free_shape_name_and_other_sizes_are_rows_compared_with_their_like():
+    """Two ``vit`` (or ``hybrid``) backbones of other widths share a name: the size arguments
+    label them (``vit-D128-L4-H4/7``), so each is a row of its own and an SSL row's Δ is taken
+    against the supervised row of its own size, never another's."""
+    def vit(dim, depth):
+        return {"name": "vit", "kwargs": {"img_size": 28, "patch_size": 7, "embed_dim": dim, "depth": depth, "num_heads": 4}}
+
+    records = [
+        EvalResult("dino", vit(128, 4), DATA, "knn", {"top1": 0.70}, source="dino_small.ckpt", created="2025-01-01T00:00:00"),
+        EvalResult("dino", vit(192, 6), DATA, "knn", {"top1": 0.75}, source="dino_big.ckpt", created="2025-01-01T00:00:01"),
+        EvalResult("supervised", vit(192, 6), DATA, "knn", {"top1": 0.90}, source="sup_big.ckpt", created="2025-01-01T00:00:02"),
+        EvalResult("supervised", {"name": "hybrid", "kwargs": {"resnet": "resnet18", "num_stages": 1, "embed_dim": 64, "depth": 4, "num_heads": 2}},
+                   DATA, "knn", {"top1": 0.80}, source="sup_hybrid.ckpt", created="2025-01-01T00:00:03"),
+    ]
+    cmp = build_comparison(records)
+    small, big = ("dino", "vit-D128-L4-H4/7", "fashion_mnist"), ("dino", "vit-D192-L6-H4/7", "fashion_mnist")
+    assert cmp.get(big, "knn", "Δ sup") == pytest.approx(0.75 - 0.90)
+    assert cmp.get(small, "knn", "top1") == pytest.approx(0.70) and cmp.get(small, "knn", "Δ sup") is None  # no supervised D128
+    assert ("supervised", "hybrid-r18-S1-D64-L4-H2", "fashion_mnist") in cmp.rows
+    assert EvalResult("x", {"name": "resnet50", "kwargs": {"num_stages": 3, "layers": [3, 4, 6], "img_size": 28}}, DATA, "knn", {}).backbone_label \
+        == "resnet50-S3-B3.4.6"
+    assert EvalResult("x", {"name": "vit", "kwargs": {"mlp_ratio": 2.0}}, DATA, "knn", {}).backbone_label == "vit-M2"

@@ -45,6 +45,27 @@ def backbone_info(model: nn.Module, encoder: str | None = None) -> dict[str, Any
     return info if encoder is None else {**info, "encoder": encoder}
 
 
+# The arguments that size a backbone of free shape (``vit``, ``hybrid``, a ResNet cut after a
+# stage), with their tags in labels: two backbones of one name and another size are rows of their
+# own in ``compare``, each compared only with a baseline of its own size.
+SHAPE_TAGS: tuple[tuple[str, str], ...] = (
+    ("resnet", "r{}"), ("num_stages", "S{}"), ("layers", "B{}"), ("embed_dim", "D{}"), ("depth", "L{}"), ("num_heads", "H{}"), ("mlp_ratio", "M{}"),
+)
+
+
+def shape_tags(kwargs: Mapping[str, Any]) -> list[str]:
+    """The tags of the size arguments among a backbone's ``kwargs`` (:data:`SHAPE_TAGS`), in that
+    order: ``{"resnet": "resnet18", "num_stages": 1, "embed_dim": 64}`` -> ``["r18", "S1", "D64"]``."""
+    def text(value: Any) -> str:
+        if isinstance(value, list | tuple):
+            return ".".join(map(text, value))
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value).removeprefix("resnet")
+
+    return [fmt.format(text(kwargs[key])) for key, fmt in SHAPE_TAGS if kwargs.get(key) is not None]
+
+
 def data_label(data: Mapping[str, Any]) -> str:
     """A dataset record's name, with the (last two parts of the) folder an image-folder dataset
     was read from (``imagefolder:flowers/train``), since every such dataset has the one name."""
@@ -143,9 +164,13 @@ class EvalResult:
     # --------------------------------------------------------------------- labels
     @property
     def backbone_label(self) -> str:
-        """``name/patch`` (``vit_tiny/4``) when a patch size was given, else the name."""
-        patch = self.backbone.get("kwargs", {}).get("patch_size")
-        return f"{self.backbone['name']}/{patch}" if patch is not None else self.backbone["name"]
+        """``name/patch`` (``vit_tiny/4``) when a patch size was given, else the name; with the
+        arguments that set the size of a backbone of free shape (:func:`shape_tags`):
+        ``vit-D128-L4-H4/7``, ``hybrid-r18-S1-D64-L4-H2``, ``resnet50-S3``."""
+        kwargs = self.backbone.get("kwargs", {})
+        name = "-".join([self.backbone["name"], *shape_tags(kwargs)])
+        patch = kwargs.get("patch_size")
+        return f"{name}/{patch}" if patch is not None else name
 
     @property
     def features(self) -> str | None:
