@@ -327,3 +327,27 @@ def test_backbones_of_one_free_shape_name_and_other_sizes_are_rows_compared_with
     assert EvalResult("x", {"name": "resnet50", "kwargs": {"num_stages": 3, "layers": [3, 4, 6], "img_size": 28}}, DATA, "knn", {}).backbone_label \
         == "resnet50-S3-B3.4.6"
     assert EvalResult("x", {"name": "vit", "kwargs": {"mlp_ratio": 2.0}}, DATA, "knn", {}).backbone_label == "vit-M2"
+
+
+def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_legend_per_family(tmp_path, monkeypatch):
+    """Supervised runs of a ViT, a ResNet and a hybrid (the ViT paper's Figure 5 setting): no
+    Δ sup column (each row would be compared with itself: all zeros), one point per run in both
+    panels, and one legend for the figure with one entry per family, below the panels."""
+    from ssl_vit.eval import compare
+
+    backbones = [{"name": "vit", "kwargs": {"patch_size": 7, "embed_dim": 128, "depth": 4, "num_heads": 4}},
+                 {"name": "resnet18", "kwargs": {"num_stages": 2}},
+                 {"name": "hybrid", "kwargs": {"resnet": "resnet18", "num_stages": 1, "embed_dim": 64, "depth": 4, "num_heads": 2}}]
+    records = [EvalResult("supervised", b, DATA, protocol, {"top1": 0.8 + 0.01 * i}, pretrain={"flops": (i + 1) * 1e13}, source=f"run{i}.ckpt")
+               for i, b in enumerate(backbones) for protocol in ("linear", "knn")]
+    cmp = build_comparison(records)
+    assert [c for c in cmp.columns if c[1].startswith("Δ")] == []
+    assert sorted(r[1] for r in cmp.rows) == ["hybrid-r18-S1-D64-L4-H2", "resnet18-S2", "vit-D128-L4-H4/7"]
+    axes = spy_on_axes(monkeypatch)
+    compare.plot_compute(records, tmp_path / "compute.png")
+    assert [sorted(line.get_label() for line in ax.get_lines()) for ax in axes] == [["supervised, ResNet", "supervised, ViT", "supervised, hybrid"]] * 2
+    assert all(ax.get_legend() is None for ax in axes)
+    (legend,) = axes[0].figure.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["supervised, ViT", "supervised, ResNet", "supervised, hybrid"]
+    with_sup = build_comparison([*records, EvalResult("dino", backbones[0], DATA, "knn", {"top1": 0.7}, source="dino.ckpt")])
+    assert with_sup.get(("dino", "vit-D128-L4-H4/7", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.7 - 0.80)  # against the supervised ViT of its size

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, read_json
 
@@ -207,7 +208,7 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
             for row, r in sorted(here.items(), key=lambda item: item[1].created):
                 if row[0] == base:
                     refs[(r.comparable_label, row[2])] = r
-            if not refs:
+            if not refs or all(row[0] == base for row in here):  # (a baseline against itself: all zeros)
                 continue
             columns.append((protocol, col))
             for row, r in here.items():
@@ -370,10 +371,16 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
         ax.set_xlabel("pre-training compute")
         ax.set_ylabel(f"{protocol} {MAIN_METRIC[protocol]} (%)")
         ax.set_title(protocol)
-        ax.legend(fontsize="small")
+    # One legend for all panels, below them, where it hides no point; the figure grows to hold
+    # the points' labels that reach past the panels.
+    shown: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            shown.setdefault(label, handle)
+    fig.legend(list(shown.values()), list(shown), fontsize="small", loc="outside lower center", ncols=min(3, len(shown)))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
