@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -17,7 +18,9 @@ import yaml
 from ssl_vit.cli import main as cli_main
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").rglob("*.yaml"))
-METHOD_RECIPES = [p for p in RECIPES if "model" in yaml.safe_load(p.read_text())]
+METHOD_RECIPES = [p for p in RECIPES if "class_path" in (yaml.safe_load(p.read_text()).get("model") or {})]
+# Backbone swaps merged after recipes/fashion_mnist/supervised.yaml (ViT vs ResNet vs hybrid)
+COMPUTE_RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes", "fashion_mnist", "compute").glob("*.yaml"))
 
 TINY_BACKBONE = {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2}
 SMALL_HEADS = {
@@ -554,3 +557,26 @@ def test_every_recipe_is_shipped_and_parsed():
 @pytest.mark.parametrize("recipe", METHOD_RECIPES, ids=[p.stem if p.parent.name == "imagenet" else f"fmnist-{p.stem}" for p in METHOD_RECIPES])
 def test_shipped_recipe_runs_one_step_with_a_tiny_override(recipe, tmp_path):
     assert cli_main(["fit", "--config", str(recipe), *_overrides(recipe, tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("override", COMPUTE_RECIPES, ids=[p.stem for p in COMPUTE_RECIPES])
+def test_equal_compute_backbones_train_from_the_supervised_recipe_at_the_flops_they_state(override, tmp_path):
+    """Each backbone swap of ``recipes/fashion_mnist/compute`` merges after the supervised recipe
+    and trains a step of it on 28-px grey images, and the training GFLOPs per image its comment
+    states (what picks the equal-compute pairs) are ``ssl-vit backbones``'s for that backbone."""
+    from ssl_vit.backbones.cli import backbone_size
+
+    cfg = yaml.safe_load(override.read_text())["model"]["init_args"]
+    stated = re.search(r"([0-9.]+) GFLOPs per image for a training pass at 28 px", override.read_text())
+    assert stated, f"{override.name} states no training GFLOPs"
+    assert backbone_size(cfg["backbone"], 28, cfg["backbone_kwargs"]).train_flops / 1e9 == pytest.approx(float(stated.group(1)), abs=0.005)
+    root = Path(__file__).resolve().parents[1]
+    assert cli_main(["fit", "--config", str(root / "recipes/fashion_mnist/supervised.yaml"), "--config", str(override),
+                     "--trainer.accelerator", "cpu", "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                     "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
+                     "--data", "ssl_vit.data.SyntheticDataModule", "--data.init_args.num_samples", "8", "--data.init_args.num_test_samples", "4",
+                     "--data.init_args.img_size", "28", "--data.init_args.in_chans", "1", "--data.init_args.batch_size", "4", "--data.init_args.num_workers", "0",
+                     "--data.init_args.views", "ssl_vit.data.SingleView", "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 3}"]) == 0
+    record = json.loads(next((tmp_path / "run" / "results").glob("*.json")).read_text())
+    assert record["backbone"]["name"] == cfg["backbone"] and record["backbone"]["kwargs"] == {**cfg["backbone_kwargs"]}
+    assert record["pretrain"]["flops"] > 0
