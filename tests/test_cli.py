@@ -102,7 +102,7 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
         assert json.loads((tmp_path / "lars.json").read_text())["protocol_args"]["base_lr"] == 0.1
     if protocol == "linear_aug":
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["features"] == "avg"
-        assert path.name == "random_vit-4_synthetic_linear_aug-avg.json"
+        assert path.name == "random_vit-D32-L2-H2-4_synthetic_linear_aug-avg.json"
 
 
 def test_eval_precision_reaches_the_extraction_and_the_training_and_is_recorded(tmp_path, monkeypatch, capsys):

@@ -444,8 +444,8 @@ def test_a_two_process_recipe_fine_tunes_on_both_processes_and_records_once(tmp_
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.count("finetune  dino") == 1 and done.stdout.count("knn       dino") == 1
     records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
-    assert set(records) == {"dino_vit-4_synthetic_finetune.json", "dino_vit-4_synthetic_knn.json"}
-    ft = records["dino_vit-4_synthetic_finetune.json"]
+    assert set(records) == {"dino_vit-D32-L2-H2-4_synthetic_finetune.json", "dino_vit-D32-L2-H2-4_synthetic_knn.json"}
+    ft = records["dino_vit-D32-L2-H2-4_synthetic_finetune.json"]
     assert ft["protocol_args"]["devices"] == 2 and ft["data"]["test_size"] == 8
     # 32 images, 4 per process and step on 2 processes: 4 steps.
     assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4

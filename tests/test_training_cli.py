@@ -416,7 +416,7 @@ def test_an_evaluation_that_fails_after_training_says_how_to_evaluate_the_kept_b
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert f"evaluate: k=40 must be in 1..32 (the bank size) (the trained backbone is kept in {last}" in err and "--resume" in err
     assert cli_main(["fit", "--config", str(cfg), "--resume", "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 3}"]) == 0
-    assert "knn       dino  vit/4  synthetic" in capsys.readouterr().out
+    assert "knn       dino  vit-D32-L1-H2/4  synthetic" in capsys.readouterr().out
     assert torch.load(last, weights_only=False)["ssl_vit"]["global_step"] == 3  # evaluated, not trained further
 
 
@@ -426,10 +426,10 @@ def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
     args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[knn, fewshot]", "--evaluate.knn", "{k: 3}",
             "--evaluate.fewshot", "{shots: [1, 2], num_seeds: 2}"]
     assert cli_main(args) == 0
-    assert "knn       dino  vit/4  synthetic" in capsys.readouterr().out
+    assert "knn       dino  vit-D32-L1-H2/4  synthetic" in capsys.readouterr().out
     records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
-    assert set(records) == {"dino_vit-4_synthetic_knn.json", "dino_vit-4_synthetic_fewshot.json"}
-    knn = records["dino_vit-4_synthetic_knn.json"]
+    assert set(records) == {"dino_vit-D32-L1-H2-4_synthetic_knn.json", "dino_vit-D32-L1-H2-4_synthetic_fewshot.json"}
+    knn = records["dino_vit-D32-L1-H2-4_synthetic_knn.json"]
     assert knn["protocol_args"]["k"] == 3 and knn["pretrain"]["steps"] == 3 and knn["pretrain"]["flops"] > 0
     assert knn["pretrain"]["data"] == "synthetic"  # what it was pretrained on, named as evaluation data
     assert knn["source"].endswith("last.ckpt") and knn["data"]["test_size"] == 8
@@ -449,15 +449,15 @@ def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes
             "--evaluate.linear_aug", "{epochs: 1, batch_size: 16, optimizer: lars, crop_scale: [0.6, 1.0]}", "--evaluate.features", "avg"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "finetune  dino  vit/4  synthetic" in out and "knn       dino  vit/4 [avg]  synthetic" in out
-    assert "linear_aug dino  vit/4 [avg]  synthetic" in out
+    assert "finetune  dino  vit-D32-L1-H2/4  synthetic" in out and "knn       dino  vit-D32-L1-H2/4 [avg]  synthetic" in out
+    assert "linear_aug dino  vit-D32-L1-H2/4 [avg]  synthetic" in out
     records = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run" / "results").glob("*.json")}
-    assert set(records) == {"dino_vit-4_synthetic_finetune.json", "dino_vit-4_synthetic_linear_aug-avg.json", "dino_vit-4_synthetic_knn-avg.json"}
-    probe = records["dino_vit-4_synthetic_linear_aug-avg.json"]
+    assert set(records) == {"dino_vit-D32-L1-H2-4_synthetic_finetune.json", "dino_vit-D32-L1-H2-4_synthetic_linear_aug-avg.json", "dino_vit-D32-L1-H2-4_synthetic_knn-avg.json"}
+    probe = records["dino_vit-D32-L1-H2-4_synthetic_linear_aug-avg.json"]
     assert {k: probe["protocol_args"][k] for k in ("epochs", "base_lr", "optimizer", "batch_size", "crop_scale", "features", "devices")} == {
         "epochs": 1, "base_lr": 0.1, "optimizer": "lars", "batch_size": 16, "crop_scale": [0.6, 1.0], "features": "avg", "devices": 1}
     assert torch.load(tmp_path / "run" / "linear_aug" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
-    ft = records["dino_vit-4_synthetic_finetune.json"]
+    ft = records["dino_vit-D32-L1-H2-4_synthetic_finetune.json"]
     assert ft["protocol"] == "finetune" and ft["pretrain"]["steps"] == 3 and ft["source"].endswith("last.ckpt")
     assert {k: ft["protocol_args"][k] for k in ("epochs", "lr", "layer_decay", "batch_size", "devices", "precision", "crop_scale")} == {
         "epochs": 2, "lr": 5e-4, "layer_decay": 0.75, "batch_size": 8, "devices": 1, "precision": "32-true", "crop_scale": [0.5, 1.0]}
@@ -468,7 +468,7 @@ def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes
     # --resume on the finished run: nothing trains again, the records are rewritten in place.
     assert cli_main([*args, "--resume"]) == 0
     assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["global_step"] == 8
-    again = json.loads((tmp_path / "run" / "results" / "dino_vit-4_synthetic_finetune.json").read_text())
+    again = json.loads((tmp_path / "run" / "results" / "dino_vit-D32-L1-H2-4_synthetic_finetune.json").read_text())
     assert again["metrics"] == ft["metrics"] and len(list((tmp_path / "run" / "results").glob("*.json"))) == 3
 
 
