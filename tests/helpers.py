@@ -9,7 +9,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.pretext import PretextModule
 
@@ -164,3 +166,11 @@ class ReconstructCounted(Reconstruct):
 
     def step_flops(self, views_shapes: list[tuple[int, ...]], world_size: int) -> float:
         return 1000.0
+
+
+def torch_flops(fn) -> int:
+    """FLOPs of ``fn()`` by torch's own FlopCounterMode table, attention as plain matmuls (the
+    math backend, which torch decomposes into the two matrix products the analytic counts use)."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()

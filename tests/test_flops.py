@@ -12,11 +12,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import TINY_BACKBONE, TINY_VIT, RepeatBatch, fixed_views
+from helpers import TINY_BACKBONE, TINY_VIT, RepeatBatch, fixed_views, torch_flops
 from timm.models.vision_transformer import VisionTransformer as TimmViT
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
-from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.backbones import create_backbone
 from ssl_vit.flops import (
@@ -29,14 +27,6 @@ from ssl_vit.flops import (
     vit_forward_flops,
 )
 from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
-
-
-def torch_flops(fn) -> int:
-    """FLOPs of ``fn()`` by torch's own FlopCounterMode table, attention as plain matmuls."""
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
 
 # ---------------------------------------------------------------------------------------------
 # the analytic ViT count

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import torch_flops
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 import ssl_vit.analysis.callback as callback_module
 from ssl_vit.analysis import (
@@ -48,13 +47,6 @@ from ssl_vit.flops import (
     pretrain_flops_from_checkpoint,
 )
 from ssl_vit.pretext import DINO, MPP, Supervised
-
-
-def torch_flops(fn) -> int:
-    """FLOPs of ``fn()`` by torch's own FlopCounterMode table, attention as plain matmuls."""
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 # ----------------------------------------------------------------------------------- FLOPs
