@@ -7,11 +7,14 @@ one); anything richer is left to the callee."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import inspect
 import math
+import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 # An option's rule: (is the value valid?, the rule as the message says it).
@@ -85,3 +88,62 @@ def check_option_values(args: Any, rules: Mapping[str, OptionRule]) -> None:
         if not (all(_finite(v) for v in values) and valid(value)):
             shown = " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
             raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {shown}")
+
+
+def closest(name: str, candidates: Collection[str]) -> str | None:
+    """The one of ``candidates`` that is a likely spelling of ``name`` (difflib's similarity >= 0.7,
+    ignoring case: ``batchsize`` finds ``batch_size``, ``vit_gigantic`` nothing), else None."""
+    by_lower = {c.lower(): c for c in candidates if c != name}  # "Dino" finds "DINO"
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.7)
+    return by_lower[close[0]] if close else None
+
+
+def did_you_mean(name: str, candidates: Collection[str]) -> str:
+    """``" (did you mean 'max_epochs'?)"`` when ``closest`` finds one, else ``""``."""
+    close = closest(name, candidates)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def parameter_names(fn: Callable[..., Any]) -> list[str]:
+    """The keyword arguments a function takes, or a class's ``__init__`` and those of its bases
+    that it passes ``**kwargs`` on to (what a recipe's ``init_args`` may name)."""
+    targets = [k.__dict__["__init__"] for k in fn.__mro__ if "__init__" in k.__dict__] if inspect.isclass(fn) else [fn]
+    names: list[str] = []
+    for target in targets:  # the class's own first
+        try:
+            params = inspect.signature(target).parameters.values()
+        except (TypeError, ValueError):  # a builtin's __init__
+            break
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
+
+
+def unexpected_keyword_hint(err: TypeError, fn: Callable[..., Any]) -> str:
+    """The suggestion for Python's ``f() got an unexpected keyword argument 'x'`` raised by
+    calling ``fn``: ``" (did you mean 'y'?)"`` or ``""``."""
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    return did_you_mean(found.group(1), parameter_names(fn)) if found else ""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments: --epocs" also names the likely option
+    (``--epochs``) among its own and its subcommands' (Python's argparse suggests only from 3.14)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        found = re.search(r"unrecognized arguments: (--[\w-]+)", message)
+        if found:
+            message += did_you_mean(found.group(1), option_strings(self))
+        super().error(message)
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every ``--option`` of a parser and of its subcommands' parsers."""
+    names: list[str] = []
+    for action in parser._actions:
+        names += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                names += option_strings(sub)
+    return list(dict.fromkeys(names))

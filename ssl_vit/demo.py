@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.arguments import ArgumentParser
+
 # The backbone every method shares: a small ViT for 28-px grey images, 4x4 patches of 7 px. On
 # 2 CPU cores the supervised run trains at ~900 images/s, which is what a 15-minute budget buys.
 DEMO_BACKBONE: dict[str, Any] = {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 128, "depth": 4, "num_heads": 4}
@@ -166,7 +168,7 @@ def evaluate(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ssl-vit demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="ssl-vit demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: pretraining on a 4k-image subset (about 1.5 minutes on 2 CPU cores); too short to learn features")
     p.add_argument("--epochs", type=float, default=None, help="pretraining epochs of every method (default: 1.5-2 depending on the method)")
     p.add_argument("--subset", type=int, default=None, help="pretrain on this many training images (default all 60k)")

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.arguments import ArgumentParser
+
 
 def _kwargs(text: str) -> dict[str, Any]:
     try:
@@ -37,7 +39,7 @@ def _earlier_export(out: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ssl-vit export",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

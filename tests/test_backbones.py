@@ -496,7 +496,7 @@ def test_backbones_command_errors_name_the_problem(capsys):
 
     with pytest.raises(ValueError, match="backbone 'vit_tiny': image size 30x30 is not divisible by the patch size 16"):
         main(["vit_tiny", "--img-size", "30"])
-    with pytest.raises(ValueError, match=r"backbone 'resnet18' takes no argument\(s\) \['small_inpt'\]; it accepts: img_size, in_chans"):
+    with pytest.raises(ValueError, match=r"backbone 'resnet18' takes no argument\(s\) \['small_inpt'\] \(did you mean 'small_input'\?\); it accepts: img_size, in_chans"):
         main(["resnet18", "--arg", "small_inpt=1"])
     with pytest.raises(ValueError, match=r"none of these backbones takes the argument\(s\) \['depth'\]; they accept: "):
         main(["resnet18", "resnet50", "--arg", "depth=3"])

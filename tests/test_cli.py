@@ -283,7 +283,7 @@ def test_eval_out_may_name_the_record_file_and_compare_reads_it(tmp_path, capsys
     "data_args,message",
     [
         (["--data", "imagefolder"], "--data imagefolder needs --data-arg train_dir=..."),
-        ([*SYNTH, "--data-arg", "num_sample=8"], "--data synthetic takes no argument num_sample; its arguments: num_samples,"),
+        ([*SYNTH, "--data-arg", "num_sample=8"], "--data synthetic takes no argument num_sample (did you mean 'num_samples'?); its arguments: num_samples,"),
     ],
 )
 def test_a_bad_data_argument_is_one_line_naming_the_fix(capsys, data_args, message):
@@ -637,7 +637,7 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
                      "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--data", "fashion_mnst"]) == 1
-    assert "--data fashion_mnst: not a dataset name (cifar10, cifar100, fashion_mnist," in capsys.readouterr().err
+    assert "--data fashion_mnst: not a dataset name (did you mean 'fashion_mnist'?) (cifar10, cifar100, fashion_mnist," in capsys.readouterr().err
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--data", "my_data.Nope"]) == 1
     assert "--data my_data.Nope: cannot import it (AttributeError" in capsys.readouterr().err
 
@@ -646,3 +646,40 @@ def test_visualize_names_a_file_given_as_images(tmp_path, capsys):
     (tmp_path / "cat.png").write_bytes(b"not really")
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", str(tmp_path / "cat.png"), "--out", str(tmp_path / "f")]) == 1
     assert f"--images {tmp_path / 'cat.png'}: a file; name a folder of images or a dataset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, suggestion",
+    [
+        (["eval", "linear", "--backbone", "random:vit_tiny", "--epocs", "3"], "unrecognized arguments: --epocs 3 (did you mean '--epochs'?)"),
+        (["eval", "knn", "--backbone", "random:vit_tny"], "unknown backbone 'vit_tny' (did you mean 'vit_tiny'?)"),
+        (["demo", "--quikc"], "(did you mean '--quick'?)"),
+        (["export", "x.ckpt", "--out", "x", "--formt", "onnx"], "(did you mean '--format'?)"),
+        (["compare", "results", "--outt", "r.md"], "(did you mean '--out'?)"),
+        (["benchmark", "--quik"], "(did you mean '--quick'?)"),
+        (["backbones", "--img-sz", "28"], "(did you mean '--img-size'?)"),
+        (["backbones", "vit", "--arg", "embed_dims=8"], "takes no argument(s) ['embed_dims'] (did you mean 'embed_dim'?)"),
+        (["visualize", "random:vit_tiny", "--images", "synthetic", "--out", "f", "--figurs", "filters"], "(did you mean '--figures'?)"),
+    ],
+    ids=["eval-option", "eval-backbone", "demo", "export", "compare", "benchmark", "backbones", "backbones-arg", "visualize"],
+)
+def test_every_command_answers_a_misspelling_with_its_likely_spelling(tmp_path, monkeypatch, capsys, argv, suggestion):
+    monkeypatch.chdir(tmp_path)  # nothing a command might start writes into the checkout
+    try:
+        status = cli_main(argv)
+    except SystemExit as stop:  # argparse's own errors
+        status = stop.code
+    assert status not in (0, None)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"ssl-vit {argv[0]}") and suggestion in err
+
+
+def test_a_likely_spelling_is_one_within_reach():
+    # difflib's ratio 2M/T, ignoring case: close typos are found, unrelated names are not.
+    from ssl_vit.arguments import closest, did_you_mean
+
+    assert closest("batchsize", ["batch_size", "seed"]) == "batch_size"
+    assert closest("Dino", ["MPP", "DINO"]) == "DINO"
+    assert closest("vit_gigantic", ["vit_tiny", "vit_large", "vit_huge"]) is None
+    assert closest("k", ["k"]) is None  # the name itself is not a suggestion
+    assert did_you_mean("zzz", ["epochs"]) == "" and did_you_mean("epoch", ["epochs"]) == " (did you mean 'epochs'?)"

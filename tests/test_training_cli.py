@@ -249,6 +249,46 @@ def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra,
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize(
+    "extra,yaml_text,suggestion",
+    [
+        (["--trainer.max_step", "3"], None, "unrecognized arguments: --trainer.max_step 3 (did you mean '--trainer.max_steps'?)"),
+        (["--checkpoint.every_n_step", "3"], None, "(did you mean '--checkpoint.every_n_train_steps'?)"),
+        (["--global_batch", "8"], None, "(did you mean '--global_batch_size'?)"),
+        (["--evaluat.knn", "{k: 3}"], None, "(did you mean '--evaluate.knn'?)"),
+        (["--model.init_args.teacher_tmp", "0.04"], None, "Option 'teacher_tmp' is not accepted (did you mean 'teacher_temp'?)"),
+        (["--data.init_args.batchsize", "4"], None, "Option 'batchsize' is not accepted (did you mean 'batch_size'?)"),
+        (["--model", "Dino"], None, "(did you mean 'DINO'?) (methods:"),
+        (["--model.init_args.backbone", "vit_smal"], None, "unknown backbone 'vit_smal' (did you mean 'vit_small'?); known backbones:"),
+        (["--model.init_args.backbone_kwargs.embed_dims", "32"], None, "got unknown argument(s) ['embed_dims'] (did you mean 'embed_dim'?); it accepts:"),
+        (["--evaluate.protocols", "[knn]", "--evaluate.knn", "{temprature: 0.1}"], None, "unexpected keyword argument 'temprature' (did you mean 'temperature'?)"),
+        ([], "trainer:\n  max_epoch: 1\n", "Group 'trainer' does not accept option 'max_epoch' (did you mean 'trainer.max_epochs'?)"),
+        ([], "evaluat:\n  knn: {k: 3}\n", "Option 'evaluat.knn.k' is not accepted (did you mean 'evaluate.knn'?)"),
+        ([], "model:\n  init_args:\n    warmup_epoch: 1\n", "Option 'warmup_epoch' is not accepted (did you mean 'warmup_epochs'?)"),
+    ],
+    ids=["flag", "flag-group", "flag-top", "flag-rest", "method-option", "data-option", "method-name", "backbone-name", "backbone-argument",
+         "evaluate-argument", "yaml-group", "yaml-top", "yaml-method-option"],
+)
+def test_a_misspelt_key_is_answered_with_its_likely_spelling(tmp_path, capsys, extra, yaml_text, suggestion):
+    cfg = tiny_config(tmp_path)
+    configs = ["--config", str(cfg)]
+    if yaml_text is not None:
+        (tmp_path / "typo.yaml").write_text(yaml_text)
+        configs += ["--config", str(tmp_path / "typo.yaml")]
+    assert cli_main(["fit", *configs, *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ssl-vit fit: error: ") and suggestion in err[-1]
+
+
+@pytest.mark.parametrize("extra", [["--model.init_args.bogus", "1"], ["--trainer.zzz", "1"], ["--data.init_args.batch_size", "4", "--model.init_args.qqq", "2"]])
+def test_a_key_like_no_other_gets_no_suggestion_and_a_found_class_no_class_list(tmp_path, capsys, extra):
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ssl-vit fit: error: ") and "did you mean" not in err
+    assert "(methods:" not in err and "(datamodules:" not in err  # the class was found: its name is not the problem
+
+
 def test_crops_smaller_than_the_backbone_are_a_note_and_a_resnet_takes_any_size(tmp_path, capsys):
     cfg = tiny_config(tmp_path, method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
     assert cli_main(["fit", "--config", str(cfg), "--data.init_args.img_size", "8", "--data.init_args.views.init_args.size", "8", "--trainer.max_steps", "1"]) == 0

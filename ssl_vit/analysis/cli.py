@@ -21,6 +21,7 @@ import re
 import sys
 from pathlib import Path
 
+from ssl_vit.arguments import ArgumentParser
 from ssl_vit.eval.cli import _json_dict
 from ssl_vit.eval.data_args import DATASETS, datamodule_class, key_value
 from ssl_vit.eval.options import check_output_folder
@@ -29,7 +30,7 @@ from ssl_vit.eval.options import check_output_folder
 def build_parser() -> argparse.ArgumentParser:
     from ssl_vit.analysis.render import FIGURES
 
-    p = argparse.ArgumentParser(prog="ssl-vit visualize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="ssl-vit visualize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("backbone", help="checkpoint (.ckpt), export dir, state dict, or random:<name>")
     p.add_argument("--images", required=True, help=f"a folder of images, or a dataset: {', '.join(sorted(DATASETS))} "
                    "or the dotted path of a datamodule of your own")

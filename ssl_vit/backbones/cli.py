@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import yaml
 
+from ssl_vit.arguments import ArgumentParser, did_you_mean
 from ssl_vit.backbones.registry import create_backbone, get_spec, list_backbones
 from ssl_vit.eval.data_args import key_value
 
@@ -57,7 +58,7 @@ def backbone_size(name: str, img_size: int, kwargs: dict[str, Any]) -> BackboneS
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ssl-vit backbones", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="ssl-vit backbones", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help="backbones to list (default: all)")
     parser.add_argument("--img-size", type=int, default=224, help="input resolution in pixels (default 224)")
     parser.add_argument("--patch-size", type=int, default=None, help="patch size of the ViTs (default: each one's own, 16)")
@@ -80,7 +81,8 @@ def main(argv: list[str]) -> int:
     unused = sorted(set(extra) - taken)
     if unused:  # a misspelt --arg would change nothing: say so
         which = f"backbone {names[0]!r} takes no" if len(names) == 1 else "none of these backbones takes the"
-        raise ValueError(f"{which} argument(s) {unused}; {'it accepts' if len(names) == 1 else 'they accept'}: {', '.join(sorted(taken))}")
+        hint = did_you_mean(unused[0], taken) if len(unused) == 1 else ""
+        raise ValueError(f"{which} argument(s) {unused}{hint}; {'it accepts' if len(names) == 1 else 'they accept'}: {', '.join(sorted(taken))}")
 
     rows: list[tuple[str, BackboneSize | str]] = []
     for name in names:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ssl_vit.arguments import check_argument_types
+from ssl_vit.arguments import check_argument_types, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def list_backbones() -> list[str]:
 
 def get_spec(name: str) -> BackboneSpec:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(list_backbones())}")
+        raise ValueError(f"unknown backbone {name!r}{did_you_mean(name, _REGISTRY)}; known backbones: {', '.join(list_backbones())}")
     return _REGISTRY[name]
 
 
@@ -84,7 +84,8 @@ def create_backbone(name: str, **kwargs: Any) -> nn.Module:
     allowed = spec.allowed_kwargs()
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise TypeError(f"backbone {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(allowed)}")
+        hint = did_you_mean(unknown[0], allowed) if len(unknown) == 1 else ""
+        raise TypeError(f"backbone {name!r} got unknown argument(s) {unknown}{hint}; it accepts: {', '.join(allowed)}")
     missing = [k for k in spec.required if k not in kwargs]
     if missing:
         raise TypeError(f"backbone {name!r} needs {', '.join(missing)} (it has no shape of its own; or pick a sized one, e.g. vit_small)")

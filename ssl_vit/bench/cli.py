@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.arguments import OptionRule, check_option_values
+from ssl_vit.arguments import ArgumentParser, OptionRule, check_option_values
 from ssl_vit.bench.config import METHOD_NAMES, RESULT_FORMAT, preset
 from ssl_vit.bench.report import format_report
 
@@ -18,7 +18,7 @@ _OPTION_RULES: dict[str, OptionRule] = {name: (lambda v, least=least: v is None 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="ssl-vit benchmark",
         description=(
             "Training-step throughput and peak memory of each method against the same step composed "

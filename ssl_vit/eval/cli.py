@@ -26,6 +26,7 @@ import signal
 import sys
 from typing import Any
 
+from ssl_vit.arguments import ArgumentParser
 from ssl_vit.eval.data_args import (
     DATASETS,
     build_datamodule,
@@ -72,7 +73,7 @@ def _image_run_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssl-vit eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="ssl-vit eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="protocol", required=True, metavar="{linear,knn,fewshot,frozen,finetune}")
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("backbone")

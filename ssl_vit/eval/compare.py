@@ -12,7 +12,6 @@ row with the same backbone and dataset, in percentage points.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.arguments import ArgumentParser
 from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, read_json
 
 BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
@@ -401,7 +401,7 @@ def write_report(cmp: Comparison, out: str | Path, plots: bool = True) -> list[P
 
 # ---------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ssl-vit compare",
         description="Tabulate evaluation result JSONs: SSL methods vs the supervised baseline vs random init.",
     )

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from ssl_vit.arguments import did_you_mean
+
 DATASETS = {
     "fashion_mnist": "FashionMNISTDataModule",
     "cifar10": "CIFAR10DataModule",
@@ -65,7 +67,7 @@ def datamodule_class(name: str, option: str = "--data") -> type:
     module, _, attr = name.rpartition(".")
     known = f"{', '.join(sorted(DATASETS))}, or the dotted path of a datamodule class"
     if not module:
-        raise ValueError(f"{option} {name}: not a dataset name ({known})")
+        raise ValueError(f"{option} {name}: not a dataset name{did_you_mean(name, DATASETS)} ({known})")
     try:
         cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
@@ -131,7 +133,8 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     params = _init_params(cls)
     unknown = sorted(set(extra) - set(params))
     if unknown:
-        raise ValueError(f"{option} {name} takes no argument {', '.join(unknown)}; its arguments: {', '.join(p for p in params if p != 'views')}")
+        hint = did_you_mean(unknown[0], [p for p in params if p != "views"]) if len(unknown) == 1 else ""
+        raise ValueError(f"{option} {name} takes no argument {', '.join(unknown)}{hint}; its arguments: {', '.join(p for p in params if p != 'views')}")
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
     if missing:
         raise ValueError(f"{option} {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))

@@ -22,6 +22,8 @@ writes ``last.ckpt`` after the current step and exits with status 128 + the sign
 
 from __future__ import annotations
 
+import importlib
+import re
 import signal
 import sys
 import warnings
@@ -38,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
+from ssl_vit.arguments import closest, did_you_mean, parameter_names
 from ssl_vit.backbones import is_vit
 from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.eval.train_run import EvalRunInterrupted
@@ -79,6 +82,19 @@ class SSLViTCLI(LightningCLI):
             if action.dest in BATCH_LIMITS and hasattr(action, "_typehint"):
                 action._typehint = Union[int, float, None]  # noqa: UP007 (the parser reads typing's form)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except (ArgumentError, ValueError, TypeError) as err:
+            try:
+                keys = list(parser.get_defaults().keys())
+            except Exception:  # the parser's defaults themselves do not resolve: no suggestion
+                keys = []
+            hint = _key_hint(str(err), keys)
+            if not hint:
+                raise
+            raise ConfigError(_one_line(str(err)) + hint) from None
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         # Checkpoints are always written atomically, whatever plugins a recipe lists (SLURM ...).
         # (Unless the recipe chose a CheckpointIO itself: as a plugin, or on its strategy, where
@@ -106,17 +122,64 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 def _known_classes(message: str) -> str:
     """What a recipe may name where the parser could not import a class (``model: Dino``)."""
-    if "class_path" not in message and "dot import path" not in message:
+    found = re.search(r"Expected a path but (\S+) either not accessible or invalid", message)
+    if found is None:  # the class was found (its options may not be)
         return ""
     if 'key "model"' in message:
         from ssl_vit.pretext import METHODS
 
-        return f" (methods: {', '.join(cls.__name__ for cls in METHODS.values())}, or the dotted path of a PretextModule of your own)"
+        names = [cls.__name__ for cls in METHODS.values()]
+        return f"{did_you_mean(found.group(1), names)} (methods: {', '.join(names)}, or the dotted path of a PretextModule of your own)"
     if 'key "data"' in message:
         import ssl_vit.data
 
         names = sorted(n for n in ssl_vit.data.__all__ if n.endswith("DataModule") and n != "ImageDataModule")
-        return f" (datamodules: {', '.join(names)}, or the dotted path of a LightningDataModule of your own)"
+        return f"{did_you_mean(found.group(1), names)} (datamodules: {', '.join(names)}, or the dotted path of a LightningDataModule of your own)"
+    return ""
+
+
+def _key_hint(message: str, keys: list[str]) -> str:
+    """The likely spelling of a recipe key or option the parser refused: an ``init_args`` entry
+    of the class a recipe names, or a key among the parser's own (``keys``: ``trainer.max_epochs``
+    ...). ``""`` when nothing is close."""
+    found = re.search(r"class_path '([\w.]+)'\W+Option '(\w+)' is not accepted", message)
+    if found:
+        module, _, name = found.group(1).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return ""
+        return did_you_mean(found.group(2), parameter_names(cls))
+    flag = re.search(r"unrecognized arguments: --([\w.]+)", message)
+    group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
+    option = re.search(r"Option '([\w.]+)' is not accepted", message)
+    if flag:
+        key = flag.group(1)
+    elif group:
+        key = f"{group.group(1)}.{group.group(2)}"
+    elif option:
+        key = option.group(1)
+    else:
+        return ""
+    # The first part of the dotted key that names nothing, against its siblings:
+    # `evaluat.knn.k` -> 'evaluate.knn', `trainer.max_epoch` -> 'trainer.max_epochs'.
+    parts = key.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        if any(k == prefix or k.startswith(prefix + ".") for k in keys):
+            continue
+        parent = ".".join(parts[: depth - 1])
+        siblings = {".".join(k.split(".")[:depth]) for k in keys if depth == 1 or k.startswith(parent + ".")}
+        close = closest(prefix, siblings)
+        if close is None:
+            return ""
+        for end in range(len(parts), depth, -1):  # as much of the rest of the key as exists there
+            longer = ".".join([close, *parts[depth:end]])
+            if any(k == longer or k.startswith(longer + ".") for k in keys):
+                close = longer
+                break
+        shown = f"--{close}" if flag else close
+        return f" (did you mean {shown!r}?)"
     return ""
 
 

@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import lightning as L
 
+from ssl_vit.arguments import unexpected_keyword_hint
+
 Protocol = Literal["finetune", "linear_aug", "linear", "knn", "fewshot"]
 ON_IMAGES = ("finetune", "linear_aug")  # the protocols that train on images, on every process of the run
 
@@ -94,10 +96,12 @@ class RecipeEvaluation:
         # not after it.
         given = [p for p, kwargs in self.kwargs.items() if kwargs]  # settings of protocols not run are checked too
         for protocol in dict.fromkeys([*self.protocols, *given]):
+            evaluator = _evaluator(protocol)
             try:
-                _evaluator(protocol)(**self.protocol_kwargs(protocol))
+                evaluator(**self.protocol_kwargs(protocol))
             except (TypeError, ValueError) as err:
-                raise ValueError(f"evaluate.{protocol}: {err}") from None
+                hint = unexpected_keyword_hint(err, evaluator) if isinstance(err, TypeError) else ""
+                raise ValueError(f"evaluate.{protocol}: {err}{hint}") from None
         unused = [p for p in given if p not in self.protocols]
         if unused:
             print(f"ssl-vit fit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols "

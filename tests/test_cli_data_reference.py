@@ -1,0 +1,663 @@
+"""The command-line front ends and the data plumbing under them against independent references:
+torch's ``DistributedSampler`` shard layout (padding by wrapping, positions r, r + R, ...) and
+``SequentialSampler`` order written out here, numpy's ``SeedSequence``, Python's ``random`` stream,
+the papers' defaults (DINO's kNN, the ViT paper's few-shot, MAE's fine-tuning and linear probe,
+the 0.08-1 crop of DeiT/MAE/MoCo v3/DINO), and the expectations the modules' docstrings state
+(what each option reaches, where a record goes, which errors a bad input gets)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, SequentialSampler
+
+from ssl_vit.cli import main as cli_main
+from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
+
+TINY = {"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2, "num_heads": 2}
+SYNTH = ["--data", "synthetic", "--data-arg", "num_samples=64", "--data-arg", "num_test_samples=32", "--data-arg", "num_classes=4",
+         "--num-workers", "0"]
+
+
+class _Ids(Dataset):
+    """Items: the dataset index the sampler drew."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, item: SeededIndex | int) -> int:
+        return item.index if isinstance(item, SeededIndex) else item
+
+
+def _reference_shards(n: int, replicas: int, seed: int, epoch: int) -> list[list[int]]:
+    # torch.utils.data.DistributedSampler(shuffle=True, drop_last=False): randperm(n) from a
+    # generator seeded seed + epoch, padded to a multiple of the replicas by wrapping around
+    # its start, process r taking positions r, r + R, r + 2R ...
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    total = math.ceil(n / replicas) * replicas
+    padded = (perm * math.ceil(total / n))[:total]
+    return [padded[r::replicas] for r in range(replicas)]
+
+
+# -- sampler.py -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, replicas", [(10, 3), (7, 4), (12, 3)])
+def test_the_shards_of_an_epoch_cover_every_image_with_only_the_padding_repeated(n, replicas):
+    # Padded, not dropped (as Lightning's own distributed sampler): every image of the epoch is
+    # seen by some process, each process gets ceil(n / R) of them.
+    shards = [[i.index for i in ResumableSampler(_Ids(n), num_replicas=replicas, rank=r, seed=4)] for r in range(replicas)]
+    assert shards == _reference_shards(n, replicas, seed=4, epoch=0)
+    seen = [i for s in shards for i in s]
+    assert sorted(set(seen)) == list(range(n)) and len(seen) == math.ceil(n / replicas) * replicas
+
+
+def test_a_sequential_sampler_given_by_lightning_keeps_the_dataset_order():
+    # overfit_batches: Lightning rebuilds the loader with torch's SequentialSampler to stop
+    # shuffling; the loader stays resumable and reads the dataset in SequentialSampler's order.
+    dataset = _Ids(9)
+    loader = ResumableLoader(dataset, sampler=SequentialSampler(dataset), batch_size=4)
+    assert isinstance(loader.sampler, ResumableSampler)
+    assert [i for batch in loader for i in batch.tolist()] == list(SequentialSampler(dataset))
+
+
+def test_the_state_of_a_new_epoch_is_its_start_even_after_a_resumed_pass():
+    # Epoch 0 resumed after 4 images and read to its end; Lightning then sets epoch 1: a
+    # checkpoint written before epoch 1's first batch says "epoch 1, nothing seen".
+    n = 12
+    loader = ResumableLoader(_Ids(n), sampler=ResumableSampler(_Ids(n), num_replicas=1, rank=0, seed=2), batch_size=4)
+    loader.load_state_dict({"seed": 2, "epoch": 0, "batches": 1, "samples": 4})
+    assert [i for b in loader for i in b.tolist()] == _reference_shards(n, 1, 2, 0)[0][4:]
+    assert loader.state_dict() == {"seed": 2, "epoch": 0, "batches": 3, "samples": 12}
+    loader.sampler.set_epoch(1)
+    assert loader.state_dict() == {"seed": 2, "epoch": 1, "batches": 0, "samples": 0}
+    assert [i for b in loader for i in b.tolist()] == _reference_shards(n, 1, 2, 1)[0]
+
+
+def test_the_images_seen_never_exceed_the_epoch_and_batches_count_a_partial_start_as_one():
+    # 10 images in batches of 4: 4 + 4 + 2; after the last batch all 10 are seen, not 12.
+    n = 10
+    loader = ResumableLoader(_Ids(n), sampler=ResumableSampler(_Ids(n), num_replicas=1, rank=0, seed=0), batch_size=4)
+    list(loader)
+    assert loader.state_dict() == {"seed": 0, "epoch": 0, "batches": 3, "samples": 10}
+    # Resumed after 6 images (another batch size before): the 6 are one and a half batches of 4,
+    # the next batch the third handed out (ceil(6 / 4) + 1), as a resume from "batches" would skip.
+    resumed = ResumableLoader(_Ids(n), sampler=ResumableSampler(_Ids(n), num_replicas=1, rank=0, seed=0), batch_size=4)
+    resumed.load_state_dict({"seed": 0, "epoch": 0, "batches": 3, "samples": 6})
+    assert resumed.state_dict() == {"seed": 0, "epoch": 0, "batches": 2, "samples": 6}  # before its first batch
+    it = iter(resumed)
+    assert next(it).tolist() == _reference_shards(n, 1, 0, 0)[0][6:10]
+    assert resumed.state_dict() == {"seed": 0, "epoch": 0, "batches": 3, "samples": 10}
+
+
+def test_a_state_from_before_the_sample_count_skips_its_batches_of_images():
+    # An older checkpoint says only "batches": that many batches of this loader's size are skipped.
+    n = 20
+    loader = ResumableLoader(_Ids(n), sampler=ResumableSampler(_Ids(n), num_replicas=1, rank=0, seed=1), batch_size=4)
+    loader.load_state_dict({"seed": 1, "epoch": 3, "batches": 2})
+    assert [i for b in loader for i in b.tolist()] == _reference_shards(n, 1, 1, 3)[0][8:]
+
+
+@pytest.mark.parametrize("drop_last, seen, epoch_after", [(True, 8, 1), (True, 4, 0), (False, 8, 0), (False, 10, 1)])
+def test_a_state_saved_after_the_epochs_last_batch_starts_the_next_epoch(drop_last, seen, epoch_after):
+    # 10 images in batches of 4: with drop_last the epoch's last batch ends at image 8 (2 left
+    # over make no batch), without it at image 10. Saved there, the resumed run starts the next
+    # epoch afresh; saved before, it continues the same epoch after the images seen.
+    n = 10
+    loader = ResumableLoader(_Ids(n), sampler=ResumableSampler(_Ids(n), num_replicas=1, rank=0, seed=0), batch_size=4, drop_last=drop_last)
+    loader.load_state_dict({"seed": 0, "epoch": 0, "batches": math.ceil(seen / 4), "samples": seen})
+    order = [i for b in loader for i in b.tolist()]
+    want = _reference_shards(n, 1, 0, epoch_after)[0][0 if epoch_after else seen:]
+    assert order == want[: len(want) // 4 * 4 if drop_last else None]
+    assert loader.sampler.epoch == epoch_after
+
+
+# -- runtime.py ---------------------------------------------------------------------------------
+
+
+def test_world_info_is_rank_then_world_size(monkeypatch):
+    import torch.distributed as dist
+
+    from ssl_vit.runtime import world_info
+
+    assert world_info() == (0, 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    assert world_info() == (3, 8)
+
+
+def test_a_gpu_index_the_machine_lacks_is_refused(monkeypatch):
+    # One GPU: cuda:0 is it, cuda:1 is none.
+    from ssl_vit.runtime import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == "cuda:0" and resolve_device(None) == "cuda"
+    with pytest.raises(ValueError, match=r"^--device cuda:1: this machine has 1 CUDA GPU\(s\), cuda:0 to cuda:0$"):
+        resolve_device("cuda:1")
+
+
+def test_each_process_draws_its_own_step_seed_from_numpys_seed_sequence():
+    # runtime.seed_training_step: torch seeded from (seed, epoch, batch, rank), the same position
+    # the same draw, another process another one.
+    from ssl_vit.runtime import seed_training_step
+
+    def draw(*key: int) -> tuple[int, torch.Tensor]:
+        seed_training_step(*key)
+        return torch.initial_seed(), torch.rand(4)
+
+    ref = int(np.random.SeedSequence([7, 2, 5, 0]).generate_state(1, np.uint64)[0])
+    first, again, other_rank = draw(7, 2, 5, 0), draw(7, 2, 5, 0), draw(7, 2, 5, 1)
+    assert first[0] == ref and torch.equal(first[1], again[1])
+    assert other_rank[0] == int(np.random.SeedSequence([7, 2, 5, 1]).generate_state(1, np.uint64)[0])
+    assert not torch.equal(first[1], other_rank[1])
+
+
+# -- datasets.py ------------------------------------------------------------------------------------
+
+
+def test_in_memory_images_take_a_trailing_grey_channel_and_default_to_unlabelled():
+    from ssl_vit.data import InMemoryImages
+
+    images = torch.arange(2 * 4 * 4, dtype=torch.uint8).view(2, 4, 4, 1)
+    ds = InMemoryImages(images)
+    img, label = ds[1]
+    assert img.mode == "L" and np.array_equal(np.asarray(img), images[1, :, :, 0].numpy()) and label == -1
+
+
+def test_image_files_default_to_unlabelled_and_refuse_a_label_count_that_differs(tmp_path):
+    from ssl_vit.data import ImageFiles
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
+    assert ImageFiles([str(tmp_path / "a.png")])[0][1] == -1
+    with pytest.raises(ValueError, match="^1 files but 2 labels$"):
+        ImageFiles([str(tmp_path / "a.png")], [0, 1])
+    with pytest.raises(ValueError, match="needs at least one file"):
+        ImageFiles([])
+
+
+def test_an_evaluation_twin_shares_the_marks_and_its_subsets_keep_its_stand_ins(tmp_path):
+    # for_evaluation: "these files (sharing the marks of unreadable ones) with replace_unreadable=False".
+    from ssl_vit.data import ImageFiles
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "good.png")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    paths = [str(tmp_path / "good.png"), str(tmp_path / "bad.png")]
+    train = ImageFiles(paths, [0, 1])
+    test = train.for_evaluation()
+    img, label = test[1]
+    assert (img.size, label) == ((1, 1), -1)
+    assert train.num_skipped == 1 and train.skipped_paths == [paths[1]]  # found by the twin, known to both
+    sub = test.subset(torch.tensor([1]))
+    assert sub[0][1] == -1  # a subset of the evaluation files still stands in, never replaces
+
+
+def test_transformed_dataset_refuses_statistics_or_channels_it_cannot_apply():
+    from ssl_vit.data.datasets import TransformedDataset
+
+    with pytest.raises(ValueError, match=r"mean/std need 3 values"):
+        TransformedDataset([], lambda x: x, mean=(0.5,), std=(0.2, 0.2, 0.2), in_chans=3, multi_view=False)
+    with pytest.raises(ValueError, match="in_chans must be 1 or 3, got 2"):
+        TransformedDataset([], lambda x: x, mean=(0.5, 0.5), std=(0.2, 0.2), in_chans=2, multi_view=False)
+
+
+def test_a_seeded_item_leaves_the_callers_random_stream_as_it_was():
+    # TransformedDataset seeds Python's `random` for the item and restores the caller's state.
+    from ssl_vit.data.datasets import TransformedDataset
+
+    def transform(img):
+        return torch.full((1, 2, 2), random.random(), dtype=torch.float64)
+
+    ds = TransformedDataset([(Image.new("L", (2, 2)), 0)], transform, mean=(0.0,), std=(1.0,), in_chans=1, multi_view=False)
+    ds.mean, ds.inv_std = ds.mean.double(), ds.inv_std.double()  # (the draw compared exactly)
+    random.seed(123)
+    want = [random.random() for _ in range(3)]
+    random.seed(123)
+    x, _ = ds[SeededIndex(0, 99)]
+    assert [random.random() for _ in range(3)] == want
+    random.seed(99)
+    assert float(x[0, 0, 0]) == random.random()  # the item's own draw: from its own seed
+
+
+# -- data_args.py -----------------------------------------------------------------------------------
+
+
+def test_dataset_names_map_to_their_datamodules_and_back():
+    import ssl_vit.data as data
+    from ssl_vit.eval.data_args import DATASETS, datamodule_class, dataset_name
+
+    for name, cls in (("fashion_mnist", data.FashionMNISTDataModule), ("cifar10", data.CIFAR10DataModule), ("cifar100", data.CIFAR100DataModule),
+                      ("stl10", data.STL10DataModule), ("imagefolder", data.ImageFolderDataModule), ("synthetic", data.SyntheticDataModule)):
+        assert datamodule_class(name) is cls and dataset_name(cls.__name__) == name
+    assert set(DATASETS) == {"fashion_mnist", "cifar10", "cifar100", "stl10", "imagefolder", "synthetic"}
+    assert dataset_name("MyOwnDataModule") == "MyOwnDataModule"
+    with pytest.raises(ValueError, match="--data collections.OrderedDict: not a datamodule class with eval_datasets()"):
+        datamodule_class("collections.OrderedDict")
+
+
+def test_a_data_argument_splits_at_its_first_equals_sign_and_nulls_an_optional():
+    from ssl_vit.eval.data_args import ArgText, key_value, parse_data_args
+
+    assert key_value(" root=/data/a=b") == ("root", "/data/a=b")
+    for text in ("null", "~", "None", ""):
+        assert parse_data_args("synthetic", {"subset": ArgText(text)}) == {"subset": None}
+
+
+def test_the_arguments_of_a_datamodule_stop_at_an_init_that_does_not_forward_them():
+    # A subclass whose __init__ takes no **kwargs accepts only its own arguments.
+    from ssl_vit.data import SyntheticDataModule
+    from ssl_vit.eval.data_args import _init_params
+
+    class Fixed(SyntheticDataModule):
+        def __init__(self, n: int = 3) -> None:
+            super().__init__(num_samples=n)
+
+    class Forwarding(SyntheticDataModule):
+        def __init__(self, n: int = 3, **kwargs) -> None:
+            super().__init__(num_samples=n, **kwargs)
+
+    assert list(_init_params(Fixed)) == ["n"]
+    assert "num_samples" in _init_params(Forwarding) and "n" in _init_params(Forwarding)
+
+
+def test_labelled_classes_leave_the_unlabelled_out():
+    from ssl_vit.eval.data_args import labelled_classes
+
+    assert labelled_classes(SimpleNamespace(source=SimpleNamespace(labels=[-1, 0, 1, 1, -1]))) == 2
+    assert labelled_classes(SimpleNamespace(source=SimpleNamespace(labels=[-1, 2, 2]))) == 1
+
+
+# -- eval/cli.py: what each option reaches --------------------------------------------------------
+
+TINY_ARGS = ["--backbone", "random:vit", "--backbone-kwargs", json.dumps(TINY)]
+
+
+def _spy_feature_protocols(monkeypatch) -> dict:
+    """The feature protocols replaced by recorders of their constructor arguments and of the
+    features they are given; the extraction recorded, then run (without worker processes)."""
+    import ssl_vit.eval.run as run
+
+    calls: dict = {}
+
+    def spy(name):
+        class Spy:
+            def __init__(self, **kwargs) -> None:
+                calls[name] = kwargs
+
+            def evaluate(self, train_f, train_l, test_f, test_l, num_classes):
+                calls[f"{name}:data"] = (len(train_l), test_l.tolist(), num_classes)
+                return {"top1": 0.5, "1shot": 0.5}
+
+        return Spy
+
+    for name in list(run.FEATURE_PROTOCOLS):
+        monkeypatch.setitem(run.FEATURE_PROTOCOLS, name, spy(name))
+    extract = run.extract_features
+
+    def extraction(backbone, dataset, **kwargs):
+        calls.setdefault("extract", []).append(dict(kwargs))
+        return extract(backbone, dataset, **{**kwargs, "num_workers": 0})
+
+    monkeypatch.setattr(run, "extract_features", extraction)
+    return calls
+
+
+def test_every_frozen_feature_option_reaches_its_protocol_and_the_extraction(tmp_path, monkeypatch):
+    from ssl_vit.data import SyntheticDataModule
+
+    calls = _spy_feature_protocols(monkeypatch)
+    args = ["eval", "frozen", *TINY_ARGS, *SYNTH[:-2], "--num-workers", "3", "--batch-size", "8", "--probe-batch-size", "32", "--epochs", "7",
+            "--warmup-epochs", "3", "--lr", "0.5", "--optimizer", "lars", "--k", "3", "--temperature", "0.2", "--shots", "1", "2", "--seeds", "4",
+            "--l2", "8", "--seed", "9", "--features", "avg", "--train-subset", "48", "--test-subset", "16", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    assert calls["linear"] == {"epochs": 7, "base_lr": 0.5, "optimizer": "lars", "batch_size": 32, "warmup_epochs": 3, "seed": 9}
+    assert calls["knn"] == {"k": 3, "temperature": 0.2}
+    assert calls["fewshot"] == {"shots": [1, 2], "num_seeds": 4, "l2_reg": 8.0, "seed": 9}
+    assert [{k: e[k] for k in ("mode", "batch_size", "num_workers", "autocast_dtype")} for e in calls["extract"]] == [
+        {"mode": "avg", "batch_size": 8, "num_workers": 3, "autocast_dtype": None}] * 2
+    # --train-subset: 48 of the 64 training images; --test-subset: torch's randperm under --seed,
+    # the first 16 in dataset order.
+    test_labels = SyntheticDataModule(num_samples=64, num_test_samples=32, num_classes=4, img_size=16, num_workers=0).eval_datasets()[1].source.labels
+    chosen = torch.randperm(32, generator=torch.Generator().manual_seed(9))[:16].sort().values
+    assert calls["knn:data"] == (48, test_labels[chosen].tolist(), 4)
+    records = {json.loads(p.read_text())["protocol"]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert records["knn"]["protocol_args"] == {"k": 3, "temperature": 0.2, "features": "avg", "precision": "32-true"}
+    assert records["fewshot"]["data"]["train_size"] == 48 and records["fewshot"]["data"]["test_size"] == 16
+
+
+def test_as_many_neighbours_as_training_images_is_allowed(tmp_path, monkeypatch):
+    # --k: "more neighbours than the training images" is the error; k = N votes with every image.
+    calls = _spy_feature_protocols(monkeypatch)
+    assert cli_main(["eval", "knn", *TINY_ARGS, *SYNTH, "--k", "64", "--out", str(tmp_path)]) == 0
+    assert calls["knn"]["k"] == 64
+
+
+def _spy_image_run(monkeypatch, runner: str) -> dict:
+    import ssl_vit.eval.image_runs as image_runs
+
+    calls: dict = {}
+
+    def run(backbone, train_ds, test_ds, num_classes, **kwargs):
+        calls.update(kwargs, train_transform=train_ds.transform, num_classes=num_classes)
+        return {"top1": 0.5, "top5": 1.0}
+
+    monkeypatch.setattr(image_runs, runner, run)
+    return calls
+
+
+def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_path, monkeypatch):
+    from ssl_vit.data.views import OneView
+
+    calls = _spy_image_run(monkeypatch, "run_finetune")
+    args = ["eval", "finetune", *TINY_ARGS, *SYNTH, "--epochs", "3", "--batch-size", "8", "--max-steps", "7", "--checkpoint-every", "11",
+            "--lr", "0.002", "--layer-decay", "0.5", "--drop-path", "0.2", "--label-smoothing", "0.3", "--weight-decay", "0.01",
+            "--warmup-epochs", "1", "--mixup", "0.4", "--cutmix", "0.6", "--img-size", "24", "--crop-scale", "0.3", "0.9", "--seed", "5",
+            "--run-dir", str(tmp_path / "ft"), "--resume", "--num-nodes", "2", "--out", str(tmp_path / "ft.json")]
+    assert cli_main(args) == 0
+    want = {"epochs": 3, "batch_size": 8, "max_steps": 7, "checkpoint_every": 11, "base_lr": 0.002, "layer_decay": 0.5, "drop_path_rate": 0.2,
+            "label_smoothing": 0.3, "weight_decay": 0.01, "warmup_epochs": 1.0, "mixup_alpha": 0.4, "cutmix_alpha": 0.6, "img_size": 24,
+            "seed": 5, "run_dir": str(tmp_path / "ft"), "resume": True, "num_nodes": 2, "devices": 1, "accelerator": "cpu", "num_workers": 0}
+    assert {k: calls[k] for k in want} == want
+    assert isinstance(calls["train_transform"], OneView) and calls["train_transform"].views.scale == (0.3, 0.9)
+    record = json.loads((tmp_path / "ft.json").read_text())["protocol_args"]
+    assert record == {"epochs": 3, "lr": 0.002, "layer_decay": 0.5, "drop_path": 0.2, "label_smoothing": 0.3, "weight_decay": 0.01, "img_size": 24,
+                      "batch_size": 8, "mixup": 0.4, "cutmix": 0.6, "precision": "32-true", "devices": 1, "num_nodes": 2, "warmup_epochs": 1.0,
+                      "crop_scale": [0.3, 0.9]}
+    # --no-augment: the evaluation transform (resize + centre crop), recorded without a crop.
+    calls.clear()
+    assert cli_main(["eval", "finetune", *TINY_ARGS, *SYNTH, "--no-augment", "--out", str(tmp_path / "plain.json")]) == 0
+    assert not isinstance(calls["train_transform"], OneView)
+    assert json.loads((tmp_path / "plain.json").read_text())["protocol_args"]["crop_scale"] is None
+
+
+def test_every_option_of_the_probe_on_images_reaches_it_and_its_record(tmp_path, monkeypatch):
+    from ssl_vit.data.views import OneView
+
+    calls = _spy_image_run(monkeypatch, "run_linear_augmented")
+    args = ["eval", "linear", "--augment", *TINY_ARGS, *SYNTH, "--epochs", "3", "--probe-batch-size", "16", "--batch-size", "8", "--max-steps", "7",
+            "--checkpoint-every", "11", "--lr", "0.3", "--optimizer", "lars", "--warmup-epochs", "2", "--features", "avg", "--seed", "4",
+            "--run-dir", str(tmp_path / "lin"), "--resume", "--out", str(tmp_path / "lin.json")]
+    assert cli_main(args) == 0
+    want = {"epochs": 3, "batch_size": 16, "max_steps": 7, "checkpoint_every": 11, "base_lr": 0.3, "optimizer": "lars", "warmup_epochs": 2,
+            "features": "avg", "seed": 4, "run_dir": str(tmp_path / "lin"), "resume": True, "num_nodes": 1, "devices": 1}
+    assert {k: calls[k] for k in want} == want
+    assert isinstance(calls["train_transform"], OneView) and calls["train_transform"].views.scale == (0.5, 1.0)  # 16 px: the small-image crop
+    record = json.loads((tmp_path / "lin.json").read_text())["protocol_args"]
+    assert record == {"epochs": 3, "base_lr": 0.3, "optimizer": "lars", "batch_size": 16, "warmup_epochs": 2, "crop_scale": [0.5, 1.0],
+                      "features": "avg", "precision": "32-true", "devices": 1, "num_nodes": 1, "seed": 4}
+
+
+def _parser_defaults(*argv: str) -> dict:
+    from ssl_vit.eval.cli import build_parser
+
+    return vars(build_parser().parse_args([*argv, "--backbone", "random:vit"]))
+
+
+def test_the_eval_commands_defaults_are_the_papers_and_the_evaluators_own():
+    import inspect
+
+    from ssl_vit.eval.fewshot import FewShotEvaluator
+    from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings
+    from ssl_vit.eval.knn import KNNClassifier
+    from ssl_vit.eval.linear import LinearProbe
+
+    def defaults(fn) -> dict:
+        return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+
+    # DINO §4 weighted kNN: k 20, T 0.07.
+    knn = _parser_defaults("knn")
+    assert (knn["k"], knn["temperature"]) == (20, 0.07) == (defaults(KNNClassifier)["k"], defaults(KNNClassifier)["temperature"])
+    # ViT paper §4.1: 1/5/10/25-shot, 5 draws; big_vision's λ = 2^10.
+    few = _parser_defaults("fewshot")
+    assert (few["shots"], few["seeds"], few["l2"]) == ([1, 5, 10, 25], 5, 2.0**10)
+    assert (tuple(few["shots"]), few["seeds"], few["l2"]) == tuple(defaults(FewShotEvaluator)[k] for k in ("shots", "num_seeds", "l2_reg"))
+    # The linear probe: 100 epochs (DINO), 10 warm-up epochs (MAE), SGD, batch 256, LR by the optimiser.
+    lin = _parser_defaults("linear")
+    assert {k: lin[k] for k in ("epochs", "warmup_epochs", "optimizer", "probe_batch_size", "lr")} == {
+        "epochs": 100, "warmup_epochs": 10, "optimizer": "sgd", "probe_batch_size": 256, "lr": None}
+    probe = defaults(LinearProbe)
+    assert (probe["epochs"], probe["warmup_epochs"], probe["optimizer"], probe["batch_size"]) == (100, 10, "sgd", 256)
+    aug = defaults(LinearAugSettings)
+    assert (aug["epochs"], aug["warmup_epochs"], aug["batch_size"], aug["checkpoint_every"]) == (100, 10.0, 256, lin["checkpoint_every"]) == (100, 10, 256, 500)
+    # MAE FINETUNE.md (ViT-B): 5e-4, layer decay 0.65, drop path 0.1, smoothing 0.1, wd 0.05, 5 warm-up
+    # epochs, MixUp / CutMix off unless asked; 10 epochs as a first look.
+    ft = _parser_defaults("finetune")
+    want = {"lr": 5e-4, "layer_decay": 0.65, "drop_path": 0.1, "label_smoothing": 0.1, "weight_decay": 0.05, "warmup_epochs": 5.0,
+            "mixup": 0.0, "cutmix": 0.0, "epochs": 10, "batch_size": 256, "checkpoint_every": 500, "max_steps": -1, "crop_scale": None}
+    assert {k: ft[k] for k in want} == want
+    settings = defaults(FineTuneSettings)
+    names = {"lr": "base_lr", "drop_path": "drop_path_rate", "mixup": "mixup_alpha", "cutmix": "cutmix_alpha"}
+    assert {k: settings[names.get(k, k)] for k in want} == want
+
+
+@pytest.mark.parametrize("size, scale", [(224, (0.08, 1.0)), (96, (0.08, 1.0)), (95, (0.5, 1.0)), (32, (0.5, 1.0))])
+def test_the_default_training_crop_is_the_papers_from_96_px_on(size, scale):
+    # "(0.08, 1) (DeiT/MAE/MoCo v3/DINO) for images of 96 px or more, (0.5, 1) for smaller ones".
+    from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings, default_crop_scale
+
+    assert default_crop_scale(size) == scale == FineTuneSettings().scale_for(size) == LinearAugSettings().scale_for(size)
+
+
+def test_a_crop_of_no_area_is_refused():
+    from ssl_vit.eval.image_runs import FineTuneSettings
+
+    with pytest.raises(ValueError, match=r"crop_scale must be \(lo, hi\) with 0 < lo <= hi <= 1, got \[0.0, 1.0\]"):
+        FineTuneSettings(crop_scale=(0.0, 1.0))
+
+
+def test_a_probes_own_representation_wins_over_the_callers(tmp_path, monkeypatch):
+    # linear_aug_and_record: "features: the representation where settings names none".
+    from ssl_vit.eval.image_runs import LinearAugSettings, linear_aug_and_record
+
+    calls = _spy_image_run(monkeypatch, "run_linear_augmented")
+    common = dict(img_size=16, method="m", data_record={"name": "synthetic"}, source="random", pretrain={}, backbone_record={"name": "vit"},
+                  out=tmp_path, accelerator="cpu", devices=[1], num_nodes=1, precision="32-true", seed=0, num_workers=0, run_dir=None, resume=False)
+    ds = SimpleNamespace(transform=None)
+    result, path = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(features="avg"), features="cls", **common)
+    assert calls["features"] == "avg" and result.protocol_args["features"] == "avg" and path.name.endswith("linear_aug-avg.json")
+    assert result.protocol_args["devices"] == 1  # [1]: one GPU, the second
+    result, _ = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(), features="last4", **common)
+    assert calls["features"] == "last4" == result.protocol_args["features"]
+
+
+def test_a_fine_tuning_on_a_chosen_gpu_records_one_device(tmp_path, monkeypatch):
+    from ssl_vit import create_backbone
+    from ssl_vit.eval.image_runs import FineTuneSettings, finetune_and_record
+
+    _spy_image_run(monkeypatch, "run_finetune")
+    ds = SimpleNamespace(transform=None)
+    result, _ = finetune_and_record(create_backbone("vit", **TINY), ds, ds, 4, FineTuneSettings(), img_size=16, new_img_size=None, method="m",
+                                    data_record={"name": "synthetic"}, normalization={}, source="random", pretrain={}, backbone_record={"name": "vit"},
+                                    out=tmp_path, accelerator="gpu", devices=[1], num_nodes=1, precision="32-true", seed=0, num_workers=0,
+                                    run_dir=None, resume=False)
+    assert result.protocol_args["devices"] == 1 and result.protocol_args["img_size"] is None
+
+
+# -- eval/run.py ------------------------------------------------------------------------------------
+
+
+def test_a_feature_row_with_one_nan_is_refused_and_label_zero_is_kept():
+    from ssl_vit.eval.run import check_finite, drop_unlabelled
+
+    feats = torch.zeros(4, 3)
+    feats[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="non-finite .* for 1 of 4 test images"):
+        check_finite(feats, "test")
+    f, labels = drop_unlabelled(torch.arange(4.0).view(4, 1), torch.tensor([0, -1, 1, 0]), "train")
+    assert labels.tolist() == [0, 1, 0] and f.flatten().tolist() == [0.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="no train image could be read or has a label"):
+        drop_unlabelled(torch.zeros(2, 1), torch.tensor([-1, -1]), "train")
+
+
+class _Labelled(Dataset):
+    def __init__(self, labels: list[int]) -> None:
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return torch.full((3, 16, 16), float(i) / len(self)), self.labels[i]
+
+
+def test_the_record_counts_the_images_evaluated_and_goes_where_its_pretraining_says(tmp_path):
+    # The data sizes are of the labelled images the protocol saw; a record of the same name from
+    # another pretraining (or a file that is no record) is kept, the next free _2, _3 ... taken.
+    from ssl_vit import create_backbone
+    from ssl_vit.eval.run import evaluate_features, names_a_record, result_path
+
+    backbone = create_backbone("vit", **TINY)
+    train, test = _Labelled([0, 1, -1, 0, 1, 1]), _Labelled([0, -1, 1])
+    common = dict(method="m", data={"name": "synthetic"}, num_classes=2, source="run/a.ckpt", out_dir=tmp_path)
+    (first,) = evaluate_features(backbone, train, test, {"knn": {"k": 2}}, **common)
+    assert (first.data["train_size"], first.data["test_size"]) == (5, 2)
+    name = "m_vit-D32-L2-H2-4_synthetic_knn.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    evaluate_features(backbone, train, test, {"knn": {"k": 3}}, **common)  # the same pretraining: replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    evaluate_features(backbone, train, test, {"knn": {"k": 2}}, **{**common, "source": "run/b.ckpt"})  # another: added
+    (tmp_path / name.replace(".json", "_3.json")).write_text("not a record")
+    (other,) = evaluate_features(backbone, train, test, {"knn": {"k": 2}}, **{**common, "source": "run/c.ckpt"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name.replace(".json", "_2.json"), name.replace(".json", "_3.json"),
+                                                          name.replace(".json", "_4.json")]
+    assert result_path(tmp_path, other) == tmp_path / name.replace(".json", "_4.json")
+    assert names_a_record(tmp_path / "R.JSON") and result_path(tmp_path / "R.JSON", other) == tmp_path / "R.JSON"
+
+
+def test_an_image_folders_record_name_has_no_colon(tmp_path):
+    from ssl_vit.eval.results import EvalResult
+    from ssl_vit.eval.run import result_path
+
+    result = EvalResult(method="m", backbone={"name": "vit"}, data={"name": "imagefolder", "train_dir": "/d/flowers/train"}, protocol="knn",
+                        metrics={"top1": 0.5}, protocol_args={}, pretrain={}, source="random")
+    assert ":" not in result_path(tmp_path, result).name and "imagefolder-flowers-train" in result_path(tmp_path, result).name
+
+
+# -- training/cli.py --------------------------------------------------------------------------------
+
+
+def _trainer(**kwargs):
+    import lightning as L
+
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, **{"max_steps": 10, **kwargs})
+
+
+def _vit_model(**kwargs):
+    from ssl_vit import create_backbone
+
+    return SimpleNamespace(backbone=create_backbone("vit", **{**TINY, **kwargs}))
+
+
+def test_an_image_size_the_patch_does_not_divide_in_either_side_is_refused():
+    from ssl_vit.training.cli import ConfigError, validate_run
+
+    for img in ((16, 18), (18, 16)):
+        with pytest.raises(ConfigError, match=rf"^data.img_size \({img[0]}, {img[1]}\) is not divisible by the backbone's patch size 4$"):
+            validate_run(_vit_model(), SimpleNamespace(img_size=img, in_chans=3), _trainer(), None)
+
+
+def test_multi_crop_sizes_are_checked_as_it_resolves_them():
+    # MultiCrop(global_size=None) takes the data's size; its local size is then resolved from it
+    # (here given: 10, which 4-px patches do not divide). Global crops larger than the backbone's
+    # images are refused, whatever the data's own size.
+    from ssl_vit.data import MultiCrop
+    from ssl_vit.training.cli import ConfigError, validate_run
+
+    with pytest.raises(ConfigError, match=r"^data.views MultiCrop.local_size 10 is not divisible by the backbone's patch size 4$"):
+        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(local_size=10)), _trainer(), None)
+    with pytest.raises(ConfigError, match=r"the backbone was built for 16x16 images .* but the data gives 24x24 crops .*; set them to match$"):
+        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(global_size=24, local_size=8)), _trainer(), None)
+
+
+def test_zero_epochs_is_refused_by_name():
+    from ssl_vit.training.cli import ConfigError, validate_run
+
+    with pytest.raises(ConfigError, match=r"^trainer.max_epochs 0 trains nothing"):
+        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=0), None)
+
+
+@pytest.mark.parametrize("flag", ["--config={path}", "-c {path}"])
+def test_a_broken_recipe_named_in_any_spelling_is_one_line(tmp_path, flag):
+    from ssl_vit.training.cli import ConfigError, _check_yaml_files
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {a: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{broken}: not valid YAML \(line 2, column 1\)"):
+        _check_yaml_files(flag.format(path=broken).split())
+
+
+def test_resume_and_a_ckpt_path_in_its_equals_form_are_refused_together():
+    from ssl_vit.training.cli import ConfigError, _normalise_argv
+
+    with pytest.raises(ConfigError, match="--resume and --ckpt_path both say where to continue from"):
+        _normalise_argv(["--resume", "--ckpt_path=x.ckpt"])
+    assert _normalise_argv(["--resume", "-c", "a.yaml"]) == ["--ckpt_path", "last", "-c", "a.yaml"]
+
+
+class DINO:
+    """A model as check_continuable reads it: its class name is the method."""
+
+    backbone_name = "vit"
+    backbone_kwargs = {**TINY, "drop_path_rate": 0.1, "drop_rate": 0.1, "attn_drop_rate": 0.1}
+
+
+def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_change(tmp_path):
+    from ssl_vit.training.cli import ConfigError, check_continuable
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit_small", "backbone_kwargs": TINY}}, path)
+    with pytest.raises(ConfigError, match=rf"^--ckpt_path {path} holds a vit_small backbone; this recipe builds vit$"):
+        check_continuable(DINO(), str(path))
+    torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit", "backbone_kwargs": TINY}}, path)
+    check_continuable(DINO(), str(path))  # dropout and drop path change no shape
+
+
+# -- cli.py -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (KeyboardInterrupt(), 130, "ssl-vit: interrupted\n"),
+    (KeyError("no such column"), 1, "ssl-vit fit: error: 'no such column'\n"),
+    (NotImplementedError("not on this backend"), 1, "ssl-vit fit: error: not on this backend\n"),
+    (None, 0, ""),
+])
+def test_what_a_command_raises_becomes_its_exit_status_and_one_line(monkeypatch, capsys, error, code, line):
+    import ssl_vit.training.cli as training_cli
+
+    def command(argv):
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(training_cli, "main", command)
+    assert cli_main(["fit"]) == code
+    assert capsys.readouterr().err == line
+
+
+def test_openmp_threads_wait_passively_unless_the_user_chose(monkeypatch):
+    # Set before any command runs (spinning OpenMP threads slow a shared CPU several times over).
+    import os
+
+    import ssl_vit.training.cli as training_cli
+
+    seen = []
+    monkeypatch.setattr(training_cli, "main", lambda argv: seen.append(os.environ.get("OMP_WAIT_POLICY")))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert cli_main(["fit"]) == 0
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cli_main(["fit"]) == 0
+    assert seen == ["PASSIVE", "ACTIVE"]
