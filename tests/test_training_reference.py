@@ -15,9 +15,10 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_BACKBONE, fit_steps, fixed_views
+from helpers import TINY_BACKBONE, RepeatBatch, fit_steps, fixed_views
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
 
 import ssl_vit.pretext.probe as probe_module
 from ssl_vit.pretext import Supervised
@@ -231,3 +232,16 @@ def test_the_probe_batch_check_counts_the_rows_of_every_process(monkeypatch):
     assert float(acc) == float(logits.argmax(1) == label)
     loss, acc = probe.training_loss(features, torch.tensor([-1]))  # unlabelled here: a zero loss, still taking part
     assert loss is not None and float(loss.detach()) == 0.0 and loss.requires_grad and float(acc) == 0.0
+
+
+def test_a_fit_with_the_preemption_callback_leaves_the_signal_handlers_as_it_found_them():
+    # Lightning restores the handlers it found at the end of a fit; our teardown must not put
+    # Lightning's SIGTERM handler back after that (the process would then only log a SIGTERM and
+    # go on: an evaluation after the fit, the demo's next fit, could no longer be stopped).
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    model = Supervised(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, base_lr=0.1, weight_decay=0.0)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[PreemptionCheckpoint()])
+    views, labels = fixed_views([16], batch=4)
+    trainer.fit(model, DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
+    assert {sig: signal.getsignal(sig) for sig in before} == before

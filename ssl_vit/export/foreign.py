@@ -13,7 +13,8 @@ Layouts understood by :func:`filter_foreign_state_dict`:
   ``module.momentum_encoder.`` prefixes; their ``head.*`` is the projector and is dropped
   (reference ``convert_to_deit.py``).
 * ``{"model": ...}`` wrappers (DeiT, MAE), ``module.`` (DistributedDataParallel) prefixes,
-  torchvision ResNets (``fc.*`` dropped), and our own Lightning / export state dicts.
+  torchvision ResNets (``fc.*`` dropped), and our own Lightning / export state dicts (a DINO
+  state dict gives its ``teacher_backbone.*`` unless the student is asked for, as its checkpoint).
 
 Then, whatever the source: the position embedding is resampled (bicubic, ViT paper §3.2) when its
 grid differs from the model's, and the patch projection is adapted (timm's ``adapt_input_conv``)
@@ -61,8 +62,8 @@ def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
         if picked is None:
             raise ValueError("which='momentum' but the state dict has no momentum encoder (momentum_encoder.* keys)")
         return picked
-    if which == "teacher":
-        picked = _select_prefix(sd, ("teacher_backbone.",))
+    if which in (None, "teacher"):  # our DINO's state dict: the teacher by default, as its checkpoints
+        picked = _select_prefix(sd, ("teacher_backbone.", "module.teacher_backbone."))
         if picked is not None:
             return picked
     elif which not in (None, "student"):  # a method's own NAME_backbone
@@ -114,8 +115,8 @@ def filter_foreign_state_dict(state_dict: Mapping[str, Any], model: nn.Module, w
     Args:
         state_dict: the loaded object: a flat state dict or one of the checkpoint containers.
         model: the backbone the weights are for (only its names, grid and channels are read).
-        which: for checkpoints with two encoders: ``teacher`` (DINO default) / ``student``, or
-            ``momentum`` (MoCo v3; the base encoder by default).
+        which: for checkpoints with two encoders: ``teacher`` (the default for DINO's, official
+            or ours) / ``student``, or ``momentum`` (MoCo v3; the base encoder by default).
 
     Returns:
         a state dict for ``model.load_state_dict(..., strict=True)``.

@@ -89,8 +89,13 @@ class PreemptionCheckpoint(Callback):
         self._take_sigterm()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Only where our handler is still in place: Lightning may have restored the handlers it
+        # found before this hook runs, and putting its SIGTERM handler back after that would leave
+        # the process deaf to SIGTERM for the rest of its life (an evaluation after the fit, the
+        # next fit of a demo).
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if getattr(signal.getsignal(sig), "__self__", None) is self:
+                signal.signal(sig, handler)
         self._previous.clear()
 
     @staticmethod
