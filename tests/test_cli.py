@@ -683,3 +683,26 @@ def test_a_likely_spelling_is_one_within_reach():
     assert closest("vit_gigantic", ["vit_tiny", "vit_large", "vit_huge"]) is None
     assert closest("k", ["k"]) is None  # the name itself is not a suggestion
     assert did_you_mean("zzz", ["epochs"]) == "" and did_you_mean("epoch", ["epochs"]) == " (did you mean 'epochs'?)"
+
+
+def test_eval_linear_sweeps_several_lrs_and_records_the_one_it_picked(tmp_path, capsys):
+    args = ["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "2", "--warmup-epochs", "0"]
+    assert cli_main([*args, "--lr", "0.001", "0.1", "--select-fraction", "0.25", "--out", str(tmp_path / "sweep.json")]) == 0
+    record = json.loads((tmp_path / "sweep.json").read_text())["protocol_args"]
+    assert record["base_lr"] == [0.001, 0.1] and record["select_fraction"] == 0.25
+    assert record["selected_base_lr"] in (0.001, 0.1) and set(record["select_top1"]) == {"0.001", "0.1"}
+    assert f"(base_lr {record['selected_base_lr']:g}, picked of 0.001 0.1)" in capsys.readouterr().out
+    # one LR: a plain run, recorded as a number
+    assert cli_main([*args, "--lr", "0.1", "--out", str(tmp_path / "one.json")]) == 0
+    one = json.loads((tmp_path / "one.json").read_text())["protocol_args"]
+    assert one["base_lr"] == 0.1 and "selected_base_lr" not in one and "select_fraction" not in one
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["linear", "--augment", "--lr", "0.1", "0.2"], "--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one"),
+    (["linear", "--lr", "0.1", "0.1"], "--lr must be > 0 (several: distinct, each > 0), got 0.1 0.1"),
+    (["frozen", "--lr", "0.1", "0.2", "--select-fraction", "1"], "--select-fraction must be in (0, 1), got 1"),
+])
+def test_a_sweep_that_cannot_run_is_refused_before_any_work(capsys, extra, message):
+    assert cli_main(["eval", *extra, "--backbone", "random:vit_tiny", *SYNTH]) == 1
+    assert message in capsys.readouterr().err

@@ -104,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     linear = argparse.ArgumentParser(add_help=False)
     g = linear.add_argument_group("linear probe")
     g.add_argument("--epochs", type=int, default=100)
-    g.add_argument("--lr", type=float, default=None, help="base LR per 256 examples (default: 0.01 with sgd, 0.1 with lars as MAE's probe)")
+    g.add_argument("--lr", type=float, nargs="+", default=None,
+                   help="base LR per 256 examples (default: 0.01 with sgd, 0.1 with lars as MAE's probe); several (--lr 0.01 0.1 1): "
+                        "a sweep, one head per LR on the same batches, the LR picked on held-out training features (--select-fraction), "
+                        "the probe then trained on all of them at that LR")
+    g.add_argument("--select-fraction", type=float, default=0.1, help="share of the training features held out to pick the LR of a sweep")
     g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
     g.add_argument("--warmup-epochs", type=int, default=10,
                    help="linear LR warm-up before the cosine decay (MAE: 10 of 90 epochs); a run no longer than it only warms up")
@@ -157,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """The constructor arguments of feature protocol ``name`` from its command-line options."""
     if name == "linear":
-        return {"epochs": args.epochs, "base_lr": args.lr, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
+        lrs = args.lr or [None]
+        sweep = {"base_lr": lrs, "select_fraction": args.select_fraction} if len(lrs) > 1 else {"base_lr": lrs[0]}
+        return {"epochs": args.epochs, **sweep, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
                 "warmup_epochs": args.warmup_epochs, "seed": args.seed}
     if name == "knn":
         return {"k": args.k, "temperature": args.temperature}
@@ -180,10 +186,12 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
     datamodule_class(args.data)  # a misspelt name, before the backbone loads
+    if args.protocol == "linear" and args.augment and args.lr is not None and len(args.lr) > 1:
+        raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")
     if args.protocol in ("linear", "frozen") and args.lr is None:
         from ssl_vit.eval.linear import PROBE_BASE_LR
 
-        args.lr = PROBE_BASE_LR[args.optimizer]  # the LR that runs is the one recorded
+        args.lr = [PROBE_BASE_LR[args.optimizer]]  # the LR that runs is the one recorded
     on_images = args.protocol == "finetune" or (args.protocol == "linear" and args.augment)
     if args.protocol == "linear" and not args.augment:
         given = [f"--{k.replace('_', '-')}" for k, v in vars(_image_run_options().parse_args([])).items() if getattr(args, k) != v]
@@ -221,7 +229,7 @@ def main(argv: list[str]) -> int:
     # (settings it cannot run: refused before the backbone loads)
     settings: Any = None
     if args.protocol == "linear" and args.augment:
-        settings = LinearAugSettings(epochs=args.epochs, batch_size=args.probe_batch_size, base_lr=args.lr, optimizer=args.optimizer,
+        settings = LinearAugSettings(epochs=args.epochs, batch_size=args.probe_batch_size, base_lr=args.lr and args.lr[0], optimizer=args.optimizer,
                                      warmup_epochs=args.warmup_epochs, crop_scale=args.crop_scale, max_steps=args.max_steps,
                                      checkpoint_every=args.checkpoint_every)
     elif args.protocol == "finetune":

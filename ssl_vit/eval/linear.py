@@ -13,12 +13,18 @@ head weights ~ trunc-normal(std 0.01) and zero bias (MAE ``main_linprobe.py``). 
 84.3 % top-1 in 100 epochs, the linear-classifier figure (specs §8); 0.1 reached 83.7 % (30 epochs).
 MAE's own recipe is LARS (``optimizer="lars"``) with base LR 0.1 at batch 16384 for 90 epochs
 (84.4 % on the same pixels at batch 1024).
+
+Several base LRs sweep it, as the papers tune their probes (MoCo v3 §4 and DINO sweep the LR;
+DINOv2 trains one classifier per setting on the same batches): one head per LR is trained on the
+same batches of the training features less a held-out ``select_fraction``, the LR whose head is
+most accurate on the held-out part wins (ties: the first listed), and the probe is trained again
+on every training feature at that LR. The test split chooses nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +114,10 @@ class LinearProbe:
     Args:
         epochs, batch_size: passes over the training features and examples per step.
         base_lr: the LR is ``base_lr · batch_size / 256`` (linear scaling rule, as MAE/DINO);
-            None: 0.01 for SGD, 0.1 for LARS (:data:`PROBE_BASE_LR`).
+            None: 0.01 for SGD, 0.1 for LARS (:data:`PROBE_BASE_LR`); several: a sweep that
+            picks one on held-out training features (module docstring).
+        select_fraction: the share of the training features held out to pick the LR of a sweep
+            (unused with one LR).
         optimizer: ``"sgd"`` (momentum) or ``"lars"`` (MAE's linear-probe optimiser).
         momentum, weight_decay: SGD/LARS settings (MAE linear probe: weight decay 0).
         warmup_epochs: linear warm-up before the per-step cosine decay to 0.
@@ -120,20 +129,30 @@ class LinearProbe:
         self,
         epochs: int = 100,
         batch_size: int = 256,
-        base_lr: float | None = None,
+        base_lr: float | Sequence[float] | None = None,
         optimizer: Literal["sgd", "lars"] = "sgd",
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         warmup_epochs: int = 10,
         seed: int = 0,
         device: torch.device | str | None = None,
+        select_fraction: float = 0.1,
     ) -> None:
-        base_lr = check_probe_settings(optimizer, base_lr, warmup_epochs)
+        given = list(base_lr) if isinstance(base_lr, Sequence) else [base_lr]
+        if not given or len(set(given)) != len(given):
+            raise ValueError(f"base_lr: give one LR, or several distinct ones to sweep, got {base_lr}")
+        lrs = [check_probe_settings(optimizer, lr, warmup_epochs) for lr in given]
         if epochs < 1 or batch_size < 2:
             raise ValueError(f"need epochs >= 1 and batch_size >= 2 (BatchNorm), got {epochs} and {batch_size}")
+        if len(lrs) > 1 and not 0 < select_fraction < 1:
+            raise ValueError(f"select_fraction must be in (0, 1) to hold out features for the LR sweep, got {select_fraction}")
         self.epochs = epochs
         self.batch_size = batch_size
-        self.base_lr = base_lr
+        self.base_lrs = lrs
+        self.base_lr = lrs[0]  # the LR of a single run; after a sweep's evaluate(), the one it picked
+        self.select_fraction = select_fraction
+        # What a sweep picked, for the result record (empty without a sweep).
+        self.record_args: dict[str, Any] = {}
         self.optimizer = optimizer
         self.momentum = momentum
         self.weight_decay = weight_decay
@@ -142,11 +161,17 @@ class LinearProbe:
         self.device = device
 
     def fit(self, features: Tensor, labels: Tensor, num_classes: int) -> LinearProbeHead:
-        """Train a ``LinearProbeHead`` on pre-extracted features ``[N, F]``.
+        """Train a ``LinearProbeHead`` on pre-extracted features ``[N, F]`` at ``base_lr``.
 
         Every epoch visits a fresh seeded permutation in ``N // batch_size`` full batches (the
         remainder is dropped, as MAE's ``drop_last``; a set smaller than one batch is one
         batch)."""
+        return self.fit_heads(features, labels, num_classes, [self.base_lr])[0]
+
+    def fit_heads(self, features: Tensor, labels: Tensor, num_classes: int, base_lrs: Sequence[float]) -> list[LinearProbeHead]:
+        """One head per base LR, trained together on the same batches: head ``i`` is the head
+        ``fit`` trains at ``base_lrs[i]`` (same initialisation and batch order; the summed loss
+        gives each head its own gradient, each head is its own parameter group)."""
         _check(features, labels, "linear probe")
         if features.shape[0] < 2:
             raise ValueError("the linear probe needs at least 2 training examples")
@@ -159,23 +184,44 @@ class LinearProbe:
         steps_per_epoch = n // bs
         total = self.epochs * steps_per_epoch
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            head = LinearProbeHead(x.shape[1], num_classes).to(device)
-        opt = probe_optimizer(head.parameters(), self.optimizer, self.base_lr * bs / 256, self.momentum, self.weight_decay)
+        heads = []
+        for _ in base_lrs:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                heads.append(LinearProbeHead(x.shape[1], num_classes).to(device))
+        opt = probe_optimizer(heads[0].parameters(), self.optimizer, base_lrs[0] * bs / 256, self.momentum, self.weight_decay)
+        for head, lr in zip(heads[1:], base_lrs[1:], strict=True):
+            opt.add_param_group({"params": list(head.parameters()), "lr": lr * bs / 256})
         sched = warmup_cosine(opt, self.warmup_epochs, steps_per_epoch, total)
         gen = torch.Generator().manual_seed(self.seed)
-        head.train()
+        for head in heads:
+            head.train()
         for _ in range(self.epochs):
             perm = torch.randperm(n, generator=gen).to(device)
             for i in range(steps_per_epoch):
                 idx = perm[i * bs : (i + 1) * bs]  # [bs]
-                loss = F.cross_entropy(head(x[idx]), y[idx])
+                xb, yb = x[idx], y[idx]
+                loss = sum(F.cross_entropy(head(xb), yb) for head in heads)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 sched.step()
-        return head.eval()
+        return [head.eval() for head in heads]
+
+    def select_base_lr(self, features: Tensor, labels: Tensor, num_classes: int) -> tuple[float, dict[float, float]]:
+        """The sweep's LR: heads trained on the training features less a seeded random
+        ``select_fraction`` of them, scored (top-1) on that held-out part; ``(best, scores)``."""
+        n = features.shape[0]
+        held = max(1, round(self.select_fraction * n))
+        if n - held < 2:
+            raise ValueError(f"an LR sweep holds out {held} of {n} training examples and needs 2 more to train on")
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).to(features.device)
+        val, fit = perm[:held], perm[held:]
+        heads = self.fit_heads(features[fit], labels[fit], num_classes, self.base_lrs)
+        scores = {lr: topk_accuracy(predict_logits(head, features[val]), labels[val], ks=(1,))["top1"]
+                  for lr, head in zip(self.base_lrs, heads, strict=True)}
+        best = max(self.base_lrs, key=lambda lr: scores[lr])  # ties: the first listed
+        return best, scores
 
     def evaluate(
         self,
@@ -194,6 +240,10 @@ class LinearProbe:
             )
         if num_classes is None:
             num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+        if len(self.base_lrs) > 1:
+            self.base_lr, scores = self.select_base_lr(train_features, train_labels, num_classes)
+            self.record_args = {"selected_base_lr": self.base_lr, "select_top1": {f"{lr:g}": acc for lr, acc in scores.items()},
+                                "select_fraction": self.select_fraction}
         head = self.fit(train_features, train_labels, num_classes)
         return topk_accuracy(predict_logits(head, test_features), test_labels)
 

@@ -220,6 +220,10 @@ class EvalResult:
     def summary_line(self) -> str:
         """e.g. ``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%``."""
         shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
+        picked = self.protocol_args.get("selected_base_lr")
+        if picked is not None:  # a linear probe's LR sweep
+            swept = self.protocol_args.get("base_lr")
+            shown.append(f"(base_lr {picked:g}, picked of {' '.join(f'{lr:g}' for lr in swept) if isinstance(swept, list) else swept})")
         return f"{self.protocol:<9} {self.method}  {self.label}  {self.data_label}  {' '.join(shown)}"
 
     # ------------------------------------------------------------------------ I/O

@@ -149,14 +149,16 @@ def evaluate_features(
     data = {**data, "train_size": len(train_l), "test_size": len(test_l)}
     results = []
     for name, kwargs in protocols.items():
-        metrics = FEATURE_PROTOCOLS[name](**kwargs).evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
+        evaluator = FEATURE_PROTOCOLS[name](**kwargs)
+        metrics = evaluator.evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
         result = EvalResult(
             method=method,
             backbone=backbone_record or backbone_info(backbone),
             data=data,
             protocol=name,
             metrics=metrics,
-            protocol_args={**dict(kwargs), "features": feature_mode, "precision": precision},
+            # (+ what the evaluation chose itself: a linear probe's LR from a sweep)
+            protocol_args={**dict(kwargs), **getattr(evaluator, "record_args", {}), "features": feature_mode, "precision": precision},
             pretrain=dict(pretrain or {}),
             source=source,
         )
