@@ -186,8 +186,11 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
     datamodule_class(args.data)  # a misspelt name, before the backbone loads
-    if args.protocol == "linear" and args.augment and args.lr is not None and len(args.lr) > 1:
-        raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")
+    if args.protocol in ("linear", "frozen") and args.lr is not None and len(args.lr) > 1:
+        if args.protocol == "linear" and args.augment:
+            raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")
+        if len(set(args.lr)) != len(args.lr):
+            raise ValueError(f"--lr: the LRs of a sweep must be distinct, got {' '.join(f'{lr:g}' for lr in args.lr)}")
     if args.protocol in ("linear", "frozen") and args.lr is None:
         from ssl_vit.eval.linear import PROBE_BASE_LR
 
