@@ -702,6 +702,7 @@ def test_eval_linear_sweeps_several_lrs_and_records_the_one_it_picked(tmp_path, 
     (["linear", "--augment", "--lr", "0.1", "0.2"], "--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one"),
     (["linear", "--lr", "0.1", "0.1"], "--lr: the LRs of a sweep must be distinct, got 0.1 0.1"),
     (["frozen", "--lr", "0.1", "-1"], "--lr must be > 0, got 0.1 -1"),
+    (["linear", "--lr", "0.1", "--select-fraction", "0.2"], "--select-fraction: holds out features to pick the LR of a sweep; give --lr several values"),
     (["frozen", "--lr", "0.1", "0.2", "--select-fraction", "1"], "--select-fraction must be in (0, 1), got 1"),
 ])
 def test_a_sweep_that_cannot_run_is_refused_before_any_work(capsys, extra, message):

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base LR per 256 examples (default: 0.01 with sgd, 0.1 with lars as MAE's probe); several (--lr 0.01 0.1 1): "
                         "a sweep, one head per LR on the same batches, the LR picked on held-out training features (--select-fraction), "
                         "the probe then trained on all of them at that LR")
-    g.add_argument("--select-fraction", type=float, default=0.1, help="share of the training features held out to pick the LR of a sweep")
+    g.add_argument("--select-fraction", type=float, default=None,
+                   help="share of the training features held out to pick the LR of a sweep (default: LinearProbe's, 0.1)")
     g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
     g.add_argument("--warmup-epochs", type=int, default=10,
                    help="linear LR warm-up before the cosine decay (MAE: 10 of 90 epochs); a run no longer than it only warms up")
@@ -162,7 +163,9 @@ def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """The constructor arguments of feature protocol ``name`` from its command-line options."""
     if name == "linear":
         lrs = args.lr or [None]
-        sweep = {"base_lr": lrs, "select_fraction": args.select_fraction} if len(lrs) > 1 else {"base_lr": lrs[0]}
+        sweep = {"base_lr": lrs} if len(lrs) > 1 else {"base_lr": lrs[0]}
+        if args.select_fraction is not None:
+            sweep["select_fraction"] = args.select_fraction
         return {"epochs": args.epochs, **sweep, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
                 "warmup_epochs": args.warmup_epochs, "seed": args.seed}
     if name == "knn":
@@ -186,6 +189,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
     datamodule_class(args.data)  # a misspelt name, before the backbone loads
+    if args.protocol in ("linear", "frozen") and (args.lr is None or len(args.lr) < 2) and args.select_fraction is not None:
+        raise ValueError("--select-fraction: holds out features to pick the LR of a sweep; give --lr several values, or leave it out")
     if args.protocol in ("linear", "frozen") and args.lr is not None and len(args.lr) > 1:
         if args.protocol == "linear" and args.augment:
             raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")

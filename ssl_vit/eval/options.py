@@ -66,7 +66,7 @@ _OPTION_RULES: dict[str, OptionRule] = {
     "test_subset": (lambda v: v is None or v >= 1, ">= 1 (images)"),
     "epochs": (lambda v: v >= 1, ">= 1"),
     "lr": (lambda v: v is None or (all(x > 0 for x in v) if isinstance(v, list) else v > 0), "> 0"),
-    "select_fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "select_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
     "warmup_epochs": (lambda v: v >= 0, ">= 0"),
     "probe_batch_size": (lambda v: v >= 2, ">= 2 (the probe's BatchNorm needs two examples)"),
     "k": (lambda v: v >= 1, ">= 1"),
