@@ -104,27 +104,29 @@ def did_you_mean(name: str, candidates: Collection[str]) -> str:
     return f" (did you mean {close!r}?)" if close else ""
 
 
-def parameter_names(fn: Callable[..., Any]) -> list[str]:
-    """The keyword arguments a function takes, or a class's ``__init__`` and those of its bases
-    that it passes ``**kwargs`` on to (what a recipe's ``init_args`` may name)."""
-    targets = [k.__dict__["__init__"] for k in fn.__mro__ if "__init__" in k.__dict__] if inspect.isclass(fn) else [fn]
-    names: list[str] = []
-    for target in targets:  # the class's own first
+def init_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """The named arguments ``fn(...)`` accepts: a function's, or a class's ``__init__`` and, while
+    it passes ``**kwargs`` on, those of its bases (what a recipe's ``init_args`` may name)."""
+    targets = [vars(k)["__init__"] for k in fn.__mro__ if "__init__" in vars(k)] if inspect.isclass(fn) else [fn]
+    params: dict[str, inspect.Parameter] = {}
+    for target in targets:  # the class's own first: it wins
         try:
-            params = inspect.signature(target).parameters.values()
+            signature = inspect.signature(target).parameters.values()
         except (TypeError, ValueError):  # a builtin's __init__
             break
-        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
+        for p in signature:
+            if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                params.setdefault(p.name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in signature):
             break
-    return list(dict.fromkeys(names))
+    return params
 
 
 def unexpected_keyword_hint(err: TypeError, fn: Callable[..., Any]) -> str:
     """The suggestion for Python's ``f() got an unexpected keyword argument 'x'`` raised by
     calling ``fn``: ``" (did you mean 'y'?)"`` or ``""``."""
     found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
-    return did_you_mean(found.group(1), parameter_names(fn)) if found else ""
+    return did_you_mean(found.group(1), init_parameters(fn)) if found else ""
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -7,13 +7,12 @@ Nothing here imports torch at module level: ``ssl-vit eval --help`` stays fast."
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from typing import Any
 
 import yaml
 
-from ssl_vit.arguments import did_you_mean
+from ssl_vit.arguments import did_you_mean, init_parameters
 
 DATASETS = {
     "fashion_mnist": "FashionMNISTDataModule",
@@ -36,23 +35,6 @@ def key_value(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
     key, value = text.split("=", 1)
     return key.strip(), ArgText(value)  # (read by parse_data_args, which knows the datamodule)
-
-
-def _init_params(cls: type) -> dict[str, inspect.Parameter]:
-    """The named arguments ``cls(...)`` accepts, following ``**kwargs`` up to the base classes."""
-    params: dict[str, inspect.Parameter] = {}
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        forwards = False
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.VAR_KEYWORD:
-                forwards = True
-            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                params.setdefault(p.name, p)
-        if not forwards:
-            break
-    return params
 
 
 def datamodule_class(name: str, option: str = "--data") -> type:
@@ -130,7 +112,7 @@ def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict
     if info.get("mean") is not None and (recorded or foreign_imagenet):
         kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
     kwargs.update(extra)
-    params = _init_params(cls)
+    params = init_parameters(cls)
     unknown = sorted(set(extra) - set(params))
     if unknown:
         hint = did_you_mean(unknown[0], [p for p in params if p != "views"]) if len(unknown) == 1 else ""

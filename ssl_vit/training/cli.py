@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
-from ssl_vit.arguments import closest, did_you_mean, parameter_names
+from ssl_vit.arguments import closest, did_you_mean, init_parameters
 from ssl_vit.backbones import is_vit
 from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.eval.train_run import EvalRunInterrupted
@@ -149,7 +149,7 @@ def _key_hint(message: str, keys: list[str]) -> str:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
             return ""
-        return did_you_mean(found.group(2), parameter_names(cls))
+        return did_you_mean(found.group(2), init_parameters(cls))
     flag = re.search(r"unrecognized arguments: --([\w.]+)", message)
     group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
     option = re.search(r"Option '([\w.]+)' is not accepted", message)
