@@ -45,25 +45,47 @@ def _select_prefix(sd: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str
     return None
 
 
+_TEACHER_PREFIXES = ("teacher_backbone.", "module.teacher_backbone.")
+
+
+def _is_official_dino(obj: Mapping[str, Any]) -> bool:
+    return "teacher" in obj or "student" in obj  # main_dino.py's save_dict
+
+
+def _inner(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The state dict inside a MoCo v3 / Lightning / DeiT / MAE wrapper (else ``obj``)."""
+    for key in ("state_dict", "model"):
+        if isinstance(obj.get(key), Mapping):
+            return obj[key]
+    return obj
+
+
+def default_encoder(obj: Mapping[str, Any]) -> str | None:
+    """The encoder :func:`filter_foreign_state_dict` gives when none is asked for, where the
+    weights hold two: DINO's teacher (the official checkpoints' ``teacher`` entry, our
+    ``teacher_backbone.*``), as DINO evaluates it and as our checkpoints default to; None
+    otherwise (one encoder, or MoCo v3's base encoder, the default's own name)."""
+    if _is_official_dino(obj) or any(str(k).startswith(_TEACHER_PREFIXES) for k in _inner(obj)):
+        return "teacher"
+    return None
+
+
 def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
     """Container and prefixes -> the encoder's own keys."""
-    if "teacher" in obj or "student" in obj:  # official DINO full checkpoint (main_dino.py save_dict)
+    which = which or default_encoder(obj)
+    if _is_official_dino(obj):
         key = "student" if which == "student" else "teacher"
         if key not in obj:
             raise ValueError(f"DINO checkpoint has no {key!r} entry (it has {', '.join(map(str, obj))})")
         obj = obj[key]
-    for key in ("state_dict", "model"):  # MoCo v3 / Lightning / DeiT / MAE wrappers
-        if isinstance(obj.get(key), Mapping):
-            obj = obj[key]
-            break
-    sd = {k: v for k, v in obj.items() if isinstance(v, Tensor)}
+    sd = {k: v for k, v in _inner(obj).items() if isinstance(v, Tensor)}
     if which == "momentum":
         picked = _select_prefix(sd, ("module.momentum_encoder.", "momentum_encoder.", "momentum_backbone."))
         if picked is None:
             raise ValueError("which='momentum' but the state dict has no momentum encoder (momentum_encoder.* keys)")
         return picked
-    if which in (None, "teacher"):  # our DINO's state dict: the teacher by default, as its checkpoints
-        picked = _select_prefix(sd, ("teacher_backbone.", "module.teacher_backbone."))
+    if which == "teacher":
+        picked = _select_prefix(sd, _TEACHER_PREFIXES)
         if picked is not None:
             return picked
     elif which not in (None, "student"):  # a method's own NAME_backbone

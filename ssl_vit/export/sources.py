@@ -27,6 +27,7 @@ from ssl_vit.export.files import (
     read_torch_file,
     sniff,
 )
+from ssl_vit.export.foreign import default_encoder
 
 # Which encoder of a checkpoint: its state-dict prefix. "student" is the online backbone of any
 # method (DINO student, MoCo v3 base encoder, MPP / supervised backbone).
@@ -135,7 +136,7 @@ def read_source(path: str | Path, which: str | None = None, map_location: Any = 
             if isinstance(recorded, dict) and "ssl_vit" in recorded:
                 return _from_export_dir(path.parent)
         weights = read_safetensors(path)
-        return BackboneSource(weights, None, {}, str(path), "state_dict", which=which or _state_dict_default(weights))
+        return BackboneSource(weights, None, {}, str(path), "state_dict", which=which or default_encoder(weights))
     obj = read_torch_file(path, map_location, weights_only)
     if is_lightning_checkpoint(obj):
         return _from_lightning(obj, path, which)
@@ -143,16 +144,7 @@ def read_source(path: str | Path, which: str | None = None, map_location: Any = 
         raise ValueError(f"{path}: holds a {type(obj).__name__}, not a checkpoint or state dict; expected {EXPECTED}")
     if not _has_tensors(obj):
         raise ValueError(f"{path}: a dict without any weights (keys {sorted(map(str, obj))[:8]}); expected {EXPECTED}")
-    return BackboneSource(obj, None, {}, str(path), "state_dict", which=which or _state_dict_default(obj))
-
-
-def _state_dict_default(obj: Mapping[str, Any]) -> str | None:
-    """The encoder a state dict gives when none is asked for, where it holds two: DINO's teacher
-    (an official checkpoint's ``teacher`` entry, our ``teacher_backbone.*``), as
-    ``filter_foreign_state_dict`` picks it; None where it holds one."""
-    if isinstance(obj.get("teacher"), Mapping) or any(str(k).startswith(("teacher_backbone.", "module.teacher_backbone.")) for k in obj):
-        return "teacher"
-    return None
+    return BackboneSource(obj, None, {}, str(path), "state_dict", which=which or default_encoder(obj))
 
 
 def _has_tensors(obj: Mapping[str, Any], depth: int = 2) -> bool:
