@@ -7,6 +7,7 @@ Each command lives in its own module with a ``main(argv) -> int``; this file onl
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import warnings
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # Lightning 2.6 with this torch warns at every fit that it calls a deprecated pytree API: its
     # internals, nothing a user of ssl-vit can act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    quiet_lightning_tips()
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
@@ -99,6 +101,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ssl-vit {command}: error{_which_process()}: {one_line(str(err))}", file=sys.stderr)
         return 1
+
+
+def _drop_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def quiet_lightning_tips() -> None:
+    """Drop the advertisement Lightning logs at every Trainer's start ("💡 Tip: For seamless cloud
+    logging ... try installing litlogger"): a hosted service's, not a fact about the run. Its
+    other start-up lines (accelerator, devices) stay."""
+    # rank_zero_info's logger: lightning.pytorch's when it is imported, fabric's alone otherwise.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if _drop_tip not in log.filters:
+            log.addFilter(_drop_tip)
 
 
 def _which_process() -> str:

@@ -708,3 +708,34 @@ def test_eval_linear_sweeps_several_lrs_and_records_the_one_it_picked(tmp_path, 
 def test_a_sweep_that_cannot_run_is_refused_before_any_work(capsys, extra, message):
     assert cli_main(["eval", *extra, "--backbone", "random:vit_tiny", *SYNTH]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_lightnings_advertisement_is_dropped_and_its_start_up_lines_stay():
+    import logging
+
+    import lightning.pytorch as pl
+
+    from ssl_vit.cli import quiet_lightning_tips
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        pl.Trainer(accelerator="cpu", logger=True, enable_checkpointing=False, enable_progress_bar=False)
+        assert any("Tip:" in m for m in seen)  # Lightning's own line, as this test expects it
+        seen.clear()
+        quiet_lightning_tips()
+        quiet_lightning_tips()  # once is enough; twice adds nothing
+        pl.Trainer(accelerator="cpu", logger=True, enable_checkpointing=False, enable_progress_bar=False)
+        assert seen and not any("Tip:" in m for m in seen)
+        assert any("GPU available" in m for m in seen)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
