@@ -82,3 +82,85 @@ def test_errors():
         KNNClassifier(k=20).scores(torch.randn(5, 3), torch.zeros(5, dtype=torch.long), torch.randn(2, 3))
     with pytest.raises(ValueError, match="width"):
         KNNClassifier(k=2).scores(torch.randn(5, 3), torch.zeros(5, dtype=torch.long), torch.randn(2, 4))
+
+
+def _imbalanced(seed: int, n_major: int = 40, n_minor: int = 15, n_test: int = 20):
+    """Two tight clusters, a large class 0 and a smaller class 1: one neighbour tells them apart,
+    40 nearly equal votes (T large) hand class 1's images to class 0."""
+    g = torch.Generator().manual_seed(seed)
+    c0, c1 = torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 0.0])
+
+    def near(c, n):
+        return c + 0.01 * torch.randn(n, 4, generator=g)
+
+    x, y = torch.cat([near(c0, n_major), near(c1, n_minor)]), torch.tensor([0] * n_major + [1] * n_minor)
+    test_x, test_y = torch.cat([near(c1, n_test), near(c0, n_test)]), torch.tensor([1] * n_test + [0] * n_test)
+    return x, y, test_x, test_y
+
+
+def test_votes_of_several_k_from_one_search_are_those_of_each_k_alone():
+    g = torch.Generator().manual_seed(3)
+    bank, queries = torch.randn(70, 8, generator=g), torch.randn(13, 8, generator=g)
+    labels = torch.randint(0, 5, (70,), generator=g)
+    for bank_chunk in (None, 9):
+        swept = KNNClassifier(k=[10, 1, 20], temperature=0.07, chunk_size=4, bank_chunk_size=bank_chunk)
+        votes = swept.votes(bank, labels, queries, num_classes=5)
+        assert list(votes) == [10, 1, 20]
+        for k in (10, 1, 20):
+            alone = KNNClassifier(k=k, temperature=0.07, chunk_size=4, bank_chunk_size=bank_chunk).scores(bank, labels, queries, 5)
+            torch.testing.assert_close(votes[k], alone, rtol=0, atol=0)
+
+
+def test_a_k_sweep_picks_on_held_out_training_features_never_on_the_test_split():
+    x, y, test_x, test_y = _imbalanced(0)
+    knn = KNNClassifier(k=[40, 1], temperature=100.0, select_fraction=0.25, seed=0)
+    metrics = knn.evaluate(x, y, test_x, test_y, num_classes=2)
+    args = knn.record_args
+    assert knn.k == 1 and args["selected_k"] == 1 and args["select_fraction"] == 0.25
+    assert args["select_top1"]["1"] == 1.0 > args["select_top1"]["40"]
+    # the held-out scores, by hand: the seeded quarter queried against the other three quarters
+    perm = torch.randperm(55, generator=torch.Generator().manual_seed(0))
+    val, fit = perm[:14], perm[14:]
+    for k in (1, 40):
+        alone = KNNClassifier(k=k, temperature=100.0).evaluate(x[fit], y[fit], x[val], y[val], num_classes=2)
+        assert args["select_top1"][str(k)] == pytest.approx(alone["top1"])
+    # the test split is classified with the whole bank at the pick; every k's test top-1 is kept
+    assert metrics == KNNClassifier(k=1, temperature=100.0).evaluate(x, y, test_x, test_y, num_classes=2)
+    for k in (1, 40):
+        assert args["test_top1_by_k"][str(k)] == pytest.approx(KNNClassifier(k=k, temperature=100.0).evaluate(x, y, test_x, test_y, 2)["top1"])
+    assert args["test_top1_by_k"]["40"] == 0.5 and metrics["top1"] == 1.0
+    # test labels do not move the pick: all of them flipped, k=1 still picked (and now scores 0)
+    flipped = KNNClassifier(k=[40, 1], temperature=100.0, select_fraction=0.25, seed=0)
+    assert flipped.evaluate(x, y, test_x, 1 - test_y, num_classes=2)["top1"] == pytest.approx(1 - metrics["top1"])
+    assert flipped.k == 1
+
+
+def test_a_k_sweep_breaks_ties_to_the_first_k_listed_and_one_k_records_nothing():
+    g = torch.Generator().manual_seed(1)
+    centres = torch.eye(3) * 10
+    x = torch.cat([c + torch.randn(20, 3, generator=g) * 0.1 for c in centres])
+    y = torch.arange(3).repeat_interleave(20)
+    for order in ([3, 1, 5], [5, 3, 1]):
+        knn = KNNClassifier(k=order)
+        assert knn.evaluate(x, y, x, y)["top1"] == 1.0
+        assert set(knn.record_args["select_top1"].values()) == {1.0} and knn.k == order[0]
+    single = KNNClassifier(k=3)
+    single.evaluate(x, y, x, y)
+    assert single.record_args == {} and single.ks == (3,)
+
+
+def test_a_k_sweep_needs_a_bank_for_its_largest_k_after_the_held_out_part():
+    knn = KNNClassifier(k=[5, 18], select_fraction=0.1)
+    assert knn.bank_shortfall(20) is None  # 20 - 2 = 18: just enough
+    assert knn.bank_shortfall(19) == ("k=18 neighbours, but the k sweep holds out 2 of the 19 training examples "
+                                      "(select_fraction 0.1) and leaves 17 to vote")
+    assert knn.bank_shortfall(17) == "k=18 neighbours, but the kNN bank holds 17 training examples"
+    assert KNNClassifier(k=18).bank_shortfall(18) is None  # one k holds nothing out
+    with pytest.raises(ValueError, match="leaves 17 to vote"):
+        knn.evaluate(torch.randn(19, 4), torch.arange(19) % 2, torch.randn(3, 4), torch.tensor([0, 1, 0]))
+    for bad in ([], [5, 5], [5, True], [5, 2.0]):
+        with pytest.raises(ValueError, match="k: give one number of neighbours, or several distinct ones"):
+            KNNClassifier(k=bad)
+    with pytest.raises(ValueError, match="select_fraction must be in"):
+        KNNClassifier(k=[1, 2], select_fraction=1.0)
+    KNNClassifier(k=1, select_fraction=1.0)  # unused without a sweep

@@ -445,6 +445,10 @@ def test_evaluation_settings_the_data_cannot_meet_are_refused_before_training(tm
     args = ["fit", "--config", str(cfg), "--evaluate.train_subset", "16"]
     assert cli_main([*args, "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 20}"]) == 1
     assert "evaluate.knn: k=20 neighbours, but the kNN bank holds the 16 training images of evaluate.train_subset" in capsys.readouterr().err
+    # a k sweep holds out a tenth (2 of 16) to pick k: k=15 is then one too many
+    assert cli_main([*args, "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: [5, 15]}"]) == 1
+    assert ("evaluate.knn: k=15 neighbours, but the k sweep holds out 2 of the 16 training examples (select_fraction 0.1) "
+            "and leaves 14 to vote; sweep smaller k, or a larger evaluate.train_subset") in capsys.readouterr().err
     assert cli_main([*args, "--evaluate.protocols", "[fewshot]"]) == 1  # 25-shot (the default's largest) of 10 classes
     assert "evaluate.fewshot: 25-shot needs 25 training images of each of the 10 classes, more than the 16" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained

@@ -108,15 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base LR per 256 examples (default: 0.01 with sgd, 0.1 with lars as MAE's probe); several (--lr 0.01 0.1 1): "
                         "a sweep, one head per LR on the same batches, the LR picked on held-out training features (--select-fraction), "
                         "the probe then trained on all of them at that LR")
-    g.add_argument("--select-fraction", type=float, default=None,
-                   help="share of the training features held out to pick the LR of a sweep (default: LinearProbe's, 0.1)")
     g.add_argument("--optimizer", choices=["sgd", "lars"], default="sgd")
     g.add_argument("--warmup-epochs", type=int, default=10,
                    help="linear LR warm-up before the cosine decay (MAE: 10 of 90 epochs); a run no longer than it only warms up")
     g.add_argument("--probe-batch-size", type=int, default=256, help="examples per step of the linear probe (with --augment: per process)")
     knn = argparse.ArgumentParser(add_help=False)
     g = knn.add_argument_group("kNN")
-    g.add_argument("--k", type=int, default=20, help="neighbours that vote (DINO: 20)")
+    g.add_argument("--k", type=int, nargs="+", default=[20],
+                   help="neighbours that vote (DINO: 20); several (--k 10 20 100 200, DINO's table): a sweep from one neighbour "
+                        "search, k picked on held-out training features (--select-fraction), every k's test top-1 recorded too")
     g.add_argument("--temperature", type=float, default=0.07, help="vote weight exp(similarity / T) (DINO: 0.07)")
     fewshot = argparse.ArgumentParser(add_help=False)
     g = fewshot.add_argument_group("few-shot")
@@ -124,16 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training examples per class in each support set (the ViT paper: 1 5 10 25)")
     g.add_argument("--seeds", type=int, default=5, help="support-set draws per shot count")
     g.add_argument("--l2", type=float, default=2.0**10, help="ridge (L2) weight of the closed-form least squares")
+    sweep = argparse.ArgumentParser(add_help=False)
+    sweep.add_argument("--select-fraction", type=float, default=None,
+                       help="share of the training features held out to pick the LR of a linear probe's sweep or kNN's k "
+                            "(default: the protocol's, 0.1)")
     images = _image_run_options()
-    p = sub.add_parser("linear", parents=[common, linear, images], help="linear probe on frozen features (BN + linear, SGD); --augment: trained on augmented images (the papers' protocol)",
+    p = sub.add_parser("linear", parents=[common, linear, sweep, images], help="linear probe on frozen features (BN + linear, SGD); --augment: trained on augmented images (the papers' protocol)",
                        description="Linear probe on the frozen backbone: on features extracted once from the evaluation transform, "
                                    "or with --augment the papers' protocol (MoCo v3, DINO, MAE): every step a random resized crop "
                                    "and flip of each image through the backbone (one backbone pass per image and epoch; recorded as "
                                    "protocol linear_aug). The options under 'training on images' apply with --augment.")
     p.add_argument("--augment", action="store_true", help="train on augmented images through the frozen backbone (the papers' linear evaluation)")
-    sub.add_parser("knn", parents=[common, knn], help="DINO's weighted kNN on L2-normalised features")
+    sub.add_parser("knn", parents=[common, knn, sweep], help="DINO's weighted kNN on L2-normalised features")
     sub.add_parser("fewshot", parents=[common, fewshot], help="ViT paper's closed-form few-shot regression")
-    p = sub.add_parser("frozen", parents=[common, linear, knn, fewshot],
+    p = sub.add_parser("frozen", parents=[common, linear, knn, sweep, fewshot],
                        help="linear probe, kNN and few-shot on one extraction of the frozen features")
     p.add_argument("--protocols", nargs="+", choices=list(FEATURE_PROTOCOL_NAMES), default=list(FEATURE_PROTOCOL_NAMES),
                    help="the protocols to run (each writes its own record into the --out folder)")
@@ -169,7 +173,10 @@ def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
         return {"epochs": args.epochs, **sweep, "optimizer": args.optimizer, "batch_size": args.probe_batch_size,
                 "warmup_epochs": args.warmup_epochs, "seed": args.seed}
     if name == "knn":
-        return {"k": args.k, "temperature": args.temperature}
+        if len(args.k) == 1:
+            return {"k": args.k[0], "temperature": args.temperature}
+        picked = {} if args.select_fraction is None else {"select_fraction": args.select_fraction}
+        return {"k": args.k, "temperature": args.temperature, **picked, "seed": args.seed}
     return {"shots": args.shots, "num_seeds": args.seeds, "l2_reg": args.l2, "seed": args.seed}
 
 
@@ -189,8 +196,14 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
     datamodule_class(args.data)  # a misspelt name, before the backbone loads
-    if args.protocol in ("linear", "frozen") and (args.lr is None or len(args.lr) < 2) and args.select_fraction is not None:
-        raise ValueError("--select-fraction: holds out features to pick the LR of a sweep; give --lr several values, or leave it out")
+    swept = [flag for flag, values in (("--lr", getattr(args, "lr", None)), ("--k", getattr(args, "k", None)))
+             if isinstance(values, list) and len(values) > 1]
+    if getattr(args, "select_fraction", None) is not None and not swept:
+        what = {"linear": "the LR of a sweep; give --lr several values", "knn": "the k of a sweep; give --k several values"}.get(
+            args.protocol, "the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values")
+        raise ValueError(f"--select-fraction: holds out features to pick {what}, or leave it out")
+    if args.protocol in ("knn", "frozen") and len(set(args.k)) != len(args.k):
+        raise ValueError(f"--k: the k of a sweep must be distinct, got {' '.join(map(str, args.k))}")
     if args.protocol in ("linear", "frozen") and args.lr is not None and len(args.lr) > 1:
         if args.protocol == "linear" and args.augment:
             raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")
@@ -279,8 +292,14 @@ def main(argv: list[str]) -> int:
                              "evaluation needs at least 2 classes")
     if first_process:
         note_channel_conversion(train_ds, backbone.in_chans, "ssl-vit eval", f"--data {args.data}")
-    if args.protocol in ("knn", "frozen") and "knn" in getattr(args, "protocols", ["knn"]) and args.k > len(train_ds):
-        raise ValueError(f"--k {args.k}: more neighbours than the {len(train_ds)} training images")
+    if args.protocol in ("knn", "frozen") and "knn" in getattr(args, "protocols", ["knn"]):
+        from ssl_vit.eval.knn import KNNClassifier
+
+        short = KNNClassifier(**_protocol_kwargs(args, "knn")).bank_shortfall(len(train_ds))
+        if short is not None and max(args.k) > len(train_ds):
+            short = f"more neighbours than the {len(train_ds)} training images"
+        if short is not None:
+            raise ValueError(f"--k {' '.join(map(str, args.k))}: {short.replace('training examples', 'training images')}")
     data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
     method = recorded or args.method or "unknown"
     check_out(args.out, create=True)

@@ -69,7 +69,7 @@ _OPTION_RULES: dict[str, OptionRule] = {
     "select_fraction": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
     "warmup_epochs": (lambda v: v >= 0, ">= 0"),
     "probe_batch_size": (lambda v: v >= 2, ">= 2 (the probe's BatchNorm needs two examples)"),
-    "k": (lambda v: v >= 1, ">= 1"),
+    "k": (lambda v: all(k >= 1 for k in v), ">= 1"),
     "temperature": (lambda v: v > 0, "> 0"),
     "shots": (lambda v: all(s >= 1 for s in v), ">= 1 each"),
     "seeds": (lambda v: v >= 1, ">= 1"),

@@ -224,6 +224,9 @@ class EvalResult:
         if picked is not None:  # a linear probe's LR sweep
             swept = self.protocol_args.get("base_lr")
             shown.append(f"(base_lr {picked:g}, picked of {' '.join(f'{lr:g}' for lr in swept) if isinstance(swept, list) else swept})")
+        picked_k = self.protocol_args.get("selected_k")
+        if picked_k is not None:  # a kNN's k sweep
+            shown.append(f"(k {picked_k}, picked of {' '.join(map(str, self.protocol_args.get('k', [])))})")
         return f"{self.protocol:<9} {self.method}  {self.label}  {self.data_label}  {' '.join(shown)}"
 
     # ------------------------------------------------------------------------ I/O

@@ -144,10 +144,13 @@ class RecipeEvaluation:
         from ssl_vit.eval.run import FEATURE_PROTOCOLS
 
         if "knn" in self.protocols:
-            k = FEATURE_PROTOCOLS["knn"](**self.protocol_kwargs("knn")).k
-            if k > n:
-                raise ValueError(f"evaluate.knn: k={k} neighbours, but the kNN bank holds the {n} training images of {whence}; "
-                                 f"set evaluate.knn {{k: {n}}} or fewer, or a larger {whence}")
+            knn = FEATURE_PROTOCOLS["knn"](**self.protocol_kwargs("knn"))
+            short = knn.bank_shortfall(n)
+            if short is not None:
+                if len(knn.ks) == 1:
+                    short = f"k={knn.k} neighbours, but the kNN bank holds the {n} training images of {whence}"
+                fix = f"set evaluate.knn {{k: {n}}} or fewer" if len(knn.ks) == 1 else "sweep smaller k"
+                raise ValueError(f"evaluate.knn: {short}; {fix}, or a larger {whence}")
         num_classes = getattr(datamodule, "num_classes", None)
         if "fewshot" in self.protocols and num_classes:
             shots = max(FEATURE_PROTOCOLS["fewshot"](**self.protocol_kwargs("fewshot")).shots)
