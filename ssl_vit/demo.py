@@ -109,6 +109,7 @@ def pretrain(
     from ssl_vit.data import FashionMNISTDataModule
     from ssl_vit.flops import PretrainFlopsCounter
     from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+    from ssl_vit.training.progress import ProgressLog
     from ssl_vit.training.step_checkpoint import StepCheckpoint
 
     L.seed_everything(seed, workers=True, verbose=False)
@@ -130,6 +131,7 @@ def pretrain(
         callbacks=[
             StepCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=max(50, max_steps // 4), keep_last=1),
             PretrainFlopsCounter(),
+            *([] if progress else [ProgressLog(name=recipe.method)]),
         ],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),

@@ -55,7 +55,17 @@ def tiny_config(tmp_path: Path, method: str = "ssl_vit.pretext.DINO", views: str
 
 def test_fit_writes_step_and_last_checkpoints_with_the_recipe(tmp_path):
     cfg = tiny_config(tmp_path)
-    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    lines: list[str] = []
+    keep = logging.Handler()
+    keep.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(keep)
+    try:
+        assert cli_main(["fit", "--config", str(cfg)]) == 0
+    finally:
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(keep)
+    # the recipe turns the progress bar off: a line of progress instead (here only the last)
+    assert [line for line in lines if line.startswith("[ssl_vit] training:")] == [
+        next(line for line in lines if line.startswith("[ssl_vit] training: step 3/3 (100 %), epoch 0.75, loss ") and line.endswith(" (done)"))]
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["last.ckpt", "step00000002.ckpt"]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)

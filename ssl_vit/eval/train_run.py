@@ -27,6 +27,7 @@ from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
 from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.progress import ProgressLog
 from ssl_vit.training.step_checkpoint import StepCheckpoint, load_record, newest_checkpoint
 
 ModuleFactory = Callable[[int, int, int], L.LightningModule]
@@ -136,6 +137,8 @@ def train_and_test(
                              "continue it with --resume, or choose another --run-dir")
         callbacks = [StepCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=checkpoint_every, keep_last=1), PreemptionCheckpoint()]
         plugins = [AtomicCheckpointIO()]
+    if not enable_progress_bar:  # a line every minute rather than silence through a long run
+        callbacks.append(ProgressLog(name=what))
     trainer = L.Trainer(
         max_epochs=epochs,
         max_steps=max_steps,

@@ -51,6 +51,7 @@ from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.evaluate import RecipeEvaluation
 from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.progress import ProgressLog
 from ssl_vit.training.step_checkpoint import (
     StepCheckpoint,
     default_checkpoint_dir,
@@ -105,6 +106,9 @@ class SSLViTCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins) and strategy_io is None:
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins
+        # Without a progress bar, a line of progress every minute rather than silence.
+        if config.get("enable_progress_bar") is False and not any(isinstance(c, ProgressLog) for c in [*callbacks, *(config.get("callbacks") or [])]):
+            callbacks = [*callbacks, ProgressLog()]
         return super()._instantiate_trainer(config, callbacks)
 
 

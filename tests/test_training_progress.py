@@ -1,0 +1,94 @@
+"""ProgressLog: the plain progress lines of runs without a progress bar."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from ssl_vit.training.progress import ProgressLog
+
+
+class Lines(logging.Handler):
+    """The lines Lightning's rank-zero logger prints, kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def printed():
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler, level = Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield handler.lines
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+def _trainer(step: int, total: float, batches: float = 10, accumulate: int = 1, **metrics) -> SimpleNamespace:
+    return SimpleNamespace(global_step=step, estimated_stepping_batches=total, num_training_batches=batches,
+                           accumulate_grad_batches=accumulate, callback_metrics={k.replace("__", "/"): torch.tensor(v) for k, v in metrics.items()})
+
+
+def test_a_line_says_the_step_the_epoch_the_loss_and_the_time_left():
+    log = ProgressLog(name="mocov3")
+    log._start, log._first_step = 100.0, 0
+    # 25 of 100 steps in 300 s: 75 more at 12 s each, 900 s
+    line = log.line(_trainer(25, 100, batches=20, train__loss=2.13749), now=400.0)
+    assert line == "[ssl_vit] mocov3: step 25/100 (25 %), epoch 1.25, loss 2.137, 5.0 min, about 15.0 min left"
+    # a resumed run's rate counts only the steps it took itself: 10 steps (40 -> 50) in 60 s
+    log._start, log._first_step = 0.0, 40
+    assert log.line(_trainer(50, 100, batches=20), now=60.0).endswith("epoch 2.50, 1.0 min, about 5.0 min left")
+    # epochs are counted in optimiser steps (20 batches, 4 per step: 5 steps an epoch)
+    assert "epoch 10.00" in log.line(_trainer(50, 100, batches=20, accumulate=4), now=60.0)
+    # no known length: no share and no estimate; no step yet: no estimate either
+    assert log.line(_trainer(50, float("inf"), batches=float("inf")), now=60.0) == "[ssl_vit] mocov3: step 50, 1.0 min"
+    assert log.line(_trainer(40, 100, batches=20), now=1.0) == "[ssl_vit] mocov3: step 40/100 (40 %), epoch 2.00, 0.0 min"
+    with pytest.raises(ValueError, match="every_n_seconds must be >= 0"):
+        ProgressLog(every_n_seconds=-1)
+
+
+class _Logged(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train/loss", out["loss"])
+        return out
+
+
+def _fit(callback: ProgressLog, max_steps: int) -> None:
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, max_epochs=-1, limit_train_batches=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(_Logged(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=2))
+
+
+def test_lines_come_once_an_interval_has_passed_and_once_at_the_end(printed):
+    ticks = iter(range(0, 1000, 25))  # every call of the clock: 25 s later
+    _fit(ProgressLog(name="tiny", every_n_seconds=60, clock=lambda: float(next(ticks))), max_steps=6)
+    ours = [line for line in printed if line.startswith("[ssl_vit] tiny:")]
+    # start 0; batch ends at 25, 50, 75 (line), 100, 125, 150 (line); the end at 175
+    assert [line.split(",")[0] for line in ours] == ["[ssl_vit] tiny: step 3/6 (50 %)", "[ssl_vit] tiny: step 6/6 (100 %)",
+                                                      "[ssl_vit] tiny: step 6/6 (100 %)"]
+    assert ours[0] == f"[ssl_vit] tiny: step 3/6 (50 %), epoch 0.75, loss {float(ours[0].split('loss ')[1].split(',')[0]):.4g}, 1.2 min, about 1.2 min left"
+    assert ours[-1].endswith("2.9 min (done)")
+
+
+def test_a_run_stopped_before_its_end_says_so(printed):
+    class Stop(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= 2
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Stop(), ProgressLog(name="tiny", every_n_seconds=1e9)])
+    trainer.fit(_Logged(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=2))
+    ours = [line for line in printed if line.startswith("[ssl_vit] tiny:")]
+    assert len(ours) == 1 and ours[0].startswith("[ssl_vit] tiny: step 2/6 (33 %)") and ours[0].endswith("(stopped)")
