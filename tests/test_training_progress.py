@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import lightning as L
@@ -13,26 +12,12 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from ssl_vit.training.progress import ProgressLog
 
 
-class Lines(logging.Handler):
-    """The lines Lightning's rank-zero logger prints, kept."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
-def printed():
-    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    handler, level = Lines(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    yield handler.lines
-    log.removeHandler(handler)
-    log.setLevel(level)
+def printed(monkeypatch):
+    """The lines ProgressLog prints (through Lightning's rank-zero logger), kept."""
+    lines: list[str] = []
+    monkeypatch.setattr("ssl_vit.training.progress.rank_zero_info", lines.append)
+    return lines
 
 
 def _trainer(step: int, total: float, batches: float = 10, accumulate: int = 1, **metrics) -> SimpleNamespace:
