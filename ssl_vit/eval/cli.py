@@ -196,8 +196,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
     datamodule_class(args.data)  # a misspelt name, before the backbone loads
-    swept = [flag for flag, values in (("--lr", getattr(args, "lr", None)), ("--k", getattr(args, "k", None)))
-             if isinstance(values, list) and len(values) > 1]
+    swept = any(isinstance(values, list) and len(values) > 1 for values in (getattr(args, "lr", None), getattr(args, "k", None)))
     if getattr(args, "select_fraction", None) is not None and not swept:
         what = {"linear": "the LR of a sweep; give --lr several values", "knn": "the k of a sweep; give --k several values"}.get(
             args.protocol, "the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values")
@@ -295,9 +294,9 @@ def main(argv: list[str]) -> int:
     if args.protocol in ("knn", "frozen") and "knn" in getattr(args, "protocols", ["knn"]):
         from ssl_vit.eval.knn import KNNClassifier
 
-        short = KNNClassifier(**_protocol_kwargs(args, "knn")).bank_shortfall(len(train_ds))
-        if short is not None and max(args.k) > len(train_ds):
-            short = f"more neighbours than the {len(train_ds)} training images"
+        if max(args.k) > len(train_ds):
+            raise ValueError(f"--k {' '.join(map(str, args.k))}: more neighbours than the {len(train_ds)} training images")
+        short = KNNClassifier(**_protocol_kwargs(args, "knn")).bank_shortfall(len(train_ds))  # a sweep's held-out part
         if short is not None:
             raise ValueError(f"--k {' '.join(map(str, args.k))}: {short.replace('training examples', 'training images')}")
     data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
