@@ -36,11 +36,8 @@ def test_demo_settings_are_the_fashion_mnist_recipe(method):
     assert cfg["trainer"]["max_steps"] == round(recipe.epochs * (60000 // batch))
     # ... and its evaluation is the demo's (the same 20k training images: both draw them with seed 0)
     budget = Budget.default()
-    assert cfg["evaluate"] == {
-        "protocols": ["linear", "knn"], "train_subset": budget.eval_train, "batch_size": 512,
-        "linear": {"epochs": budget.probe_epochs, "base_lr": budget.probe_lr, "warmup_epochs": min(10, budget.probe_epochs // 5)},
-        "knn": {"k": 20, "temperature": 0.07},
-    }
+    unseeded = {name: {k: v for k, v in kwargs.items() if k != "seed"} for name, kwargs in budget.protocols(seed=0).items()}
+    assert cfg["evaluate"] == {"protocols": ["linear", "knn"], "train_subset": budget.eval_train, "batch_size": 512, **unseeded}
 
 
 def test_demo_quick_runs_end_to_end(tmp_path, capsys):
@@ -78,8 +75,9 @@ def no_training(monkeypatch):
     ("--subset", "0", "--subset must be in 128..60000"),
     ("--subset", "100", "--subset must be in 128..60000 (at least one batch of 128"),
     ("--subset", "70000", "--subset must be in 128..60000"),
-    ("--eval-train", "0", "--eval-train must be in 20..60000 (at least the kNN's k=20"),
-    ("--eval-train", "60001", "--eval-train must be in 20..60000"),
+    ("--eval-train", "0", "--eval-train must be in 222..60000 (enough for the kNN's largest k=200 beside the 10% held out to pick k"),
+    ("--eval-train", "221", "--eval-train must be in 222..60000"),
+    ("--eval-train", "60001", "--eval-train must be in 222..60000"),
     ("--eval-test", "0", "--eval-test must be in 1..10000"),
     ("--eval-test", "10001", "--eval-test must be in 1..10000"),
     ("--num-workers", "-1", "--num-workers must be >= 0, got -1"),
@@ -95,7 +93,7 @@ def test_demo_refuses_bad_numbers_before_training(no_training, tmp_path, option,
 def test_demo_errors_are_one_line(no_training, tmp_path, capsys):
     assert cli_main(["demo", "--eval-train", "0", "--out", str(tmp_path / "demo")]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("ssl-vit demo: error: --eval-train must be in 20..60000") and "\n" not in err
+    assert err.startswith("ssl-vit demo: error: --eval-train must be in 222..60000") and "\n" not in err
 
 
 def test_demo_refuses_to_overwrite_an_earlier_run(no_training, tmp_path):

@@ -63,7 +63,8 @@ class RecipeEvaluation:
             training images (None: all), drawn from the run's training split (``data.subset``
             when the run trained on a subset).
         test_subset: evaluate on a fixed random subset of this many test images (None: all).
-        seed: of those subsets, of the linear probe and few-shot draws, and of the fine-tuning.
+        seed: of those subsets, of the linear probe and few-shot draws, of the held-out part that
+            picks a sweep's LR or k, and of the fine-tuning.
     """
 
     def __init__(
@@ -259,7 +260,7 @@ class RecipeEvaluation:
 
     def protocol_kwargs(self, protocol: str) -> dict[str, Any]:
         """The evaluator's arguments: the recipe's, with this section's seed where it takes one."""
-        seeded = {"seed": self.seed} if protocol in ("linear", "fewshot") else {}
+        seeded = {"seed": self.seed} if protocol in ("linear", "knn", "fewshot") else {}
         return {**seeded, **self.kwargs[protocol]}
 
 
