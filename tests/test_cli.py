@@ -161,6 +161,11 @@ def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, mon
     assert set(records) == {"linear", "knn", "fewshot"}
     assert records["knn"]["protocol_args"]["k"] == 5 and records["linear"]["protocol_args"]["epochs"] == 2
     assert "2shot" in records["fewshot"]["metrics"]
+    # the kNN's options count only where it runs: a repeated k is no error for the probe alone
+    only_linear = ["eval", "frozen", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "lin"),
+                   "--epochs", "2", "--protocols", "linear", "--k", "5", "5"]
+    assert cli_main(only_linear) == 0
+    assert [json.loads(p.read_text())["protocol"] for p in (tmp_path / "lin").glob("*.json")] == ["linear"]
     one_file = list(args)
     one_file[one_file.index("--out") + 1] = str(tmp_path / "one.json")
     assert cli_main(one_file) == 1
@@ -727,6 +732,11 @@ def test_eval_knn_sweeps_several_k_and_records_the_one_it_picked(tmp_path, capsy
     (["knn", "--k", "1", "60"],
      "--k 1 60: k=60 neighbours, but the k sweep holds out 6 of the 64 training images (select_fraction 0.1) and leaves 58 to vote"),
     (["knn", "--k", "1", "65"], "--k 1 65: more neighbours than the 64 training images"),
+    # frozen: what counts is the protocols it runs
+    (["frozen", "--protocols", "linear", "--k", "5", "20", "--select-fraction", "0.2"],
+     "--select-fraction: holds out features to pick the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values"),
+    (["frozen", "--protocols", "knn", "--lr", "0.1", "0.3", "--select-fraction", "0.2"],
+     "--select-fraction: holds out features to pick the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values"),
 ])
 def test_a_sweep_that_cannot_run_is_refused_before_any_work(capsys, extra, message):
     assert cli_main(["eval", *extra, "--backbone", "random:vit_tiny", *SYNTH]) == 1

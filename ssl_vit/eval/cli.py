@@ -180,6 +180,11 @@ def _protocol_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
     return {"shots": args.shots, "num_seeds": args.seeds, "l2_reg": args.l2, "seed": args.seed}
 
 
+def _runs(args: argparse.Namespace, protocol: str) -> bool:
+    """Whether this command runs ``protocol`` (``frozen``: one of its ``--protocols``)."""
+    return args.protocol == protocol or (args.protocol == "frozen" and protocol in args.protocols)
+
+
 def _trainer_devices(device: str, count: int) -> int | list[int]:
     """Lightning's ``devices`` for ``--device`` and ``--devices``: ``cuda:1`` is that GPU."""
     if count < 1:
@@ -196,14 +201,17 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)  # before any note or work
     datamodule_class(args.data)  # a misspelt name, before the backbone loads
-    swept = any(isinstance(values, list) and len(values) > 1 for values in (getattr(args, "lr", None), getattr(args, "k", None)))
+    # The LR and k options count only where their protocol runs (frozen: the --protocols listed).
+    lrs = getattr(args, "lr", None) if _runs(args, "linear") else None
+    ks = getattr(args, "k", None) if _runs(args, "knn") else None
+    swept = any(values is not None and len(values) > 1 for values in (lrs, ks))
     if getattr(args, "select_fraction", None) is not None and not swept:
         what = {"linear": "the LR of a sweep; give --lr several values", "knn": "the k of a sweep; give --k several values"}.get(
             args.protocol, "the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values")
         raise ValueError(f"--select-fraction: holds out features to pick {what}, or leave it out")
-    if args.protocol in ("knn", "frozen") and len(set(args.k)) != len(args.k):
-        raise ValueError(f"--k: the k of a sweep must be distinct, got {' '.join(map(str, args.k))}")
-    if args.protocol in ("linear", "frozen") and args.lr is not None and len(args.lr) > 1:
+    if ks is not None and len(set(ks)) != len(ks):
+        raise ValueError(f"--k: the k of a sweep must be distinct, got {' '.join(map(str, ks))}")
+    if _runs(args, "linear") and args.lr is not None and len(args.lr) > 1:
         if args.protocol == "linear" and args.augment:
             raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")
         if len(set(args.lr)) != len(args.lr):
@@ -218,7 +226,7 @@ def main(argv: list[str]) -> int:
         if given:
             raise ValueError(f"{', '.join(given)}: options of a linear probe trained on images; add --augment, "
                              "or leave them out for the probe on features extracted once")
-    trains = args.protocol == "finetune" or (args.protocol in ("linear", "frozen") and "linear" in getattr(args, "protocols", ["linear"]))
+    trains = args.protocol == "finetune" or _runs(args, "linear")
     first_process = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0  # (the processes of --devices N run this too)
     if trains and args.epochs <= args.warmup_epochs and first_process:
         what = "fine-tuning" if args.protocol == "finetune" else "the linear probe"
@@ -291,7 +299,7 @@ def main(argv: list[str]) -> int:
                              "evaluation needs at least 2 classes")
     if first_process:
         note_channel_conversion(train_ds, backbone.in_chans, "ssl-vit eval", f"--data {args.data}")
-    if args.protocol in ("knn", "frozen") and "knn" in getattr(args, "protocols", ["knn"]):
+    if _runs(args, "knn"):
         from ssl_vit.eval.knn import KNNClassifier
 
         if max(args.k) > len(train_ds):
