@@ -229,6 +229,8 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--evaluate.protocols", "[linear]", "--evaluate.linear", "{epoch: 3}"], "evaluate.linear: LinearProbe.__init__() got an unexpected keyword argument 'epoch'"),
         (["--evaluate.protocols", "[knn]", "--evaluate.linear", "{epochz: 3}"], "evaluate.linear: LinearProbe.__init__() got an unexpected keyword argument 'epochz'"),
         (["--evaluate.protocols", "[linear]", "--evaluate.linear", "{base_lr: [0.1, 0.1]}"], "evaluate.linear: base_lr: give one LR, or several distinct ones to sweep"),
+        (["--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 5, select_fraction: 0.2}"],
+         "evaluate.knn.select_fraction: holds out training features to pick the k of a sweep; give k a list of several values, or leave select_fraction out"),
         (["--evaluate.protocols", "[knn]", "--evaluate.which", "momentum"], "evaluate.which: a DINO checkpoint has no momentum backbone (momentum_backbone.*); it holds student, teacher"),
         (["--evaluate.protocols", "[knn]", "--evaluate.features", "last4"], "evaluate.features: n_last_blocks=4 is out of range for a backbone of depth 1"),
         pytest.param(["--trainer.accelerator", "mps"], "`MPSAccelerator` can not run on your system",
@@ -244,7 +246,7 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
          "corruption ratio must be in (0, 1], got 1.5"),
     ],
     ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "local-crop-size", "global-batch", "global-batch-zero", "abbreviation",
-         "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-lr-sweep", "evaluate-which", "evaluate-features", "missing-accelerator", "backbone-argument-type",
+         "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-lr-sweep", "evaluate-unswept-fraction", "evaluate-which", "evaluate-features", "missing-accelerator", "backbone-argument-type",
          "backbone-size", "method-name", "datamodule-name", "accumulate-zero", "no-steps", "resume-and-ckpt-path", "mpp-corruption"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):

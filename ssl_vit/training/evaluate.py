@@ -99,10 +99,15 @@ class RecipeEvaluation:
         for protocol in dict.fromkeys([*self.protocols, *given]):
             evaluator = _evaluator(protocol)
             try:
-                evaluator(**self.protocol_kwargs(protocol))
+                built = evaluator(**self.protocol_kwargs(protocol))
             except (TypeError, ValueError) as err:
                 hint = unexpected_keyword_hint(err, evaluator) if isinstance(err, TypeError) else ""
                 raise ValueError(f"evaluate.{protocol}: {err}{hint}") from None
+            # select_fraction only serves a sweep: without one it would be silently unused
+            swept = {"linear": ("base_lr", "base_lrs"), "knn": ("k", "ks")}.get(protocol)
+            if swept and "select_fraction" in self.kwargs[protocol] and len(getattr(built, swept[1])) == 1:
+                raise ValueError(f"evaluate.{protocol}.select_fraction: holds out training features to pick the {swept[0]} of a sweep; "
+                                 f"give {swept[0]} a list of several values, or leave select_fraction out")
         unused = [p for p in given if p not in self.protocols]
         if unused:
             print(f"ssl-vit fit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols "
