@@ -24,7 +24,7 @@ from ssl_vit.export import (
     load_any_backbone,
     save_backbone,
 )
-from ssl_vit.export.config import timm_architecture
+from ssl_vit.export.config import TIMM_VIT_ENTRY_POINTS, timm_architecture
 from ssl_vit.flops import PretrainFlopsCounter, pretrain_flops_from_checkpoint
 from ssl_vit.pretext import Supervised
 
@@ -60,6 +60,35 @@ def test_each_vit_size_is_named_after_the_timm_model_of_its_shape(size):
     assert name.startswith(f"vit_{size}_patch")
     assert _timm_shape(name) == (ours.embed_dim, ours.depth, ours.num_heads, ours.blocks[0].mlp.fc1.out_features)
     assert (args["embed_dim"], args["depth"], args["num_heads"]) == (ours.embed_dim, ours.depth, ours.num_heads)
+
+
+@pytest.mark.parametrize("size, patch, img", [(size, patch, img) for size, points in TIMM_VIT_ENTRY_POINTS.items() for patch, img in points])
+def test_each_named_patch_and_resolution_is_a_timm_entry_point_of_that_exact_model(size, patch, img):
+    # Reference: timm's registry. The name an export writes for a ViT-<size>/<patch> at <img> px
+    # is an entry point of timm that builds, with no overrides, a model whose every parameter has
+    # the shape of ours.
+    with torch.device("meta"):
+        ours = create_backbone(f"vit_{size}", patch_size=patch, img_size=img)
+    name, _ = timm_architecture(ours)
+    assert name == f"vit_{size}_patch{patch}_{img}" and timm.is_model(name)
+    with torch.device("meta"):
+        ref = timm.create_model(name, pretrained=False, num_classes=0)
+    assert {k: v.shape for k, v in ref.state_dict().items()} == {k: v.shape for k, v in ours.state_dict().items()}
+
+
+@pytest.mark.parametrize("size, patch, img, named", [("huge", 16, 224, "vit_huge_patch14_224"), ("tiny", 8, 224, "vit_tiny_patch16_224"),
+                                                      ("small", 16, 96, "vit_small_patch16_224")])
+def test_a_shape_timm_has_no_entry_point_for_takes_its_size_s_first_with_its_own_arguments(size, patch, img, named):
+    # timm registers no ViT-H/16, ViT-Ti/8 or 96-px ViT-S/16 (checked here): the name falls back to
+    # the size's entry point and model_args carry the patch and image size, from which timm builds
+    # our shape.
+    assert not timm.is_model(f"vit_{size}_patch{patch}_{img}")
+    with torch.device("meta"):
+        ours = create_backbone(f"vit_{size}", patch_size=patch, img_size=img)
+        name, args = timm_architecture(ours)
+        ref = timm.create_model(name, pretrained=False, num_classes=0, **args)
+    assert name == named
+    assert {k: v.shape for k, v in ref.state_dict().items()} == {k: v.shape for k, v in ours.state_dict().items()}
 
 
 def test_a_vit_tiny_export_names_vit_tiny_patch16_224_and_that_name_alone_fits_the_weights(tmp_path):

@@ -28,15 +28,37 @@ FORMAT_VERSION = 1
 # (timm IMAGENET_DEFAULT_MEAN/STD), 0.5 / 0.5 for any other channel count ([0, 1] -> [-1, 1]).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# (width, depth, heads) -> timm architecture; shape arguments are always written to model_args,
-# so any other shape rebuilds from the base entry point with overrides.
-TIMM_VIT_NAMES: dict[tuple[int, int, int], str] = {
-    (192, 12, 3): "vit_tiny_patch16_224",
-    (384, 12, 6): "vit_small_patch16_224",
-    (768, 12, 12): "vit_base_patch16_224",
-    (1024, 24, 16): "vit_large_patch16_224",
-    (1280, 32, 16): "vit_huge_patch14_224",
+# (width, depth, heads) -> the ViT size whose timm entry points build that shape.
+TIMM_VIT_SIZES: dict[tuple[int, int, int], str] = {
+    (192, 12, 3): "tiny",
+    (384, 12, 6): "small",
+    (768, 12, 12): "base",
+    (1024, 24, 16): "large",
+    (1280, 32, 16): "huge",
 }
+# timm's plain ViT entry points (class token, token pooling, no fc_norm) per size, as
+# ``vit_<size>_patch<P>_<image size>`` (timm 1.0's registry; a test checks each against it).
+# A shape among them is named exactly; any other rebuilds from its size's first entry (or
+# ViT-B/16) with overrides, since the shape arguments are always written to model_args.
+TIMM_VIT_ENTRY_POINTS: dict[str, tuple[tuple[int, int], ...]] = {
+    "tiny": ((16, 224), (16, 384)),
+    "small": ((16, 224), (8, 224), (16, 384), (32, 224), (32, 384)),
+    "base": ((16, 224), (8, 224), (16, 384), (32, 224), (32, 384)),
+    "large": ((16, 224), (14, 224), (16, 384), (32, 224), (32, 384)),
+    "huge": ((14, 224),),
+}
+
+
+def timm_vit_name(embed_dim: int, depth: int, num_heads: int, patch_size: int, img_size: tuple[int, int]) -> str:
+    """The timm entry point that names a plain ViT of this shape: the exact one when timm has it
+    (``vit_small_patch8_224``), else its size's first (``vit_huge_patch14_224`` for ViT-H/16)."""
+    size = TIMM_VIT_SIZES.get((embed_dim, depth, num_heads))
+    if size is None:
+        return "vit_base_patch16_224"
+    points = TIMM_VIT_ENTRY_POINTS[size]
+    exact = img_size[0] == img_size[1] and (patch_size, img_size[0]) in points
+    patch, img = (patch_size, img_size[0]) if exact else points[0]
+    return f"vit_{size}_patch{patch}_{img}"
 
 
 def resolve_normalization(recorded: dict[str, Any] | None, in_chans: int) -> dict[str, Any]:
@@ -95,8 +117,7 @@ def timm_architecture(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
             # Ours averages tokens after the final LayerNorm; timm's default for "avg" normalises
             # after pooling (fc_norm). fc_norm=False keeps timm's `norm` on the tokens, as ours.
             args["fc_norm"] = False
-        name = TIMM_VIT_NAMES.get((model.embed_dim, model.depth, model.num_heads), "vit_base_patch16_224")
-        return name, args
+        return timm_vit_name(model.embed_dim, model.depth, model.num_heads, model.patch_size, tuple(model.img_size)), args
     kwargs = getattr(model, "backbone_kwargs", {})
     if isinstance(model, ResNetBackbone) and not model.small_input and model.num_stages == 4 and kwargs.get("layers") is None:
         return model.arch, {"in_chans": model.in_chans}  # timm's ResNets share torchvision's names
