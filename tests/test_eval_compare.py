@@ -67,6 +67,33 @@ def test_the_probe_on_augmented_images_is_its_own_column_beside_the_fixed_one(re
     assert cmp.get(dino, "linear_aug", "Δ sup") == pytest.approx(0.85 - 0.90)
 
 
+def test_what_a_sweep_picked_is_a_column_beside_its_score_and_absent_without_sweeps(results_dir, tmp_path, capsys):
+    picks = {("dino", "linear"): {"base_lr": [0.1, 1.0], "selected_base_lr": 0.1}, ("dino", "knn"): {"k": [10, 20], "selected_k": 20},
+             ("random", "knn"): {"k": [10, 20], "selected_k": 10}}
+    for (method, protocol), args in picks.items():
+        path = results_dir / f"{method}_{protocol}.json"
+        record = EvalResult.from_json(path)
+        record.protocol_args = args
+        record.to_json(path)
+    cmp = build_comparison(load_results([results_dir]))
+    dino, sup = ("dino", "vit_tiny/4", "fashion_mnist"), ("supervised", "vit_tiny/4", "fashion_mnist")
+    assert cmp.get(dino, "linear", "LR") == 0.1 and cmp.get(dino, "knn", "k") == 20
+    assert cmp.get(sup, "knn", "k") is None  # that record ran one k
+    assert ("fewshot", "LR") not in cmp.columns and ("fewshot", "k") not in cmp.columns
+    # placed after the protocol's metrics, before its differences
+    knn = [c for p, c in cmp.columns if p == "knn"]
+    assert knn == ["top1", "top5", "k", "Δ sup", "Δ rand"]
+    assert main([str(results_dir), "--out", str(tmp_path / "r.md"), "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    head, dino_line = [re.split(r"\s{2,}", line) for line in text.splitlines() if line.startswith(("method ", "dino "))]
+    shown = dict(zip(head, dino_line))
+    assert (shown["linear LR"], shown["knn k"], shown["linear top1"]) == ("0.1", "20", "83.00")  # settings as set, scores in %
+    assert "LR / k: what the row's sweep picked" in (tmp_path / "r.md").read_text()
+    # records without a sweep: no such column
+    plain = build_comparison([r for r in load_results([results_dir]) if not r.protocol_args])
+    assert not any(c in ("LR", "k") for _, c in plain.columns)
+
+
 def test_another_representation_is_another_row_and_another_file(tmp_path):
     from ssl_vit.eval.run import result_path
 

@@ -5,9 +5,10 @@ per method and protocol, and accuracy against pre-training compute (ViT paper Fi
 
 Rows are (method, backbone[, dataset]), the backbone with the representation evaluated when it
 is not [CLS] (``vit/16 [last4]``) and, when one method and backbone were pretrained more than
-once, what tells the pretrainings apart (``vit/16 (100 ep)``); columns are the metrics of each protocol, followed by
-"Δ sup" and "Δ rand": the protocol's main metric minus that of the ``supervised`` / ``random``
-row with the same backbone and dataset, in percentage points.
+once, what tells the pretrainings apart (``vit/16 (100 ep)``); columns are the metrics of each protocol, then
+what a sweep picked for the row when any record of the protocol swept (``linear LR``: the probe's
+base LR, ``knn k``), followed by "Δ sup" and "Δ rand": the protocol's main metric minus that of
+the ``supervised`` / ``random`` row with the same backbone and dataset, in percentage points.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ssl_vit.arguments import ArgumentParser
 from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, read_json
 
 BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
+# protocol -> (the record's protocol_args key of what its sweep picked, the column's name)
+PICKED: dict[str, tuple[str, str]] = {"linear": ("selected_base_lr", "LR"), "knn": ("selected_k", "k")}
 RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
 
 
@@ -200,6 +203,12 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
             for m in names:
                 if m in r.metrics:
                     cells[(row, (protocol, m))] = r.metrics[m]
+        key, picked = PICKED.get(protocol, ("", ""))
+        if any(key in r.protocol_args for r in here.values()):  # a sweep: the score's setting beside it
+            columns.append((protocol, picked))
+            for row, r in here.items():
+                if key in r.protocol_args:
+                    cells[(row, (protocol, picked))] = float(r.protocol_args[key])
         for base, col in BASELINES.items():
             # A row is compared with the baseline's row on the same backbone and representation
             # (whichever encoder of its own checkpoint it is); of several such baselines (several
@@ -221,6 +230,8 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
 def _cell(value: float | None, column: str) -> str:
     if value is None:
         return "–"
+    if column in {name for _, name in PICKED.values()}:  # a setting, not an accuracy
+        return f"{value:g}"
     return f"{100 * value:+.2f}" if column.startswith("Δ") else f"{100 * value:.2f}"
 
 
@@ -260,7 +271,8 @@ def format_markdown(cmp: Comparison, figures: Sequence[Path] = ()) -> str:
         "",
         "Accuracies in %. Δ sup / Δ rand: the protocol's main metric "
         f"({main}) minus that of the supervised / random-init row with the same backbone, "
-        "in percentage points.",
+        "in percentage points." + (" LR / k: what the row's sweep picked on held-out training features." if
+                                   any(c[1] in {name for _, name in PICKED.values()} for c in cmp.columns) else ""),
         "",
     ]
     for fig in figures:
