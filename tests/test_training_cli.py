@@ -8,9 +8,11 @@ import logging
 import re
 import subprocess
 import sys
+import weakref
 from contextlib import nullcontext
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -632,3 +634,23 @@ def test_equal_compute_backbones_train_from_the_supervised_recipe_at_the_flops_t
     record = json.loads(next((tmp_path / "run" / "results").glob("*.json")).read_text())
     assert record["backbone"]["name"] == cfg["backbone"] and record["backbone"]["kwargs"] == {**cfg["backbone_kwargs"]}
     assert record["pretrain"]["flops"] > 0
+
+
+class RememberTrainer(L.Callback):
+    """Keeps a weak reference to each trainer it is set up with (a recipe callback of the test below)."""
+
+    seen: list[weakref.ref] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        RememberTrainer.seen.append(weakref.ref(trainer))
+
+
+def test_a_finished_fit_leaves_no_trainer_behind(tmp_path):
+    # LightningCLI keeps itself (with the trainer and model) in a context variable; `ssl-vit fit`
+    # runs in a copied context so that a process fitting several times holds none of the earlier
+    # runs once each returns.
+    RememberTrainer.seen.clear()
+    cfg = tiny_config(tmp_path, callbacks=[{"class_path": "test_training_cli.RememberTrainer"}])
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    assert len(RememberTrainer.seen) == 1
+    assert RememberTrainer.seen[0]() is None

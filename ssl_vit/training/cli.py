@@ -22,6 +22,8 @@ writes ``last.ckpt`` after the current step and exits with status 128 + the sign
 
 from __future__ import annotations
 
+import contextvars
+import gc
 import importlib
 import re
 import signal
@@ -305,6 +307,18 @@ def _dict_valued_settings(cfg: Any) -> list[tuple[str, dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``ssl-vit fit``. It runs in a copy of the caller's context: LightningCLI leaves itself
+    (and through it the trainer, the model and its data) in a context variable, where no
+    collection reaches it until the interpreter exits. Run this way, the run's objects go when it
+    returns: a caller that fits several times in one process (a notebook, a sweep script, the
+    tests) does not keep every earlier run in memory."""
+    try:
+        return contextvars.copy_context().run(_fit, argv)
+    finally:
+        gc.collect()  # (the run's objects form reference cycles: Lightning's trainer <-> its parts)
+
+
+def _fit(argv: list[str] | None) -> int:
     argv = _normalise_argv(list(sys.argv[1:] if argv is None else argv))
     _check_yaml_files(argv)
     # We pass argv explicitly (the dispatcher strips "fit"); Lightning warns when it differs from sys.argv.
