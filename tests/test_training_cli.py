@@ -3,6 +3,7 @@ checkpoints land where --resume finds them."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -653,4 +654,5 @@ def test_a_finished_fit_leaves_no_trainer_behind(tmp_path):
     cfg = tiny_config(tmp_path, callbacks=[{"class_path": "test_training_cli.RememberTrainer"}])
     assert cli_main(["fit", "--config", str(cfg)]) == 0
     assert len(RememberTrainer.seen) == 1
+    gc.collect()  # (a trainer and its parts are reference cycles)
     assert RememberTrainer.seen[0]() is None

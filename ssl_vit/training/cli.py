@@ -23,7 +23,6 @@ writes ``last.ckpt`` after the current step and exits with status 128 + the sign
 from __future__ import annotations
 
 import contextvars
-import gc
 import importlib
 import re
 import signal
@@ -312,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     collection reaches it until the interpreter exits. Run this way, the run's objects go when it
     returns: a caller that fits several times in one process (a notebook, a sweep script, the
     tests) does not keep every earlier run in memory."""
-    try:
-        return contextvars.copy_context().run(_fit, argv)
-    finally:
-        gc.collect()  # (the run's objects form reference cycles: Lightning's trainer <-> its parts)
+    return contextvars.copy_context().run(_fit, argv)  # (its cycles then go at the next collection)
 
 
 def _fit(argv: list[str] | None) -> int:
