@@ -29,6 +29,9 @@ DEMO_BACKBONE: dict[str, Any] = {"img_size": 28, "patch_size": 7, "in_chans": 1,
 DEMO_BACKBONE_NAME = "vit"
 # Fashion-MNIST's splits.
 TRAIN_IMAGES, TEST_IMAGES = 60000, 10000
+# The evaluation's sweeps (see Budget): the linear probe's base LRs and the kNN's k.
+PROBE_LRS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+KNN_KS = (10, 20, 100, 200)
 
 
 @dataclass
@@ -111,10 +114,6 @@ class Budget:
                        "select_fraction": self.select_fraction, "seed": seed},
             "knn": {"k": list(self.knn_ks), "temperature": 0.07, "select_fraction": self.select_fraction, "seed": seed},
         }
-
-
-PROBE_LRS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
-KNN_KS = (10, 20, 100, 200)
 
 
 def smallest_knn_bank(budget: Budget) -> int:
