@@ -211,11 +211,11 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--select-fraction: holds out features to pick {what}, or leave it out")
     if ks is not None and len(set(ks)) != len(ks):
         raise ValueError(f"--k: the k of a sweep must be distinct, got {' '.join(map(str, ks))}")
-    if _runs(args, "linear") and args.lr is not None and len(args.lr) > 1:
+    if lrs is not None and len(lrs) > 1:
         if args.protocol == "linear" and args.augment:
             raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")
-        if len(set(args.lr)) != len(args.lr):
-            raise ValueError(f"--lr: the LRs of a sweep must be distinct, got {' '.join(f'{lr:g}' for lr in args.lr)}")
+        if len(set(lrs)) != len(lrs):
+            raise ValueError(f"--lr: the LRs of a sweep must be distinct, got {' '.join(f'{lr:g}' for lr in lrs)}")
     if args.protocol in ("linear", "frozen") and args.lr is None:
         from ssl_vit.eval.linear import PROBE_BASE_LR
 

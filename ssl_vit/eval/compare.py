@@ -27,6 +27,7 @@ from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, read_json
 BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
 # protocol -> (the record's protocol_args key of what its sweep picked, the column's name)
 PICKED: dict[str, tuple[str, str]] = {"linear": ("selected_base_lr", "LR"), "knn": ("selected_k", "k")}
+PICKED_COLUMNS = frozenset(name for _, name in PICKED.values())  # settings, not accuracies
 RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
 
 
@@ -230,7 +231,7 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
 def _cell(value: float | None, column: str) -> str:
     if value is None:
         return "–"
-    if column in {name for _, name in PICKED.values()}:  # a setting, not an accuracy
+    if column in PICKED_COLUMNS:
         return f"{value:g}"
     return f"{100 * value:+.2f}" if column.startswith("Δ") else f"{100 * value:.2f}"
 
@@ -272,7 +273,7 @@ def format_markdown(cmp: Comparison, figures: Sequence[Path] = ()) -> str:
         "Accuracies in %. Δ sup / Δ rand: the protocol's main metric "
         f"({main}) minus that of the supervised / random-init row with the same backbone, "
         "in percentage points." + (" LR / k: what the row's sweep picked on held-out training features." if
-                                   any(c[1] in {name for _, name in PICKED.values()} for c in cmp.columns) else ""),
+                                   any(c[1] in PICKED_COLUMNS for c in cmp.columns) else ""),
         "",
     ]
     for fig in figures:
