@@ -547,7 +547,7 @@ def test_an_image_folders_record_name_has_no_colon(tmp_path):
     assert ":" not in result_path(tmp_path, result).name and "imagefolder-flowers-train" in result_path(tmp_path, result).name
 
 
-# -- training/cli.py --------------------------------------------------------------------------------
+# -- training/cli.py, training/recipe_checks.py ---------------------------------------------------
 
 
 def _trainer(**kwargs):
@@ -564,7 +564,7 @@ def _vit_model(**kwargs):
 
 
 def test_an_image_size_the_patch_does_not_divide_in_either_side_is_refused():
-    from ssl_vit.training.cli import ConfigError, validate_run
+    from ssl_vit.training.recipe_checks import ConfigError, validate_run
 
     for img in ((16, 18), (18, 16)):
         with pytest.raises(ConfigError, match=rf"^data.img_size \({img[0]}, {img[1]}\) is not divisible by the backbone's patch size 4$"):
@@ -576,7 +576,7 @@ def test_multi_crop_sizes_are_checked_as_it_resolves_them():
     # (here given: 10, which 4-px patches do not divide). Global crops larger than the backbone's
     # images are refused, whatever the data's own size.
     from ssl_vit.data import MultiCrop
-    from ssl_vit.training.cli import ConfigError, validate_run
+    from ssl_vit.training.recipe_checks import ConfigError, validate_run
 
     with pytest.raises(ConfigError, match=r"^data.views MultiCrop.local_size 10 is not divisible by the backbone's patch size 4$"):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(local_size=10)), _trainer(), None)
@@ -585,7 +585,7 @@ def test_multi_crop_sizes_are_checked_as_it_resolves_them():
 
 
 def test_zero_epochs_is_refused_by_name():
-    from ssl_vit.training.cli import ConfigError, validate_run
+    from ssl_vit.training.recipe_checks import ConfigError, validate_run
 
     with pytest.raises(ConfigError, match=r"^trainer.max_epochs 0 trains nothing"):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=0), None)
@@ -593,20 +593,20 @@ def test_zero_epochs_is_refused_by_name():
 
 @pytest.mark.parametrize("flag", ["--config={path}", "-c {path}"])
 def test_a_broken_recipe_named_in_any_spelling_is_one_line(tmp_path, flag):
-    from ssl_vit.training.cli import ConfigError, _check_yaml_files
+    from ssl_vit.training.recipe_checks import ConfigError, check_yaml_files
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: {a: 1\n")
     with pytest.raises(ConfigError, match=rf"^{broken}: not valid YAML \(line 2, column 1\)"):
-        _check_yaml_files(flag.format(path=broken).split())
+        check_yaml_files(flag.format(path=broken).split())
 
 
 def test_resume_and_a_ckpt_path_in_its_equals_form_are_refused_together():
-    from ssl_vit.training.cli import ConfigError, _normalise_argv
+    from ssl_vit.training.recipe_checks import ConfigError, normalise_argv
 
     with pytest.raises(ConfigError, match="--resume and --ckpt_path both say where to continue from"):
-        _normalise_argv(["--resume", "--ckpt_path=x.ckpt"])
-    assert _normalise_argv(["--resume", "-c", "a.yaml"]) == ["--ckpt_path", "last", "-c", "a.yaml"]
+        normalise_argv(["--resume", "--ckpt_path=x.ckpt"])
+    assert normalise_argv(["--resume", "-c", "a.yaml"]) == ["--ckpt_path", "last", "-c", "a.yaml"]
 
 
 class DINO:
@@ -617,7 +617,7 @@ class DINO:
 
 
 def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_change(tmp_path):
-    from ssl_vit.training.cli import ConfigError, check_continuable
+    from ssl_vit.training.recipe_checks import ConfigError, check_continuable
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit_small", "backbone_kwargs": TINY}}, path)

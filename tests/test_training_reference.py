@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 import ssl_vit.pretext.probe as probe_module
 from ssl_vit.pretext import Supervised
 from ssl_vit.pretext.probe import OnlineLinearProbe
-from ssl_vit.training.cli import ConfigError, validate_run
 from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.recipe_checks import ConfigError, validate_run
 from ssl_vit.training.step_checkpoint import newest_checkpoint
 
 # ---------------------------------------------------------------- global batch over devices x nodes

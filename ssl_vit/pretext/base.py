@@ -22,25 +22,27 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightly.utils.lars import LARS
-from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.backbones.registry import as_plain
 from ssl_vit.pretext.ema import EMAPairs
+from ssl_vit.pretext.optim import (
+    OptimizerName,
+    WeightDecayExempt,
+    build_optimizer,
+    lr_and_weight_decay,
+    param_groups,
+)
 from ssl_vit.pretext.probe import OnlineLinearProbe
 from ssl_vit.runtime import global_seed, seed_training_step
-from ssl_vit.training.fused import fused_kwargs
 from ssl_vit.training.grad_clip import ClipMode, clip_gradients
 from ssl_vit.training.optimizer_state import materialize_adam_state
 from ssl_vit.training.sharding import gradient_shard_group, unwrapped_name
 from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
 Batch = tuple[list[Tensor], Tensor]
-# Which parameters get no weight decay (see PretextModule's ``weight_decay_exempt``).
-WeightDecayExempt = Literal["bias_norm_tokens", "bias_norm", "none"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -110,7 +112,7 @@ class PretextModule(L.LightningModule):
         self,
         backbone: str = "vit_small",
         backbone_kwargs: dict[str, Any] | None = None,
-        optimizer: Literal["adamw", "sgd", "lars"] = "adamw",
+        optimizer: OptimizerName = "adamw",
         base_lr: float = 1.5e-4,
         min_lr: float = 0.0,
         warmup_epochs: float = 10.0,
@@ -226,32 +228,13 @@ class PretextModule(L.LightningModule):
         return {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
 
     def _param_groups(self) -> list[dict[str, Any]]:
-        rule = self.hparams.weight_decay_exempt
         tokens = {"mask_token"}
         for prefix, module in self.named_children():
             if hasattr(module, "no_weight_decay"):
                 tokens |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
-        probe_ids = self._probe_param_ids()
-        decay, no_decay, probe = [], [], []
-        for wrapped, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            name = unwrapped_name(wrapped)
-            # Under FSDP every parameter is a 1-D shard by now: judge the shape it had before.
-            ndim = len(self.shape_before_wrapping(p))
-            if id(p) in probe_ids:
-                probe.append(p)
-            elif rule != "none" and (ndim <= 1 or (rule == "bias_norm_tokens" and (name in tokens or name.endswith(".mask_token")))):
-                no_decay.append(p)
-            else:
-                decay.append(p)
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay, "scheduled_wd": True},
-            {"params": no_decay, "weight_decay": 0.0, "scheduled_wd": False},
-        ]
-        if probe:
-            groups.append({"params": probe, "weight_decay": 0.0, "scheduled_wd": False, "fixed_lr": self.hparams.probe_lr})
-        return [g for g in groups if g["params"]]
+        hp = self.hparams
+        return param_groups(self.named_parameters(), hp.weight_decay_exempt, tokens, hp.weight_decay,
+                            self._probe_param_ids(), hp.probe_lr, self.shape_before_wrapping)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
@@ -259,20 +242,7 @@ class PretextModule(L.LightningModule):
             # lightly's LARS scales each tensor by |w| / |g|: under FSDP it would see each
             # process's flat shard, not the tensor (and take every parameter for a 1-D one).
             raise ValueError("optimizer 'lars' does not run under FSDP (its trust ratio needs whole tensors); use DDP, or adamw / sgd")
-        groups = self._param_groups()
-        for g in groups:
-            g["lr"] = g.get("fixed_lr", hp.base_lr)
-        fused = fused_kwargs(groups, hp.fused_optimizer)  # LARS (lightly's) has no fused kernel
-        if hp.optimizer == "adamw":
-            opt = torch.optim.AdamW(groups, lr=hp.base_lr, betas=tuple(hp.betas), **fused)
-            # The moments now rather than at the first step (Adam's own zeros, the same numbers):
-            # long-lived memory is allocated before the first step's activations, not in the
-            # holes they leave, which on a CPU keeps the C heap a few per cent smaller (benchmarks/RESULTS.md).
-            materialize_adam_state(opt)
-            return opt
-        if hp.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=hp.base_lr, momentum=hp.sgd_momentum, **fused)
-        return LARS(groups, lr=hp.base_lr, momentum=hp.sgd_momentum)
+        return build_optimizer(self._param_groups(), hp.optimizer, hp.base_lr, hp.betas, hp.sgd_momentum, hp.fused_optimizer)
 
     def on_train_start(self) -> None:
         trainer = self.trainer
@@ -307,22 +277,10 @@ class PretextModule(L.LightningModule):
         self._lr_announced = True
 
     def schedule_values(self, step: int) -> dict[str, float]:
-        """LR and weight decay at an optimiser step: linear warm-up, then cosine (DINO
-        ``utils.cosine_scheduler``; MoCo v3 ``adjust_learning_rate``)."""
+        """LR and weight decay at an optimiser step (``optim.lr_and_weight_decay``)."""
         hp = self.hparams
-        total = self._total_steps
-        warmup_steps = hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self._steps_per_epoch)
-        warmup = min(int(warmup_steps), total)
-        step = min(step, total)
-        # lightly's schedules reach their end value at max_steps - 1; the references' cosine is
-        # cos(pi * i / N) over the N = total - warmup steps after the warm-up (DINO
-        # cosine_scheduler: np.arange(N) / N), so the last step is just above the end value:
-        # max_steps = total + 1 gives exactly that.
-        lr = (cosine_warmup_schedule(step, total + 1, self.peak_lr, hp.min_lr, warmup, 0.0) if warmup
-              else cosine_schedule(step, total + 1, self.peak_lr, hp.min_lr))
-        wd_end = hp.weight_decay if hp.weight_decay_end is None else hp.weight_decay_end
-        wd = cosine_schedule(step, total + 1, hp.weight_decay, wd_end)
-        return {"lr": lr, "weight_decay": wd}
+        warmup = hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self._steps_per_epoch)
+        return lr_and_weight_decay(step, self._total_steps, warmup, self.peak_lr, hp.min_lr, hp.weight_decay, hp.weight_decay_end)
 
     def _seed_step(self, batch_idx: int) -> None:
         """Seed torch's generators for this batch (drop path, masking) from (run seed, epoch,

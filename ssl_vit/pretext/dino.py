@@ -26,8 +26,9 @@ from ssl_vit.losses import (
     teacher_student_kl,
     teacher_temperature,
 )
-from ssl_vit.pretext.base import PretextModule, WeightDecayExempt
+from ssl_vit.pretext.base import PretextModule
 from ssl_vit.pretext.ema import EMAPairs, make_target
+from ssl_vit.pretext.optim import WeightDecayExempt
 from ssl_vit.training.grad_clip import ClipMode
 
 

@@ -23,8 +23,9 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MoCoV3PredictionHead, MoCoV3ProjectionHead
 from ssl_vit.losses import MoCoV3Loss, embedding_std
-from ssl_vit.pretext.base import PretextModule, WeightDecayExempt
+from ssl_vit.pretext.base import PretextModule
 from ssl_vit.pretext.ema import EMAPairs, make_target
+from ssl_vit.pretext.optim import WeightDecayExempt
 
 
 def xavier_init_linears(vit: nn.Module) -> None:

@@ -23,8 +23,6 @@ writes ``last.ckpt`` after the current step and exits with status 128 + the sign
 from __future__ import annotations
 
 import contextvars
-import importlib
-import re
 import signal
 import sys
 import warnings
@@ -41,31 +39,33 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
-from ssl_vit.arguments import closest, did_you_mean, init_parameters
-from ssl_vit.backbones import is_vit
-from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.eval.train_run import EvalRunInterrupted
 from ssl_vit.flops import PretrainFlopsCounter
 from ssl_vit.io import stale_temporaries
-from ssl_vit.pretext.base import NO_LENGTH, PretextModule
+from ssl_vit.pretext.base import PretextModule
 from ssl_vit.runtime import release_process_group
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.evaluate import RecipeEvaluation
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.progress import ProgressLog
+from ssl_vit.training.recipe_checks import (
+    ConfigError,
+    check_continuable,
+    check_yaml_files,
+    key_hint,
+    known_classes,
+    normalise_argv,
+    one_line,
+    validate_run,
+)
 from ssl_vit.training.step_checkpoint import (
     StepCheckpoint,
     default_checkpoint_dir,
     hpc_checkpoints,
-    load_record,
     newest_checkpoint,
 )
 
 BATCH_LIMITS = tuple(f"trainer.limit_{stage}_batches" for stage in ("train", "val", "test", "predict"))
-
-
-class ConfigError(ValueError):
-    """A recipe that cannot run; raised before training starts."""
 
 
 class SSLViTCLI(LightningCLI):
@@ -92,10 +92,10 @@ class SSLViTCLI(LightningCLI):
                 keys = list(parser.get_defaults().keys())
             except Exception:  # the parser's defaults themselves do not resolve: no suggestion
                 keys = []
-            hint = _key_hint(str(err), keys)
+            hint = key_hint(str(err), keys)
             if not hint:
                 raise
-            raise ConfigError(_one_line(str(err)) + hint) from None
+            raise ConfigError(one_line(str(err)) + hint) from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         # Checkpoints are always written atomically, whatever plugins a recipe lists (SLURM ...).
@@ -113,198 +113,6 @@ class SSLViTCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
-def _normalise_argv(argv: list[str]) -> list[str]:
-    if "--resume" in argv and any(a == "--ckpt_path" or a.startswith("--ckpt_path=") for a in argv):
-        raise ConfigError("--resume and --ckpt_path both say where to continue from: give one (--resume is --ckpt_path last)")
-    out = []
-    for arg in argv:
-        if arg == "--resume":
-            out += ["--ckpt_path", "last"]
-        else:
-            out.append(arg)
-    return out
-
-
-def _known_classes(message: str) -> str:
-    """What a recipe may name where the parser could not import a class (``model: Dino``)."""
-    found = re.search(r"Expected a path but (\S+) either not accessible or invalid", message)
-    if found is None:  # the class was found (its options may not be)
-        return ""
-    if 'key "model"' in message:
-        from ssl_vit.pretext import METHODS
-
-        names = [cls.__name__ for cls in METHODS.values()]
-        return f"{did_you_mean(found.group(1), names)} (methods: {', '.join(names)}, or the dotted path of a PretextModule of your own)"
-    if 'key "data"' in message:
-        import ssl_vit.data
-
-        names = sorted(n for n in ssl_vit.data.__all__ if n.endswith("DataModule") and n != "ImageDataModule")
-        return f"{did_you_mean(found.group(1), names)} (datamodules: {', '.join(names)}, or the dotted path of a LightningDataModule of your own)"
-    return ""
-
-
-def _key_hint(message: str, keys: list[str]) -> str:
-    """The likely spelling of a recipe key or option the parser refused: an ``init_args`` entry
-    of the class a recipe names, or a key among the parser's own (``keys``: ``trainer.max_epochs``
-    ...). ``""`` when nothing is close."""
-    found = re.search(r"class_path '([\w.]+)'\W+Option '(\w+)' is not accepted", message)
-    if found:
-        module, _, name = found.group(1).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):
-            return ""
-        return did_you_mean(found.group(2), init_parameters(cls))
-    flag = re.search(r"unrecognized arguments: --([\w.]+)", message)
-    group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
-    option = re.search(r"Option '([\w.]+)' is not accepted", message)
-    if flag:
-        key = flag.group(1)
-    elif group:
-        key = f"{group.group(1)}.{group.group(2)}"
-    elif option:
-        key = option.group(1)
-    else:
-        return ""
-    # The first part of the dotted key that names nothing, against its siblings:
-    # `evaluat.knn.k` -> 'evaluate.knn', `trainer.max_epoch` -> 'trainer.max_epochs'.
-    parts = key.split(".")
-    for depth in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:depth])
-        if any(k == prefix or k.startswith(prefix + ".") for k in keys):
-            continue
-        parent = ".".join(parts[: depth - 1])
-        siblings = {".".join(k.split(".")[:depth]) for k in keys if depth == 1 or k.startswith(parent + ".")}
-        close = closest(prefix, siblings)
-        if close is None:
-            return ""
-        for end in range(len(parts), depth, -1):  # as much of the rest of the key as exists there
-            longer = ".".join([close, *parts[depth:end]])
-            if any(k == longer or k.startswith(longer + ".") for k in keys):
-                close = longer
-                break
-        shown = f"--{close}" if flag else close
-        return f" (did you mean {shown!r}?)"
-    return ""
-
-
-def _resolved_devices(trainer: L.Trainer) -> int:
-    return int(trainer.num_devices) * int(trainer.num_nodes)
-
-
-def validate_run(model: PretextModule, datamodule: L.LightningDataModule, trainer: L.Trainer, global_batch_size: int | None) -> None:
-    """Checks that need the instantiated objects; each failure is one clear line."""
-    if trainer.max_steps == -1 and trainer.max_epochs == -1:
-        raise ConfigError(NO_LENGTH)
-    if trainer.max_steps == 0 or trainer.max_epochs == 0:
-        which = "max_steps" if trainer.max_steps == 0 else "max_epochs"
-        raise ConfigError(f"trainer.{which} 0 trains nothing: give a positive length (or -1 for no limit, with the other set)")
-    devices = _resolved_devices(trainer)
-    accum = int(trainer.accumulate_grad_batches)
-    if accum < 1:
-        raise ConfigError(f"trainer.accumulate_grad_batches must be >= 1, got {accum}")
-    if global_batch_size is not None:
-        split = devices * accum
-        if global_batch_size <= 0:
-            raise ConfigError(f"global_batch_size must be a positive number of images, got {global_batch_size}")
-        if global_batch_size % split:
-            raise ConfigError(
-                f"global_batch_size {global_batch_size} is not divisible by devices x nodes x accumulate_grad_batches = {split}"
-            )
-        datamodule.batch_size = global_batch_size // split
-    backbone = model.backbone
-    stride = getattr(backbone, "patch_size", None)
-    img = getattr(datamodule, "img_size", None)
-    if stride and img is not None:
-        sizes = (img, img) if isinstance(img, int) else tuple(img)
-        if sizes[0] % stride or sizes[1] % stride:
-            raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {stride}")
-    views = getattr(datamodule, "views", None)
-    crops = _view_sizes(views, img) if views is not None else {}
-    if stride:
-        for name, size in crops.items():
-            if size % stride:
-                raise ConfigError(f"data.views {type(views).__name__}.{name} {size} is not divisible by the backbone's patch size {stride}")
-    built = getattr(backbone, "img_size", None)
-    if built is not None and img is not None and is_vit(backbone):  # (a ResNet takes any size)
-        # The backbone's size is the largest crop it sees (DINO's global crops; one view's size):
-        # larger crops than it was built for are a mistake; smaller ones resample its position
-        # embedding at every step, which a recipe may mean (training below the evaluation size).
-        fed = max(crops.get("size", 0), crops.get("global_size", 0)) or img
-        fed = (fed, fed) if isinstance(fed, int) else tuple(fed)
-        if tuple(built) != fed:
-            what = (f"the backbone was built for {built[0]}x{built[1]} images (model backbone_kwargs.img_size) but the data gives "
-                    f"{fed[0]}x{fed[1]} crops (data img_size / views)")
-            if fed[0] > built[0] or fed[1] > built[1]:
-                raise ConfigError(f"{what}; set them to match")
-            if rank_zero_only.rank == 0:
-                print(f"ssl-vit fit: note: {what}: its position embedding is resampled for them at every step", file=sys.stderr)
-    chans = getattr(datamodule, "in_chans", None)
-    if chans is not None and chans != backbone.in_chans:
-        raise ConfigError(
-            f"the data gives {chans}-channel images but the backbone was built with in_chans={backbone.in_chans}; "
-            "set data in_chans or model backbone_kwargs.in_chans to match"
-        )
-
-
-def _view_sizes(views: Any, img: Any) -> dict[str, int]:
-    """The crop sizes a view transform makes (a multi-crop's local size as it resolves it, its
-    global size from the data's when not set)."""
-    if getattr(views, "global_size", 0) is None and isinstance(img, int) and hasattr(views, "with_img_size"):
-        views = views.with_img_size(img)
-    sizes = {n: v for n in ("size", "global_size") if isinstance(v := getattr(views, n, None), int)}
-    if "global_size" in sizes and hasattr(views, "resolved_local_size"):
-        sizes["local_size"] = int(views.resolved_local_size)
-    return sizes
-
-
-def _check_yaml_files(argv: list[str]) -> None:
-    """A recipe file that is not valid YAML: one line naming the file, line and column (the
-    parser's own message names only "<unicode string>")."""
-    import yaml
-
-    paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    dict_settings: dict[str, list[tuple[Path, dict]]] = {}
-    for path in map(Path, paths):
-        if not path.is_file():
-            continue  # the parser says so
-        try:
-            cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err)
-            raise ConfigError(f"{path}: not valid YAML{where}: {_one_line(str(problem))}") from None
-        if not isinstance(cfg, dict):
-            what = "is empty" if cfg is None else f"holds a {type(cfg).__name__}"
-            raise ConfigError(f"{path}: {what}; a recipe is a mapping of settings (model:, data:, trainer: ...)")
-        for key, value in _dict_valued_settings(cfg):
-            dict_settings.setdefault(key, []).append((path, value))
-    # Settings whose value is a dict are replaced whole by a later file, not merged: say what a
-    # later file drops (MoCo v3's pos_embed: sincos under a drop-path overlay, say).
-    for key, found in dict_settings.items():
-        for (first, old), (later, new) in zip(found, found[1:]):
-            dropped = sorted(set(old) - set(new))
-            if dropped:
-                print(f"ssl-vit fit: note: {later} sets {key} again and replaces the whole value from {first}: "
-                      f"{', '.join(dropped)} no longer set (change one entry with --{key}.{dropped[0]} VALUE)", file=sys.stderr)
-
-
-def _dict_valued_settings(cfg: Any) -> list[tuple[str, dict]]:
-    """The recipe settings whose values are plain dicts (a backbone's kwargs, a protocol's
-    settings under ``evaluate``), as (dotted key, value)."""
-    found: list[tuple[str, dict]] = []
-    model = cfg.get("model") if isinstance(cfg, dict) else None
-    init = model.get("init_args") if isinstance(model, dict) else None
-    if isinstance(init, dict):
-        found += [(f"model.init_args.{k}", v) for k, v in init.items() if isinstance(v, dict) and "class_path" not in v]
-    evaluate = cfg.get("evaluate") if isinstance(cfg, dict) else None
-    if isinstance(evaluate, dict):
-        found += [(f"evaluate.{k}", v) for k, v in evaluate.items() if isinstance(v, dict)]
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
     """``ssl-vit fit``. It runs in a copy of the caller's context: LightningCLI leaves itself
     (and through it the trainer, the model and its data) in a context variable, where no
@@ -315,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fit(argv: list[str] | None) -> int:
-    argv = _normalise_argv(list(sys.argv[1:] if argv is None else argv))
-    _check_yaml_files(argv)
+    argv = normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    check_yaml_files(argv)
     # We pass argv explicitly (the dispatcher strips "fit"); Lightning warns when it differs from sys.argv.
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
     try:
@@ -336,7 +144,7 @@ def _fit(argv: list[str] | None) -> int:
         )
     except (ArgumentError, ValueError, TypeError, MisconfigurationException) as err:
         # (MisconfigurationException: Lightning's, e.g. an accelerator this machine lacks)
-        message = _one_line(str(err)) + _known_classes(str(err))
+        message = one_line(str(err)) + known_classes(str(err))
         if isinstance(err, MisconfigurationException) and "gpu" in message.lower():
             message += " (the recipe's trainer asks for GPUs; on a machine without one add --config recipes/trainer/cpu.yaml)"
         raise ConfigError(message) from None
@@ -350,7 +158,7 @@ def _fit(argv: list[str] | None) -> int:
             evaluation.check_model(cli.model)
             evaluation.check_data(cli.datamodule)
         except ValueError as err:
-            raise ConfigError(_one_line(str(err))) from None
+            raise ConfigError(one_line(str(err))) from None
     # The checkpoint directory is fixed before anything is restored: the restored bookkeeping must
     # match it (else last.ckpt would get a last-v1.ckpt sibling and keep_last would not prune).
     ckpt_dir = _checkpoint_dir(cli.trainer)
@@ -377,7 +185,7 @@ def _fit(argv: list[str] | None) -> int:
         try:
             evaluation.check_run_dirs(cli.trainer, resuming)
         except ValueError as err:
-            raise ConfigError(_one_line(str(err))) from None
+            raise ConfigError(one_line(str(err))) from None
     if rank_zero_only.rank == 0 and ckpt_dir.is_dir():
         # A job killed while writing a checkpoint leaves its temporary file (the old checkpoint
         # is whole); one of full checkpoint size each time, so they go.
@@ -430,39 +238,12 @@ def _fit(argv: list[str] | None) -> int:
             if not first:
                 raise
             # The training is done and kept: say how to evaluate it without training again.
-            raise ValueError(f"evaluate: {_one_line(str(err))} (the trained backbone is kept in {last}: fix the evaluate section "
+            raise ValueError(f"evaluate: {one_line(str(err))} (the trained backbone is kept in {last}: fix the evaluate section "
                               f"and run the same command with --resume, which evaluates without training further, "
                               f"or use `ssl-vit eval ... --backbone {last}`)") from None
         for result in results:
             print(result.summary_line())
     return 0
-
-
-# Backbone arguments that do not change the parameters' shapes: a run may continue with others.
-_SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backward"}
-
-
-def check_continuable(model: PretextModule, ckpt_path: str) -> None:
-    """A checkpoint continues only a run of the same method and backbone: say so in one line,
-    before Lightning's wall of missing and unexpected state-dict keys."""
-    if not Path(ckpt_path).is_file():
-        raise ConfigError(f"--ckpt_path {ckpt_path}: no such file")
-    try:
-        checkpoint = load_record(ckpt_path)  # memory-mapped: only the small record is read
-    except Exception as err:  # not a checkpoint at all
-        raise ConfigError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({type(err).__name__}: {_one_line(str(err))})") from None
-    meta = (checkpoint.get("ssl_vit") if isinstance(checkpoint, dict) else None) or {}
-    method, backbone = meta.get("method"), meta.get("backbone")
-    if method is not None and method != type(model).__name__:
-        raise ConfigError(
-            f"--ckpt_path {ckpt_path} is a {method} checkpoint; this recipe trains {type(model).__name__}. "
-            "--ckpt_path and --resume continue a run of the checkpoint's own method"
-        )
-    if backbone is not None and backbone != model.backbone_name:
-        raise ConfigError(f"--ckpt_path {ckpt_path} holds a {backbone} backbone; this recipe builds {model.backbone_name}")
-    differ = kwargs_differences(meta.get("backbone_kwargs") or {}, model.backbone_kwargs, ignore=_SHAPE_NEUTRAL)
-    if "backbone_kwargs" in meta and differ:
-        raise ConfigError(f"--ckpt_path {ckpt_path} was trained with other backbone arguments ({', '.join(differ)})")
 
 
 def _slurm_requeued(trainer: L.Trainer) -> bool:
@@ -478,19 +259,3 @@ def _checkpoint_dir(trainer: L.Trainer) -> Path:
     cb = trainer.checkpoint_callback
     return Path(cb.dirpath) if isinstance(cb, ModelCheckpoint) and cb.dirpath else Path(default_checkpoint_dir(trainer))
 
-
-_NOISE = (
-    "Does not validate against any of the Union subtypes",
-    "Expected a <class 'NoneType'>",
-    "Subtypes:",
-    "Errors:",
-    "Given value type:",
-    "Given value:",
-)
-
-
-def _one_line(message: str) -> str:
-    """jsonargparse's nested explanation folded to the lines that name the problem."""
-    lines = [ln.strip(" -") for ln in message.splitlines() if ln.strip(" -")]
-    useful = [ln for ln in lines if not ln.startswith(_NOISE)]
-    return "; ".join(dict.fromkeys(useful or lines)).replace(":; ", ": ")[:1000]
