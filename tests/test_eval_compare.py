@@ -3,13 +3,8 @@ import re
 
 import pytest
 
-from ssl_vit.eval.compare import (
-    backbone_family,
-    build_comparison,
-    compute_ticks,
-    load_results,
-    main,
-)
+from ssl_vit.eval.compare import build_comparison, load_results, main
+from ssl_vit.eval.compare_figures import backbone_family, compute_ticks
 from ssl_vit.eval.results import EvalResult
 
 BACKBONE = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}
@@ -128,17 +123,17 @@ def test_main_writes_report_and_figures(results_dir, tmp_path, capsys):
 
 def spy_on_axes(monkeypatch) -> list:
     """The axes of every figure compare draws from now on (filled as they are made)."""
-    from ssl_vit.eval import compare
+    from ssl_vit.eval import compare_figures
 
     axes: list = []
-    real_figure = compare._figure
+    real_figure = compare_figures._figure
 
     def spy(*args, **kwargs):
         fig, made = real_figure(*args, **kwargs)
         axes.extend(made)
         return fig, made
 
-    monkeypatch.setattr(compare, "_figure", spy)
+    monkeypatch.setattr(compare_figures, "_figure", spy)
     return axes
 
 
@@ -223,7 +218,7 @@ def test_backbone_families_of_figure_5():
 
 
 def test_image_folder_datasets_are_told_apart_in_rows_baselines_files_and_the_compute_plot(tmp_path, monkeypatch):
-    from ssl_vit.eval import compare
+    from ssl_vit.eval import compare_figures
     from ssl_vit.eval.run import result_path
 
     def record(method, train_dir, top1, flops):
@@ -239,7 +234,7 @@ def test_image_folder_datasets_are_told_apart_in_rows_baselines_files_and_the_co
     assert cmp.get(flowers, "linear", "Δ sup") == pytest.approx(0.90 - 0.95)
     assert len({result_path(tmp_path, r) for r in records}) == 3  # no record overwrites another on disk
     axes = spy_on_axes(monkeypatch)
-    compare.plot_compute(records, tmp_path / "compute.png")
+    compare_figures.plot_compute(records, tmp_path / "compute.png")
     lines = sorted((line.get_label(), len(line.get_xdata())) for ax in axes for line in ax.get_lines())
     assert lines == [("dino, imagefolder:flowers/train", 1), ("dino, imagefolder:imagenet/train", 1),
                      ("supervised, imagefolder:flowers/train", 1)]
@@ -262,7 +257,7 @@ def knn_of(source, top1, created="2025-01-01T00:00:00", method="dino", **pretrai
 def test_each_pretraining_is_a_row_of_its_own_and_a_point_of_the_compute_plot(tmp_path, monkeypatch):
     # The same run's last.ckpt at two lengths and another run: three rows told apart by their
     # epochs, each compared with the supervised row; re-evaluating one pretraining replaces it.
-    from ssl_vit.eval import compare
+    from ssl_vit.eval import compare_figures
 
     records = [knn_of("runs/a/last.ckpt", 0.70, steps=100, epochs=10, flops=1e15),
                knn_of("runs/a/last.ckpt", 0.80, steps=300, epochs=30, flops=3e15),
@@ -276,7 +271,7 @@ def test_each_pretraining_is_a_row_of_its_own_and_a_point_of_the_compute_plot(tm
     assert cmp.get(rows["vit_tiny/4 (10 ep)"], "knn", "Δ sup") == pytest.approx(0.70 - 0.85)
     assert ("supervised", "vit_tiny/4", "fashion_mnist") in cmp.rows  # one pretraining: no tag
     axes = spy_on_axes(monkeypatch)
-    compare.plot_compute(cmp.results, tmp_path / "compute.png")
+    compare_figures.plot_compute(cmp.results, tmp_path / "compute.png")
     (dino_line,) = [line for line in axes[0].get_lines() if line.get_label() == "dino"]
     assert list(dino_line.get_xdata()) == [1e15, 2e15, 3e15]
 
@@ -360,7 +355,7 @@ def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_
     """Supervised runs of a ViT, a ResNet and a hybrid (the ViT paper's Figure 5 setting): no
     Δ sup column (each row would be compared with itself: all zeros), one point per run in both
     panels, and one legend for the figure with one entry per family, below the panels."""
-    from ssl_vit.eval import compare
+    from ssl_vit.eval import compare_figures
 
     backbones = [{"name": "vit", "kwargs": {"patch_size": 7, "embed_dim": 128, "depth": 4, "num_heads": 4}},
                  {"name": "resnet18", "kwargs": {"num_stages": 2}},
@@ -371,7 +366,7 @@ def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_
     assert [c for c in cmp.columns if c[1].startswith("Δ")] == []
     assert sorted(r[1] for r in cmp.rows) == ["hybrid-r18-S1-D64-L4-H2", "resnet18-S2", "vit-D128-L4-H4/7"]
     axes = spy_on_axes(monkeypatch)
-    compare.plot_compute(records, tmp_path / "compute.png")
+    compare_figures.plot_compute(records, tmp_path / "compute.png")
     assert [sorted(line.get_label() for line in ax.get_lines()) for ax in axes] == [["supervised, ResNet", "supervised, ViT", "supervised, hybrid"]] * 2
     assert all(ax.get_legend() is None for ax in axes)
     (legend,) = axes[0].figure.legends

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssl_vit.eval import compare
+from ssl_vit.eval import compare, compare_figures
 from ssl_vit.eval.compare import build_comparison, load_results
 from ssl_vit.eval.results import MAIN_METRIC, EvalResult
 
@@ -24,14 +24,14 @@ def record(method, protocol, metrics, created="2025-01-01T00:00:00", source=None
 def axes(monkeypatch) -> list:
     """The axes of every figure compare draws during the test."""
     made: list = []
-    real = compare._figure
+    real = compare_figures._figure
 
     def spy(*args, **kwargs):
         fig, ax = real(*args, **kwargs)
         made.extend(ax)
         return fig, ax
 
-    monkeypatch.setattr(compare, "_figure", spy)
+    monkeypatch.setattr(compare_figures, "_figure", spy)
     return made
 
 
@@ -61,7 +61,7 @@ def test_compute_plot_draws_the_main_metric_in_percent(axes, tmp_path):
     # Hand-written expectation: points at (FLOPs, 100 x main metric); few-shot's is 5-shot.
     records = [record("dino", "knn", {"top1": 0.80, "top5": 0.99}, flops=2e15),
                record("dino", "fewshot", {"1shot": 0.40, "5shot": 0.60}, flops=2e15)]
-    assert compare.plot_compute(records, tmp_path / "compute.png") is not None
+    assert compare_figures.plot_compute(records, tmp_path / "compute.png") is not None
     knn_ax, fewshot_ax = axes
     (knn_line,) = knn_ax.get_lines()
     assert list(knn_line.get_xdata()) == pytest.approx([2e15]) and list(knn_line.get_ydata()) == pytest.approx([80.0])
@@ -75,7 +75,7 @@ def test_bars_show_each_protocols_own_main_metric(axes, tmp_path):
     # accuracy (60%), not a top-1 it does not have nor its 1-shot.
     records = [record("dino", "linear", {"top1": 0.83, "top5": 0.99}), record("dino", "fewshot", {"1shot": 0.40, "5shot": 0.60})]
     cmp = build_comparison(records)
-    compare.plot_bars(cmp, tmp_path / "bars.png")
+    compare_figures.plot_bars(cmp, tmp_path / "bars.png")
     (ax,) = axes
     (bars,) = ax.containers
     assert [b.get_height() for b in bars] == pytest.approx([83.0, 60.0])
@@ -105,7 +105,7 @@ def test_records_without_their_main_metric_are_left_out_not_fatal(axes, tmp_path
     heights = {c.get_label(): [b.get_height() for b in c] for c in bars_ax.containers}
     assert heights == {f"dino {ROW}": pytest.approx([80.0]), f"supervised {ROW}": [], f"random {ROW}": pytest.approx([70.0])}
     # with FLOPs only on records without a main metric there is nothing to plot: no file
-    assert compare.plot_compute([records[1], records[3]], tmp_path / "none.png") is None
+    assert compare_figures.plot_compute([records[1], records[3]], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 
 

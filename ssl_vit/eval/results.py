@@ -32,6 +32,12 @@ PROTOCOLS: tuple[str, ...] = ("linear", "linear_aug", "knn", "fewshot", "finetun
 MAIN_METRIC: dict[str, str] = {"linear": "top1", "linear_aug": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
 
 
+def method_order(method: str) -> tuple[int, str]:
+    """How rows and legends sort methods: the pretext tasks by name, then the ``supervised`` and
+    ``random`` baselines."""
+    return ({"supervised": 1, "random": 2}.get(method, 0), method)
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
