@@ -631,3 +631,25 @@ def test_dinos_online_probe_and_collapse_monitor_read_the_first_global_crop():
     out = model.step(views, labels)
     with torch.no_grad():
         assert torch.allclose(out["features"], model.backbone(views[0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_the_online_probe_trains_on_the_representation_it_is_validated_on(method):
+    # validation_step probes backbone(images), pooled by the backbone's global_pool; the training
+    # features must be pooled the same way (here the patch mean, not the [CLS] token).
+    torch.manual_seed(0)
+    model = make(method, backbone_kwargs={**TINY_BACKBONE["backbone_kwargs"], "global_pool": "avg"})
+    views, labels = fixed_views(VIEW_SIZES[method], batch=4)
+    views = [v.clamp(-1, 1) for v in views]
+    calls = []
+    original = model.backbone.forward_features
+
+    def spy(x, *args, **kwargs):
+        calls.append(original(x, *args, **kwargs))
+        return calls[-1]
+
+    model.backbone.forward_features = spy
+    out = model.step(views, labels)
+    first = calls[0][:4]  # [B, 1+N, D]: the first view's tokens as the step saw them
+    assert torch.allclose(out["features"], first[:, 1:].mean(1), atol=1e-6)
+    assert not torch.allclose(out["features"], first[:, 0], atol=1e-3)

@@ -67,7 +67,7 @@ class PretextModule(L.LightningModule):
         base_lr: learning rate for a global batch of 256; the peak LR is
             ``base_lr * global_batch / 256`` (Goyal et al. 2017 linear scaling, as MoCo v3 and DINO).
         min_lr: LR at the end of the cosine decay.
-        warmup_epochs: linear LR warm-up from 0 (fractions allowed).
+        warmup_epochs: linear LR warm-up (step t at peak·(t + 1)/W; fractions allowed).
         warmup_steps: the warm-up in optimiser steps instead (the ViT paper counts 10k steps);
             overrides ``warmup_epochs`` when set.
         weight_decay: weight decay at the start (of the parameters ``weight_decay_exempt`` leaves).

@@ -123,10 +123,11 @@ class MPP(PretextModule):
             target = mpp_targets(self.raw_pixels(x), self.backbone.patch_size, self.target, check_range=False)  # [B, N, ...]
             target = torch.gather(target, 1, idx.view(b, k, *[1] * (target.ndim - 2)).expand(b, k, *target.shape[2:]))  # [B, k, ...]
         loss = mpp_loss(pred, target, torch.ones(b, k, dtype=torch.bool, device=x.device))
-        # The online probe learns from the [CLS] of the corrupted images (a second, clean pass would
-        # cost a forward); it is validated on clean ones.
-        out: dict[str, Tensor] = {"loss": loss, "features": tokens[:, 0].detach()}
-        out["embedding_std"] = embedding_std(tokens[:, 0].detach())
+        # The online probe learns from the pooled representation of the corrupted images (a second,
+        # clean pass would cost a forward); it is validated on clean ones, pooled the same way
+        # (the backbone's global_pool: [CLS] or the patch mean).
+        feats = self.backbone.pool(tokens).detach()  # [B, D]
+        out: dict[str, Tensor] = {"loss": loss, "features": feats, "embedding_std": embedding_std(feats)}
         if self.target != "pixels":
             with torch.no_grad():
                 hit = (pred.argmax(-1) == target).float()

@@ -91,10 +91,15 @@ def lr_and_weight_decay(
     weight_decay: float,
     weight_decay_end: float | None,
 ) -> dict[str, float]:
-    """LR and weight decay at optimiser step ``step`` of ``total``: a linear LR warm-up from 0 over
+    """LR and weight decay at optimiser step ``step`` of ``total``: a linear LR warm-up over
     ``warmup`` steps, then a cosine from ``peak_lr`` to ``min_lr`` (DINO
     ``utils.cosine_scheduler``; MoCo v3 ``adjust_learning_rate``); the weight decay follows a
-    cosine from ``weight_decay`` to ``weight_decay_end`` over the whole run (``None``: constant)."""
+    cosine from ``weight_decay`` to ``weight_decay_end`` over the whole run (``None``: constant).
+
+    The warm-up is lightly's ``cosine_warmup_schedule``: step t < W runs at peak·(t + 1)/W, so the
+    first step already learns and step W − 1 reaches the peak. The references start one step
+    earlier, at 0 (MoCo v3 peak·t/W; DINO ``np.linspace(0, peak, W)``): at most peak/W apart during
+    the warm-up, identical after it."""
     warmup = min(int(warmup), total)
     step = min(step, total)
     # lightly's schedules reach their end value at max_steps - 1; the references' cosine is
