@@ -188,10 +188,12 @@ def test_size_binding_and_errors():
         to_pil(torch.rand(3, 8, 8))
 
 
-@pytest.mark.parametrize(("shape", "crop_pct", "short"), [((60, 40), 0.875, 18), ((40, 30), 0.5, 32), ((30, 41), 0.875, 18)])
+@pytest.mark.parametrize(("shape", "crop_pct", "short"),
+                         [((60, 40), 0.875, 18), ((40, 30), 0.5, 32), ((30, 41), 0.875, 18), ((16, 22), 0.875, 18), ((22, 16), 0.875, 18)])
 def test_eval_transform_resize_and_centre_crop_matches_torchvision(shape, crop_pct, short):
     # Reference: torchvision's Resize(short side) + CenterCrop on the same PIL image; the long
-    # side truncated as torchvision does (40x30 at short 32: 42, not round(42.67) = 43).
+    # side truncated as torchvision does (40x30 at short 32: 42, not round(42.67) = 43). A
+    # non-square image whose short side is already the size (16x22) is resized too, as timm does.
     img = _rgb_image(64).resize(shape)
     out = EvalTransform(16, crop_pct=crop_pct)(img)  # short side -> floor(16 / crop_pct)
     ref = TF.center_crop(TF.resize(img, short, interpolation=TF.InterpolationMode.BICUBIC), [16, 16])

@@ -428,6 +428,20 @@ def test_teacher_of_an_official_mocov3_checkpoint_is_refused():
         filter_foreign_state_dict({"state_dict": sd}, _vit(), which="teacher")
 
 
+def test_teacher_of_a_state_dict_without_one_is_refused_not_the_online_encoder():
+    # Our MoCo v3's bare state dict (backbone.* + momentum_backbone.*) and a one-encoder one have
+    # no teacher: backbone.* is the online encoder, so which='teacher' must not return it.
+    online, momentum = _vit(5), _vit(6)
+    one = {f"backbone.{k}": v for k, v in online.state_dict().items()}
+    two = {**one, **{f"momentum_backbone.{k}": v for k, v in momentum.state_dict().items()}}
+    for sd in (one, two, {"state_dict": two}):
+        with pytest.raises(ValueError, match="no teacher backbone .teacher_backbone.. keys"):
+            filter_foreign_state_dict(sd, _vit(), which="teacher")
+    # an official DINO checkpoint's "teacher" entry does hold it as backbone.*
+    picked = filter_foreign_state_dict({"teacher": one, "student": {}}, _vit(), which="teacher")
+    assert all(torch.equal(picked[k], v) for k, v in online.state_dict().items())
+
+
 def test_rgb_torchvision_weights_into_a_grey_resnet_sum_the_stem_filters():
     # Reference: torchvision's resnet18 (RGB); timm adapt_input_conv sums the stem's filters over
     # channels, so the grey model on x == torchvision's pooled features on x repeated 3 times.

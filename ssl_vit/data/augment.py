@@ -109,11 +109,13 @@ def random_resized_crop_box(
 
 
 def resize_center_crop(img: Image.Image, size: int, crop_pct: float, resample: int) -> Image.Image:
-    """Deterministic evaluation geometry: images already ``size`` on the short side are only
-    centre-cropped (identity for square ones); others are resized so the short side is
-    ``size / crop_pct`` and centre-cropped to ``size`` (timm/DeiT's 224-from-256 protocol)."""
+    """Deterministic evaluation geometry: images already ``size`` × ``size`` are kept as they are
+    (a dataset evaluated at its own resolution, e.g. 28-px Fashion-MNIST); every other image is
+    resized so the short side is ``size / crop_pct`` and centre-cropped to ``size`` (timm/DeiT's
+    224-from-256 protocol), a non-square one with short side ``size`` included, so the zoom
+    does not jump between short sides ``size`` and ``size + 1``."""
     w, h = img.size
-    if min(w, h) != size:
+    if (w, h) != (size, size):
         short = int(math.floor(size / crop_pct))
         # torchvision's Resize(int): the long side truncated, int(short * long / short side).
         w, h = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)

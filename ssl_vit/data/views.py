@@ -409,9 +409,9 @@ class OneView:
 
 class EvalTransform:
     """Deterministic evaluation transform: one image -> one float tensor ``[C, size, size]`` in
-    [0, 1]. Images whose short side already equals ``size`` are only centre-cropped (identity for
-    square ones, e.g. 28-px Fashion-MNIST at img_size 28); others are resized to short side
-    ``size / crop_pct`` and centre-cropped (the 224-from-256 protocol of DINO's and timm's eval).
+    [0, 1]. Images already ``size`` × ``size`` are kept (e.g. 28-px Fashion-MNIST at img_size 28);
+    every other one is resized to short side ``size / crop_pct`` and centre-cropped (the
+    224-from-256 protocol of DINO's and timm's eval).
     """
 
     def __init__(self, size: int, crop_pct: float = 0.875, interpolation: Interpolation = "bicubic") -> None:

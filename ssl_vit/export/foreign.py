@@ -73,7 +73,8 @@ def default_encoder(obj: Mapping[str, Any]) -> str | None:
 def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
     """Container and prefixes -> the encoder's own keys."""
     which = which or default_encoder(obj)
-    if _is_official_dino(obj):
+    official_dino = _is_official_dino(obj)
+    if official_dino:
         key = "student" if which == "student" else "teacher"
         if key not in obj:
             raise ValueError(f"DINO checkpoint has no {key!r} entry (it has {', '.join(map(str, obj))})")
@@ -84,19 +85,25 @@ def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
         if picked is None:
             raise ValueError("which='momentum' but the state dict has no momentum encoder (momentum_encoder.* keys)")
         return picked
+    moco_base = ("module.base_encoder.", "base_encoder.")  # official MoCo v3
     if which == "teacher":
         picked = _select_prefix(sd, _TEACHER_PREFIXES)
         if picked is not None:
             return picked
+        # Only an official DINO checkpoint's "teacher" entry (chosen above) holds the teacher as
+        # backbone.*; anywhere else backbone.* is the online encoder, not what was asked for.
+        if not official_dino:
+            if _select_prefix(sd, moco_base) is not None:
+                raise ValueError("which='teacher' but this is a MoCo v3 checkpoint; choose student (base encoder) or momentum")
+            raise ValueError("which='teacher' but the state dict has no teacher backbone (teacher_backbone.* keys; "
+                             "only DINO's checkpoints hold one); choose student")
     elif which not in (None, "student"):  # a method's own NAME_backbone
         picked = _select_prefix(sd, (f"{which}_backbone.", f"module.{which}_backbone."))
         if picked is None:
             raise ValueError(f"which={which!r} but the state dict has no {which}_backbone.* weights")
         return picked
-    picked = _select_prefix(sd, ("module.base_encoder.", "base_encoder."))  # official MoCo v3
+    picked = _select_prefix(sd, moco_base)
     if picked is not None:
-        if which == "teacher":
-            raise ValueError("which='teacher' but this is a MoCo v3 checkpoint; choose student (base encoder) or momentum")
         return picked
     if sd and all(k.startswith("module.") for k in sd):
         sd = {k[len("module.") :]: v for k, v in sd.items()}
