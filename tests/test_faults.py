@@ -36,6 +36,7 @@ from ssl_vit.data import SyntheticDataModule, TwoViews
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.pretext import DINO
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+from ssl_vit.training.preemption import PreemptionCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # 24 images / batch 8
@@ -312,6 +313,7 @@ def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
         ("crash", 7, 6),  # killed: the periodic checkpoint of step 6, at an epoch's end
         ("SIGTERM", 4, 4),  # preempted one batch into the second epoch: last.ckpt of that step
         ("SIGUSR1", 5, 5),  # SLURM's warning signal: the stop happens after the signalled step
+        ("SIGINT", 4, 4),  # Ctrl-C: as SIGTERM, the step finishes and last.ckpt is written
     ],
 )
 def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, how, step, resumed_from):
@@ -406,26 +408,67 @@ def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_re
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 
-def test_sigterm_to_a_training_process_checkpoints_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_a_training_process_checkpoints_and_the_run_resumes(tmp_path, how):
+    # SIGINT goes to the whole process group, as a terminal's Ctrl-C does: the data worker gets
+    # it too (and ignores it: see the test below).
     steps = 120  # far more than the process gets through before the signal
-    cfg = recipe(tmp_path, max_epochs=-1, max_steps=steps, log_every_n_steps=1)
+    cfg = recipe(tmp_path, max_epochs=-1, max_steps=steps, log_every_n_steps=1, data={"num_workers": 1} if how == "SIGINT" else None)
     cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     first = ckpt_dir(tmp_path) / "step00000002.ckpt"
     deadline = time.monotonic() + 120
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert first.exists(), "the subprocess never reached step 2"
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, getattr(signal, how))  # the process and its data worker
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
-    assert "received SIGTERM: checkpoint written to" in output and "continue with --resume" in output
+    assert proc.returncode == 128 + getattr(signal, how), output[-3000:]
+    assert f"received {how}: checkpoint written to" in output and "continue with --resume" in output, output[-3000:]
+    if how == "SIGINT":
+        assert "Ctrl-C again stops at once" in output
     last = load(ckpt_dir(tmp_path) / "last.ckpt")  # complete and loadable
     assert 2 <= last["global_step"] < steps
     assert not [p for p in ckpt_dir(tmp_path).iterdir() if p.suffix == ".tmp"]  # no half-written files
     assert fit("--config", str(cfg), "--resume") == 0
     assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == steps
+
+
+def test_data_workers_ignore_ctrl_c_and_leave_the_decision_to_the_training_process():
+    # A worker killed by the terminal's SIGINT while the process waits on its batch would fail
+    # the step that is to finish and be saved; forked workers inherit the training process's
+    # handler, but spawned ones (macOS, Windows) start with Python's KeyboardInterrupt.
+    from ssl_vit.data.base import ignore_sigint
+
+    dm = SyntheticDataModule(num_samples=16, num_test_samples=8, num_classes=4, img_size=16, in_chans=1, batch_size=8,
+                             num_workers=1, views=TwoViews(size=16))
+    dm.setup("fit")
+    assert dm.train_dataloader().worker_init_fn is ignore_sigint and dm.val_dataloader().worker_init_fn is ignore_sigint
+    probe = subprocess.run([sys.executable, "-c", "import signal; from ssl_vit.data.base import ignore_sigint; ignore_sigint(0); "
+                            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"], capture_output=True, text=True, cwd=ROOT)
+    assert probe.stdout.strip() == "True", probe.stderr
+
+
+def test_a_second_ctrl_c_stops_at_once_and_an_ignored_sigint_stays_ignored(capsys):
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        cb = PreemptionCheckpoint()
+        cb.setup(trainer, None, "fit")
+        os.kill(os.getpid(), signal.SIGINT)  # the first: noted, acted on at the step's end
+        assert cb._requested == "SIGINT" and "Ctrl-C again stops at once" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # (the handler runs at the next bytecode)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
+        # A SIGINT the shell had the process ignore (a background job) is left ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        PreemptionCheckpoint().setup(trainer, None, "fit")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ----------------------------------------------------------------------------- non-finite loss

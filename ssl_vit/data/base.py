@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,14 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # ITU-R 601-2 luma weights: Pillow's convert("L"), used to turn RGB statistics into grey ones.
 _LUMA = (0.299, 0.587, 0.114)
+
+
+def ignore_sigint(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: the worker ignores Ctrl-C, which a terminal sends to the
+    whole process group. The main process decides what it means (a fit finishes its step and
+    checkpoints: ``ssl_vit.training.preemption``) and shuts its workers down itself; a worker
+    killed by it would instead fail the step still to finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def default_root() -> Path:
@@ -243,6 +252,7 @@ class ImageDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=persistent and self.num_workers > 0,
+            worker_init_fn=ignore_sigint if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> ResumableLoader:
@@ -266,6 +276,7 @@ class ImageDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=ignore_sigint if self.num_workers > 0 else None,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -14,6 +14,12 @@ requeue signal is ours as well: at the agreed batch end Lightning's requeue runs
 ``hpc_ckpt_<n>.ckpt`` and requeues the job; the requeued run resumes from it) and the run stops.
 A ``SIGTERMException`` that Lightning still raises is saved in ``on_exception``.
 
+Ctrl-C (SIGINT) is a stop request too: the step in progress finishes, ``last.ckpt`` is written and
+the run exits with 130, so an interactive run loses nothing; a second Ctrl-C stops at once
+(Python's KeyboardInterrupt, losing the steps since the last checkpoint), for a run stuck where no
+step ends. DataLoader workers ignore SIGINT (``ssl_vit.data.base.ignore_sigint``): the terminal
+sends it to them as well, and a worker that died of it would fail the steps still to finish.
+
 A signal that arrives before the run has taken a step writes nothing: the checkpoint already on
 disk (the one a resumed run started from) is as new, and stays untouched. ``stopped_by`` names the
 signal, so the CLI can exit with status 128 + its number, as a shell reports a process killed by
@@ -23,6 +29,7 @@ it: wrapper scripts and schedulers see that the run did not finish.
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +37,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ssl_vit.training.step_checkpoint import default_checkpoint_dir
@@ -44,14 +51,23 @@ class PreemptionCheckpoint(Callback):
             which Lightning turns into ``SIGTERMException``).
     """
 
-    def __init__(self, signals: tuple[str, ...] = ("SIGUSR1",)) -> None:
+    def __init__(self, signals: tuple[str, ...] = ("SIGUSR1", "SIGINT")) -> None:
         self.signals = signals
         self._requested: str | None = None
         self._previous: dict[int, Any] = {}
         self._start_step = 0
+        self._interrupted = False
         self.stopped_by: str | None = None
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self._interrupted:  # the second Ctrl-C: stop now, as Python would have at the first
+                signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+                raise KeyboardInterrupt
+            self._interrupted = True
+            if rank_zero_only.rank == 0:
+                print("\n[ssl_vit] Ctrl-C: finishing this step and writing a checkpoint "
+                      "(Ctrl-C again stops at once, without it)", file=sys.stderr, flush=True)
         self._requested = signal.Signals(signum).name
 
     @staticmethod
@@ -63,6 +79,7 @@ class PreemptionCheckpoint(Callback):
         if stage != "fit":
             return
         self.stopped_by = None
+        self._interrupted = False
         # SLURM auto-requeue: its signal is ours too (Lightning then installs no handler of its
         # own for it); at the agreed batch end we let Lightning save the hpc checkpoint and requeue.
         requeue = self._requeue_signal(trainer)
@@ -72,7 +89,10 @@ class PreemptionCheckpoint(Callback):
             # A handler left by an earlier run of this callback (Lightning re-installs the handlers
             # it found when a run ends in an exception) is replaced; anyone else's stays in charge.
             stale = isinstance(getattr(current, "__self__", None), PreemptionCheckpoint)
-            if current not in (signal.SIG_DFL, signal.SIG_IGN, None) and not stale:
+            # Python's own KeyboardInterrupt is replaceable; an ignored SIGINT (a job started in
+            # the background by a shell) stays ignored.
+            replaceable = (signal.SIG_DFL, None) + ((signal.default_int_handler,) if sig == signal.SIGINT else (signal.SIG_IGN,))
+            if current not in replaceable and not stale:
                 continue
             self._previous[sig] = signal.SIG_DFL if stale else current
             signal.signal(sig, self._handler)
@@ -170,3 +190,4 @@ class PreemptionCheckpoint(Callback):
         # Only on a preemption: after a NaN loss the last good checkpoint must stay as it is.
         if isinstance(exception, SIGTERMException) and self.stopped_by is None:  # not saved yet
             self._save(trainer, "SIGTERM")
+
