@@ -319,8 +319,10 @@ def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
 def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, how, step, resumed_from):
     interrupt = [{"class_path": "test_faults.Interrupt", "init_args": {"step": step, "how": how}}]
     if how == "crash":
+        before = signal.getsignal(signal.SIGINT)
         with pytest.raises(Crash):
             fit("--config", str(recipe(tmp_path, callbacks=interrupt)))
+        assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is the process's own again
     else:
         assert fit("--config", str(recipe(tmp_path, callbacks=interrupt))) == 128 + getattr(signal, how)
     last = load(ckpt_dir(tmp_path) / "last.ckpt")
@@ -457,6 +459,8 @@ def test_a_second_ctrl_c_stops_at_once_and_an_ignored_sigint_stays_ignored(capsy
         signal.signal(signal.SIGINT, signal.default_int_handler)
         cb = PreemptionCheckpoint()
         cb.setup(trainer, None, "fit")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # taken when training starts
+        cb.on_train_start(trainer, None)
         os.kill(os.getpid(), signal.SIGINT)  # the first: noted, acted on at the step's end
         assert cb._requested == "SIGINT" and "Ctrl-C again stops at once" in capsys.readouterr().err
         with pytest.raises(KeyboardInterrupt):
@@ -464,9 +468,13 @@ def test_a_second_ctrl_c_stops_at_once_and_an_ignored_sigint_stays_ignored(capsy
             time.sleep(1)  # (the handler runs at the next bytecode)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
         # A SIGINT the shell had the process ignore (a background job) is left ignored.
+        cb.teardown(trainer, None, "fit")  # (SIGTERM back too)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        PreemptionCheckpoint().setup(trainer, None, "fit")
+        cb = PreemptionCheckpoint()
+        cb.setup(trainer, None, "fit")
+        cb.on_train_start(trainer, None)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        cb.teardown(trainer, None, "fit")
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -83,32 +83,43 @@ class PreemptionCheckpoint(Callback):
         # SLURM auto-requeue: its signal is ours too (Lightning then installs no handler of its
         # own for it); at the agreed batch end we let Lightning save the hpc checkpoint and requeue.
         requeue = self._requeue_signal(trainer)
-        wanted = [getattr(signal, name, None) for name in self.signals] + [requeue]
+        # SIGINT is taken once training starts (with SIGTERM, below): Lightning records the handlers
+        # it finds after this hook and puts them back when a run ends in an exception, and one of
+        # ours left on SIGINT would turn the process's next Ctrl-C into a mere stop request.
+        wanted = [getattr(signal, name, None) for name in self.signals if name != "SIGINT"] + [requeue]
         for sig in dict.fromkeys(s for s in wanted if s is not None):
-            current = signal.getsignal(sig)
-            # A handler left by an earlier run of this callback (Lightning re-installs the handlers
-            # it found when a run ends in an exception) is replaced; anyone else's stays in charge.
-            stale = isinstance(getattr(current, "__self__", None), PreemptionCheckpoint)
-            # Python's own KeyboardInterrupt is replaceable; an ignored SIGINT (a job started in
-            # the background by a shell) stays ignored.
-            replaceable = (signal.SIG_DFL, None) + ((signal.default_int_handler,) if sig == signal.SIGINT else (signal.SIG_IGN,))
-            if current not in replaceable and not stale:
-                continue
-            self._previous[sig] = signal.SIG_DFL if stale else current
-            signal.signal(sig, self._handler)
+            self._install(sig)
+
+    def _install(self, sig: int) -> None:
+        current = signal.getsignal(sig)
+        # A handler left by an earlier run of this callback (Lightning re-installs the handlers
+        # it found when a run ends in an exception) is replaced; anyone else's stays in charge.
+        stale = isinstance(getattr(current, "__self__", None), PreemptionCheckpoint)
+        # Python's own KeyboardInterrupt is replaceable; an ignored SIGINT (a job started in the
+        # background by a shell) stays ignored.
+        replaceable = (signal.SIG_DFL, None) + ((signal.default_int_handler,) if sig == signal.SIGINT else (signal.SIG_IGN,))
+        if current not in replaceable and not stale:
+            return
+        self._previous[sig] = (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL) if stale else current
+        signal.signal(sig, self._handler)
 
     def _take_sigterm(self) -> None:
         """Replace the SIGTERM handler Lightning registered when the run started (see the module
-        docstring); the first hook after that registration calls this."""
+        docstring), and take SIGINT; the first hook after that registration calls this."""
         if signal.SIGTERM in self._previous:
             return
         self._previous[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, self._handler)
+        if "SIGINT" in self.signals:
+            self._install(signal.SIGINT)
 
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._take_sigterm()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
         # Only where our handler is still in place: Lightning may have restored the handlers it
         # found before this hook runs, and putting its SIGTERM handler back after that would leave
         # the process deaf to SIGTERM for the rest of its life (an evaluation after the fit, the
@@ -190,4 +201,7 @@ class PreemptionCheckpoint(Callback):
         # Only on a preemption: after a NaN loss the last good checkpoint must stay as it is.
         if isinstance(exception, SIGTERMException) and self.stopped_by is None:  # not saved yet
             self._save(trainer, "SIGTERM")
+        # A run ended by an exception gets no teardown hook: the process (a notebook, the next
+        # run) gets its own handlers back here, or its next Ctrl-C would only note a stop request.
+        self._restore_handlers()
 
