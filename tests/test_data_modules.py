@@ -174,6 +174,7 @@ def test_image_folder_with_classes_and_flat(tmp_path):
     dm = ImageFolderDataModule(str(tmp_path / "train"), val_dir=str(tmp_path / "val"), img_size=16,
                                in_chans=1, batch_size=5, num_workers=0)
     assert dm.num_classes == 2 and dm.class_names == ["cat", "dog"]
+    assert dm.has_labelled_test_split()  # (a recipe's evaluation is checked on it before training)
     _, labels = next(iter(dm.train_dataloader()))
     assert sorted(labels.tolist()) == [0, 0, 0, 1, 1]
     images, labels = next(iter(dm.val_dataloader()))
@@ -181,7 +182,9 @@ def test_image_folder_with_classes_and_flat(tmp_path):
 
     flat = ImageFolderDataModule(str(tmp_path / "train" / "cat"), img_size=16, in_chans=1, batch_size=3,
                                  num_workers=0)
-    assert flat.num_classes is None
+    assert flat.num_classes is None and not flat.has_labelled_test_split()
+    no_val = ImageFolderDataModule(str(tmp_path / "train"), img_size=16, in_chans=1, batch_size=5, num_workers=0)
+    assert not no_val.has_labelled_test_split()
     _, labels = next(iter(flat.train_dataloader()))
     assert labels.tolist() == [-1, -1, -1]
     assert flat.val_dataloader() == [] and flat.eval_datasets()[1] is None

@@ -461,6 +461,9 @@ def test_evaluation_settings_the_data_cannot_meet_are_refused_before_training(tm
             "and leaves 14 to vote; sweep smaller k, or a larger evaluate.train_subset") in capsys.readouterr().err
     assert cli_main([*args, "--evaluate.protocols", "[fewshot]"]) == 1  # 25-shot (the default's largest) of 10 classes
     assert "evaluate.fewshot: 25-shot needs 25 training images of each of the 10 classes, more than the 16" in capsys.readouterr().err
+    assert cli_main(["fit", "--config", str(cfg), "--data.init_args.num_test_samples", "0", "--evaluate.protocols", "[knn]"]) == 1
+    assert ("evaluate: SyntheticDataModule has no labelled test split to evaluate on; "
+            "or set evaluate.protocols: [] to pretrain without evaluating") in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
 
 

@@ -169,6 +169,12 @@ class ImageDataModule(L.LightningDataModule):
         (``InMemoryImages`` or ``ImageFiles``); None when the split does not exist."""
         raise NotImplementedError
 
+    def has_labelled_test_split(self) -> bool:
+        """Whether evaluation will find a labelled test split, known without reading the images
+        (a recipe's evaluation is checked before its training): datasets with fixed splits have
+        one; an image folder needs ``val_dir`` and class folders."""
+        return True
+
     # -- Lightning hooks ----------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if self._loaded:

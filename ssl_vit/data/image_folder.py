@@ -100,6 +100,9 @@ class ImageFolderDataModule(ImageDataModule):
         class_to_idx = self._scan_train()[2]
         return None if class_to_idx is None else sorted(class_to_idx, key=class_to_idx.__getitem__)
 
+    def has_labelled_test_split(self) -> bool:
+        return self.val_dir is not None and self.num_classes is not None
+
     def _load_split(self, train: bool) -> ImageFiles | None:
         if train:
             paths, labels, _ = self._scan_train()

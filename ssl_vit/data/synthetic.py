@@ -76,6 +76,9 @@ class SyntheticDataModule(ImageDataModule):
         self.num_test_samples = num_test_samples
         self.num_classes = num_classes
 
+    def has_labelled_test_split(self) -> bool:
+        return self.num_test_samples > 0
+
     def _load_split(self, train: bool) -> InMemoryImages | None:
         n = self.num_samples if train else self.num_test_samples
         if n == 0 and not train:

@@ -238,7 +238,7 @@ def _fit(argv: list[str] | None) -> int:
             if not first:
                 raise
             # The training is done and kept: say how to evaluate it without training again.
-            raise ValueError(f"evaluate: {one_line(str(err))} (the trained backbone is kept in {last}: fix the evaluate section "
+            raise ValueError(f"evaluate: {one_line(str(err)).removeprefix('evaluate: ')} (the trained backbone is kept in {last}: fix the evaluate section "
                               f"and run the same command with --resume, which evaluates without training further, "
                               f"or use `ssl-vit eval ... --backbone {last}`)") from None
         for result in results:

@@ -141,9 +141,17 @@ class RecipeEvaluation:
         """What the evaluators need of a training split whose size the recipe fixes (the run's
         ``data.subset``, from which ``evaluate.train_subset`` draws), checked before the training
         rather than after it: kNN's ``k`` neighbours and few-shot's largest number of shots of
-        every class. (Without a fixed size, checking would mean reading the data first.)"""
+        every class (without a fixed size, checking would mean reading the data first); and that
+        the data has a labelled test split to score on."""
+        if not self.protocols:
+            return
+        has_test = getattr(datamodule, "has_labelled_test_split", None)
+        if callable(has_test) and not has_test():
+            fix = "set data val_dir to a labelled folder, " if hasattr(datamodule, "val_dir") else ""
+            raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on; "
+                             f"{fix}or set evaluate.protocols: [] to pretrain without evaluating")
         sizes = [n for n in (getattr(datamodule, "subset", None), self.train_subset) if n is not None]
-        if not sizes or not self.protocols:
+        if not sizes:
             return
         n = min(sizes)
         whence = "data.subset" if n == getattr(datamodule, "subset", None) else "evaluate.train_subset"
