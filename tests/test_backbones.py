@@ -410,10 +410,13 @@ def test_image_size_not_divisible_at_forward():
 @pytest.mark.parametrize("name,kwargs", [("vit_tiny", {"img_size": 28, "patch_size": 4, "in_chans": 1}), ("resnet18", {"in_chans": 1})])
 def test_wrong_channel_count_at_forward(name, kwargs):
     m = create_backbone(name, **kwargs)
-    with pytest.raises(ValueError, match="built for 1 input channels, got 3"):
+    with pytest.raises(ValueError, match=r"built for 1 input channels, got 3 \(the backbone takes grey images: set the data's in_chans to 1\)"):
         m(torch.randn(1, 3, 28, 28))
     with pytest.raises(ValueError, match=r"expects images \[B, C, H, W\]"):
         m(torch.randn(1, 28, 28))
+    rgb = create_backbone(name, **{**kwargs, "in_chans": 3})
+    with pytest.raises(ValueError, match=r"built for 3 input channels, got 1 \(the backbone takes RGB images: set the data's in_chans to 3"):
+        rgb(torch.randn(1, 1, 28, 28))
 
 
 def test_bad_architecture_arguments():

@@ -135,8 +135,12 @@ def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monke
     monkeypatch.setattr(eval_cli, "build_datamodule", lambda *a, **k: pytest.fail("the data was built first"))
     resnet = ["--backbone", "random:resnet18", "--backbone-kwargs", '{"img_size": 16, "in_chans": 3, "small_input": true}', *SYNTH]
     assert cli_main(["eval", "linear", "--augment", *resnet, "--features", "last4"]) == 1
-    assert capsys.readouterr().err == ("ssl-vit eval: error: feature mode 'last4' needs a token sequence (ViT or hybrid); resnet18 has no "
-                                       "tokens, use mode='cls' (--features cls: its globally pooled feature map)\n")
+    assert capsys.readouterr().err == ("ssl-vit eval: error: --features last4: feature mode 'last4' needs a token sequence (ViT or hybrid); "
+                                       "resnet18 has no tokens, use mode='cls' (--features cls: its globally pooled feature map)\n")
+    shallow = ["--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH]  # depth 2
+    assert cli_main(["eval", "linear", *shallow, "--features", "last4"]) == 1
+    assert capsys.readouterr().err == ("ssl-vit eval: error: --features last4: feature mode 'last4' reads the [CLS] of the last 4 blocks "
+                                       "(DINO's linear protocol), but this backbone has 2; choose another mode (cls, avg, cls_avg)\n")
 
 
 def test_options_of_the_probe_on_images_need_augment(capsys):

@@ -235,7 +235,7 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 5, select_fraction: 0.2}"],
          "evaluate.knn.select_fraction: holds out training features to pick the k of a sweep; give k a list of several values, or leave select_fraction out"),
         (["--evaluate.protocols", "[knn]", "--evaluate.which", "momentum"], "evaluate.which: a DINO checkpoint has no momentum backbone (momentum_backbone.*); it holds student, teacher"),
-        (["--evaluate.protocols", "[knn]", "--evaluate.features", "last4"], "evaluate.features: n_last_blocks=4 is out of range for a backbone of depth 1"),
+        (["--evaluate.protocols", "[knn]", "--evaluate.features", "last4"], "evaluate.features: feature mode 'last4' reads the [CLS] of the last 4 blocks (DINO's linear protocol), but this backbone has 1; choose another mode (cls, avg, cls_avg)"),
         pytest.param(["--trainer.accelerator", "mps"], "`MPSAccelerator` can not run on your system",
                      marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")),
         (["--model.init_args.backbone_kwargs.embed_dim", "abc"], "backbone 'vit': embed_dim must be an integer, got 'abc'"),
@@ -540,7 +540,7 @@ def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_settings_of_image_proto
     assert cli_main([*args, "--evaluate.finetune", "{crop_scale: [0.5, 0.2]}"]) == 1
     assert "evaluate.finetune: crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got [0.5, 0.2]" in capsys.readouterr().err
     assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[linear_aug, knn]", "--evaluate.linear_aug", "{features: last4}"]) == 1
-    assert "evaluate.linear_aug.features: n_last_blocks=4 is out of range for a backbone of depth" in capsys.readouterr().err
+    assert "evaluate.linear_aug.features: feature mode 'last4' reads the [CLS] of the last 4 blocks" in capsys.readouterr().err
     assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[linear_aug]", "--evaluate.linear_aug", "{optimizer: adam}"]) == 1
     assert "evaluate.linear_aug: optimizer must be 'sgd' or 'lars', got 'adam'" in capsys.readouterr().err
     held = tmp_path / "run" / "finetune" / "checkpoints"

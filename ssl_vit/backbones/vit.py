@@ -42,8 +42,13 @@ def check_image(x: Tensor, in_chans: int, stride: int, what: str) -> None:
     if x.ndim != 4:
         raise ValueError(f"{what} expects images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
     if x.shape[1] != in_chans:
-        hint = " (repeat grey images to 3 channels or build the backbone with in_chans=1)" if x.shape[1] in (1, 3) else ""
-        raise ValueError(f"{what} was built for {in_chans} input channels, got {x.shape[1]}{hint}")
+        got = x.shape[1]
+        hint = ""
+        if (got, in_chans) == (1, 3):
+            hint = " (the backbone takes RGB images: set the data's in_chans to 3, which repeats grey ones)"
+        elif (got, in_chans) == (3, 1):
+            hint = " (the backbone takes grey images: set the data's in_chans to 1)"
+        raise ValueError(f"{what} was built for {in_chans} input channels, got {got}{hint}")
     h, w = x.shape[-2:]
     if h % stride or w % stride:
         raise ValueError(f"{what}: image size {h}x{w} is not divisible by the patch size {stride}")

@@ -278,7 +278,10 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--method {args.method}: {args.backbone} is {what} as method {recorded}; --method names the method "
                          "of weights that record none (a bare state dict): leave it out")
     if args.protocol != "finetune":
-        feature_dim(backbone, args.features)  # a read-out this backbone lacks: said before any data is read
+        try:  # a read-out this backbone lacks: said before any data is read
+            feature_dim(backbone, args.features)
+        except ValueError as err:
+            raise ValueError(f"--features {args.features}: {err}") from None
     data_args = parse_data_args(args.data, dict(args.data_arg))
     dm = build_datamodule(args.data, backbone, info, data_args, args.train_subset, getattr(args, "img_size", None))
     train_views = settings.train_views(dm.img_size) if on_images else None

@@ -77,7 +77,9 @@ def _check_mode(backbone: nn.Module, mode: str, n_last_blocks: int) -> None:
             "use mode='cls' (--features cls: its globally pooled feature map)"
         )
     if mode == "last4" and not 1 <= n_last_blocks <= backbone.depth:
-        raise ValueError(f"n_last_blocks={n_last_blocks} is out of range for a backbone of depth {backbone.depth}")
+        others = ", ".join(m for m in FEATURE_MODES if m != "last4")
+        raise ValueError(f"feature mode 'last4' reads the [CLS] of the last {n_last_blocks} blocks (DINO's linear protocol), "
+                         f"but this backbone has {backbone.depth}; choose another mode ({others})")
 
 
 def embed(backbone: nn.Module, x: Tensor, mode: FeatureMode = "cls", n_last_blocks: int = 4) -> Tensor:
