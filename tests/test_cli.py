@@ -129,6 +129,19 @@ def test_an_export_path_that_is_a_file_fails_before_the_fine_tuning(tmp_path, ca
     assert capsys.readouterr().err == f"ssl-vit eval: error: --export {tmp_path / 'f'}: exists and is not a directory; name a folder\n"
 
 
+def test_fine_tuning_does_not_export_over_the_export_it_reads(tmp_path, capsys):
+    from ssl_vit.backbones import create_backbone
+    from ssl_vit.export import save_backbone
+
+    out = save_backbone(create_backbone("vit", **json.loads(TINY)), tmp_path / "exp").out_dir
+    before = (out / "model.safetensors").read_bytes()
+    for backbone in (str(out), str(out / "model.safetensors")):
+        assert cli_main(["eval", "finetune", "--backbone", backbone, *SYNTH, "--export", str(tmp_path / "exp")]) == 1
+        assert capsys.readouterr().err == (f"ssl-vit eval: error: --export {tmp_path / 'exp'}: is the export --backbone reads; "
+                                           "the fine-tuned model would replace the pretrained one: name another folder\n")
+    assert (out / "model.safetensors").read_bytes() == before
+
+
 def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monkeypatch):
     import ssl_vit.eval.cli as eval_cli
 

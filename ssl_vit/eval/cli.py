@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
     # before it starts), not found unwritable after it.
     check_out(args.out)
     if getattr(args, "export", None) is not None:
-        check_export(args.export)
+        check_export(args.export, backbone=args.backbone)
 
     from ssl_vit.eval.features import feature_dim
     from ssl_vit.eval.finetune import new_head

@@ -49,12 +49,21 @@ def check_out(out: str, create: bool = False) -> None:
         check_output_folder(path, f"--out {out}", create)
 
 
-def check_export(export: str, create: bool = False) -> None:
+def check_export(export: str, create: bool = False, backbone: str | None = None) -> None:
     """``--export DIR``: a folder (or a name for a new one) in a folder that can be written
-    (``create``: that folder is made), so that the fine-tuned model is not lost after the run."""
+    (``create``: that folder is made), so that the fine-tuned model is not lost after the run;
+    not the export ``backbone`` (``--backbone``) is read from, which it would replace."""
     path = Path(export).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"--export {export}: exists and is not a directory; name a folder")
+    if backbone is not None and path.is_dir():
+        source = Path(backbone).expanduser()
+        source = source if source.is_dir() else source.parent
+        from ssl_vit.export.save import CONFIG_FILE
+
+        if source.is_dir() and source.resolve() == path.resolve() and (source / CONFIG_FILE).is_file():
+            raise ValueError(f"--export {export}: is the export --backbone reads; the fine-tuned model would replace "
+                             "the pretrained one: name another folder")
     check_output_folder(path if path.is_dir() else path.parent, f"--export {export}", create)
 
 
