@@ -267,6 +267,12 @@ class PretextModule(L.LightningModule):
             f"accumulation; lr = base_lr {self.hparams.base_lr:g} x {global_batch}/256 = {self.peak_lr:.4g}; "
             f"{self._total_steps} optimiser steps ({self._steps_per_epoch} per epoch)"
         )
+        warmup = self._warmup_steps()
+        if warmup >= self._total_steps:
+            what = (f"warmup_steps {self.hparams.warmup_steps}" if self.hparams.warmup_steps is not None
+                    else f"warmup_epochs {self.hparams.warmup_epochs:g} = {warmup} steps")
+            rank_zero_info(f"[ssl_vit] note: the LR warm-up, {what}, spans the whole run of {self._total_steps} steps: "
+                           "its LR only rises and the cosine never starts (set a shorter warm-up)")
         resumed_at = getattr(self, "_resumed_global_batch", None)
         if resumed_at and resumed_at != global_batch:
             rank_zero_info(
@@ -279,8 +285,11 @@ class PretextModule(L.LightningModule):
     def schedule_values(self, step: int) -> dict[str, float]:
         """LR and weight decay at an optimiser step (``optim.lr_and_weight_decay``)."""
         hp = self.hparams
-        warmup = hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self._steps_per_epoch)
-        return lr_and_weight_decay(step, self._total_steps, warmup, self.peak_lr, hp.min_lr, hp.weight_decay, hp.weight_decay_end)
+        return lr_and_weight_decay(step, self._total_steps, self._warmup_steps(), self.peak_lr, hp.min_lr, hp.weight_decay, hp.weight_decay_end)
+
+    def _warmup_steps(self) -> int:
+        hp = self.hparams
+        return hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self._steps_per_epoch)
 
     def _seed_step(self, batch_idx: int) -> None:
         """Seed torch's generators for this batch (drop path, masking) from (run seed, epoch,
