@@ -132,3 +132,23 @@ def test_a_record_repeated_at_another_time_is_kept_and_the_newest_wins(tmp_path,
     assert f", {new})" in compare.format_markdown(cmp) and f", {old})" not in compare.format_markdown(cmp)
     (tmp_path / "c.json").write_text((tmp_path / "a.json").read_text())
     assert len(load_results([tmp_path])) == 2
+
+
+def test_compute_plot_tick_labels_do_not_collide_and_datasets_keep_their_line_style(axes, tmp_path):
+    # The narrow FLOP range of two small runs (about 7 to 10 GFLOPs) got four "N GFLOP" labels
+    # running into each other; and one method's two datasets, each alone in its panel, got the
+    # same line style: two legend entries that looked alike.
+    fm, folder = {"name": "fashion_mnist"}, {"name": "imagefolder", "train_dir": "imgs/train"}
+    records = [EvalResult("dino", BACKBONE, fm, "linear", {"top1": 0.43}, pretrain={"flops": 1.0e10}),
+               EvalResult("mocov3", BACKBONE, fm, "linear", {"top1": 0.54}, pretrain={"flops": 7.4e9}),
+               EvalResult("dino", BACKBONE, folder, "knn", {"top1": 0.49}, pretrain={"flops": 1.0e10}),
+               EvalResult("mocov3", BACKBONE, fm, "knn", {"top1": 0.60}, pretrain={"flops": 7.4e9})]
+    compare_figures.plot_compute(records, tmp_path / "compute.png")
+    for ax in axes:
+        fig = ax.figure
+        renderer = fig.canvas.get_renderer()
+        boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        assert len(boxes) >= 2
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in ax.get_xticklabels()]
+    styles = {line.get_label(): (line.get_color(), line.get_linestyle()) for ax in axes for line in ax.get_lines()}
+    assert styles["dino, fashion_mnist"] != styles["dino, imagefolder:imgs/train"]

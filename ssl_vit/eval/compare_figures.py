@@ -86,12 +86,16 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
     # A line joins results of one method, family, dataset and representation (the sizes of a
     # family, or one size at several training lengths); lines never cross datasets.
     datasets = sorted({r.data_label for r in with_flops})
+    # A method's line style tells its datasets and representations apart, the same in every panel
+    # (the legend is shared: a style numbered per panel would give two series one entry's look).
+    variants = {m: sorted({(r.data_label, r.features or "") for r in with_flops if r.method == m}) for m in methods}
     for ax, protocol in zip(axes, protocols):
         for i, method in enumerate(methods):
             for family in families:
                 here = [r for r in with_flops
                         if r.protocol == protocol and r.method == method and backbone_family(r.backbone.get("name", "")) == family]
-                for j, (data, features) in enumerate(sorted({(r.data_label, r.features or "") for r in here})):
+                for data, features in sorted({(r.data_label, r.features or "") for r in here}):
+                    j = variants[method].index((data, features))
                     pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label) for r in here
                                  if r.data_label == data and (r.features or "") == features)
                     tags = [method] + ([family] if len(families) > 1 else []) + ([data] if len(datasets) > 1 else [])
@@ -106,11 +110,11 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
         # about two decades, and those labels run into each other.
         lo, hi = ax.get_xlim()
         ax.xaxis.set_major_locator(FixedLocator(compute_ticks(lo, hi)))
-        ax.xaxis.set_major_formatter(EngFormatter(unit="FLOP"))
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # "20G": short labels, the unit is on the axis
         ax.xaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlim(lo, hi)
-        ax.set_xlabel("pre-training compute")
+        ax.set_xlabel("pre-training compute (FLOPs)")
         ax.set_ylabel(f"{protocol} {MAIN_METRIC[protocol]} (%)")
         ax.set_title(protocol)
     # One legend for all panels, below them, where it hides no point; the figure grows to hold
