@@ -284,6 +284,23 @@ def test_the_seed_restored_from_a_checkpoint_is_used():
     assert loader.state_dict() == {"seed": 11, "epoch": 2, "batches": 3, "samples": 12}
 
 
+@pytest.mark.parametrize(("drop_last", "want"), [(False, [0.0, 0.4, 0.8, 1.0]), (True, [0.0, 0.4, 1.0])])
+def test_epochs_done_counts_the_images_handed_out_and_a_finished_epoch_whole(drop_last, want):
+    # 10 images in batches of 4: 4 / 10, 8 / 10, then the last batch of 2, or (drop_last) its
+    # remainder dropped, which ends the epoch as well; a resume at another batch size keeps the count.
+    sampler = ResumableSampler(_Positions(10), num_replicas=1, rank=0, seed=0)
+    loader = ResumableLoader(_Positions(10), sampler=sampler, batch_size=4, num_workers=0, drop_last=drop_last)
+    seen = [loader.epochs_done()]
+    for _ in loader:
+        seen.append(loader.epochs_done())
+    assert seen == pytest.approx(want)
+    resumed = ResumableLoader(_Positions(10), sampler=ResumableSampler(_Positions(10), num_replicas=1, rank=0, seed=0), batch_size=2, num_workers=0)
+    resumed.load_state_dict({"seed": 0, "epoch": 3, "batches": 1, "samples": 4})
+    assert resumed.epochs_done() == pytest.approx(3.4)
+    next(iter(resumed))
+    assert resumed.epochs_done() == pytest.approx(3.6)
+
+
 # -- datasets.py, idx.py, fashion_mnist.py, image_folder.py ---------------------------------------
 
 

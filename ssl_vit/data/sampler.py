@@ -174,6 +174,18 @@ class ResumableLoader(DataLoader):
             "samples": samples * sampler.num_replicas,
         }
 
+    def epochs_done(self) -> float:
+        """Passes over the training set so far, with the part of the current one: the epochs a run
+        trained, also across a resume with another batch size or number of processes (a step count
+        over steps per epoch is not). An epoch whose last batch is handed out counts whole, with
+        ``drop_last``'s remainder too."""
+        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        state = self.state_dict()
+        seen = state["samples"] / sampler.num_replicas  # this process's share of the epoch
+        if sampler.num_samples - seen < ((self.batch_size or 1) if self.drop_last else 1):
+            return float(state["epoch"] + 1)
+        return state["epoch"] + seen / sampler.num_samples
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         epoch, batch_size = int(state["epoch"]), self.batch_size or 1

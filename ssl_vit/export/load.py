@@ -130,7 +130,7 @@ def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
     training = source.training
     pretrain = {
         "steps": training.get("global_step"),
-        "epochs": training.get("epoch"),
+        "epochs": training.get("epochs"),  # (older checkpoints recorded only the index of the epoch in progress)
         "flops": training.get("pretrain_flops", training.get("flops")),
         "wall_time_s": training.get("wall_time_s"),
         "global_batch_size": training.get("global_batch_size"),

@@ -469,7 +469,8 @@ class PretextModule(L.LightningModule):
             "backbone": self.backbone_name,
             "backbone_kwargs": self.backbone_kwargs,
             "global_step": self.global_step,
-            "epoch": self.current_epoch,
+            "epoch": self.current_epoch,  # Lightning's index of the epoch in progress
+            "epochs": self._epochs_done(),  # the epochs trained (a float; None when unknown)
             "data": getattr(self, "data_info", None),
             "recipe": getattr(self, "recipe", None),
             "global_batch_size": self.global_batch_size,
@@ -483,6 +484,18 @@ class PretextModule(L.LightningModule):
             # paper's accuracy-vs-compute plot (Figure 5).
             "pretrain_flops": getattr(self, "pretrain_flops", None),
         }
+
+    def _epochs_done(self) -> float | None:
+        """Epochs trained: from the data loader's position (``ResumableLoader.epochs_done``: right
+        across a resume with another batch size), else optimiser steps over steps per epoch."""
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        done = getattr(trainer.train_dataloader, "epochs_done", None)
+        if callable(done):
+            return round(done(), 4)
+        steps_per_epoch = getattr(self, "_steps_per_epoch", None)
+        return round(self.global_step / steps_per_epoch, 4) if steps_per_epoch else None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get("ssl_vit") or {}
