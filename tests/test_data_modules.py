@@ -332,9 +332,11 @@ def test_fashion_mnist_debian_files():
 
 
 def test_cifar_and_stl_missing_data_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="CIFAR-10 not found.*download=True"):
+    # the hint names the argument as each entry point takes it
+    with pytest.raises(FileNotFoundError, match=r"CIFAR-10 not found.*download=true \(`--data-arg download=true` to ssl-vit eval, "
+                                                r"`data.init_args.download` in a recipe\), or pass root=<dir> \(`--data-arg root=<dir>`"):
         CIFAR10DataModule(root=str(tmp_path), download=False, num_workers=0).setup()
-    with pytest.raises(FileNotFoundError, match="STL-10 not found"):
+    with pytest.raises(FileNotFoundError, match="STL-10 not found.*`--data-arg root=<dir>`"):
         STL10DataModule(root=str(tmp_path), download=False, num_workers=0).setup()
     with pytest.raises(ValueError, match="train_split"):
         STL10DataModule(train_split="everything")

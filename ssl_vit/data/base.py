@@ -50,6 +50,11 @@ def ignore_sigint(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def option_hint(key: str, value: str) -> str:
+    """How a datamodule argument is given where users give it, for error messages."""
+    return f"{key}={value} (`--data-arg {key}={value}` to ssl-vit eval, `data.init_args.{key}` in a recipe)"
+
+
 def default_root() -> Path:
     """Where downloaded datasets go: ``$XDG_CACHE_HOME/ssl_vit`` or ``~/.cache/ssl_vit``."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
