@@ -247,10 +247,15 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--resume", "--ckpt_path", "x.ckpt"], "--resume and --ckpt_path both say where to continue from"),
         (["--model", "MPP", "--data.init_args.views", "SingleView", "--data.init_args.views.init_args.size", "16", "--model.init_args.corruption_ratio", "1.5"],
          "corruption ratio must be in (0, 1], got 1.5"),
+        (["--data.init_args.views", "SingleView", "--data.init_args.views.init_args.size", "16"],
+         "data.views SingleView: DINO needs at least 2 views with 2 global crops first, got 1; use MultiCrop"),
+        (["--model", "MoCoV3", "--data.init_args.views", "SingleView", "--data.init_args.views.init_args.size", "16"],
+         "data.views SingleView: MoCo v3 needs two views per image, got 1 (use TwoViews)"),
     ],
     ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "local-crop-size", "global-batch", "global-batch-zero", "abbreviation",
          "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-lr-sweep", "evaluate-unswept-fraction", "evaluate-which", "evaluate-features", "missing-accelerator", "backbone-argument-type",
-         "backbone-size", "method-name", "datamodule-name", "accumulate-zero", "no-steps", "resume-and-ckpt-path", "mpp-corruption"],
+         "backbone-size", "method-name", "datamodule-name", "accumulate-zero", "no-steps", "resume-and-ckpt-path", "mpp-corruption",
+         "dino-views", "mocov3-views"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
     cfg = tiny_config(tmp_path)

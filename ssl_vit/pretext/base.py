@@ -173,6 +173,10 @@ class PretextModule(L.LightningModule):
         None: no FLOP model, and the run records no pretraining FLOPs."""
         return None
 
+    def check_views(self, num_views: int) -> None:
+        """Raise ``ValueError`` for a number of views per image the method cannot train on: the
+        recipe checks call it with the data's view transform before training; ``step`` may too."""
+
     def cancel_gradients(self) -> None:
         """Hook between backward and the optimiser step (DINO freezes its last layer here)."""
 

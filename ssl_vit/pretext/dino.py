@@ -115,10 +115,14 @@ class DINO(PretextModule):
                 groups.append([v])
         return groups
 
-    def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
+    def check_views(self, num_views: int) -> None:
         g = self.n_global_crops
-        if len(views) < max(g, 2):
-            raise ValueError(f"DINO needs at least {max(g, 2)} views with {g} global crops first, got {len(views)}; use MultiCrop")
+        if num_views < max(g, 2):
+            raise ValueError(f"DINO needs at least {max(g, 2)} views with {g} global crops first, got {num_views}; use MultiCrop")
+
+    def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
+        self.check_views(len(views))
+        g = self.n_global_crops
         b = views[0].shape[0]
         teacher_temp = self.current_teacher_temp()
         with torch.no_grad():

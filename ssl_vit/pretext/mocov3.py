@@ -142,9 +142,12 @@ class MoCoV3(PretextModule):
         # The heads see each view separately: their BN statistics are per view, as in the reference.
         return projector(h1), projector(h2), h1
 
+    def check_views(self, num_views: int) -> None:
+        if num_views != 2:
+            raise ValueError(f"MoCo v3 needs two views per image, got {num_views} (use TwoViews)")
+
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
-        if len(views) != 2:
-            raise ValueError(f"MoCo v3 needs two views per image, got {len(views)} (use TwoViews)")
+        self.check_views(len(views))
         x1, x2 = views
         z1, z2, h1 = self._encode(self.backbone, self.projector, x1, x2, concat=True)
         q1, q2 = self.predictor(z1), self.predictor(z2)  # [B, C]

@@ -132,6 +132,11 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         if sizes[0] % stride or sizes[1] % stride:
             raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {stride}")
     views = getattr(datamodule, "views", None)
+    if isinstance(getattr(views, "num_views", None), int):
+        try:
+            model.check_views(views.num_views)
+        except ValueError as err:
+            raise ConfigError(f"data.views {type(views).__name__}: {err}") from None
     crops = _view_sizes(views, img) if views is not None else {}
     if stride:
         for name, size in crops.items():
