@@ -590,7 +590,9 @@ def test_resuming_with_another_batch_size_says_so(tmp_path, caplog):
     from ssl_vit.export.load import load_any_backbone
 
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    assert torch.load(ckpt, weights_only=False)["ssl_vit"]["epochs"] == 0.625
+    meta = torch.load(ckpt, weights_only=False)["ssl_vit"]
+    assert meta["epochs"] == 0.625
+    assert "max_steps: 3" in meta["recipe"] and "global_batch_size: 4" in meta["recipe"]  # this invocation's recipe
     assert load_any_backbone(ckpt)[1]["pretrain"]["epochs"] == 0.625
 
 

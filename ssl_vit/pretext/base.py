@@ -505,7 +505,9 @@ class PretextModule(L.LightningModule):
         meta = checkpoint.get("ssl_vit") or {}
         if meta.get("data"):
             self.data_info = meta["data"]
-        if meta.get("recipe"):
+        # The recipe of this invocation (a resumed run's, with its new length or batch) when the
+        # CLI gave one; the checkpoint's otherwise (a checkpoint loaded from Python).
+        if meta.get("recipe") and getattr(self, "recipe", None) is None:
             self.recipe = meta["recipe"]
         if meta.get("seed") is not None:
             self._seed = int(meta["seed"])
