@@ -132,12 +132,13 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         if sizes[0] % stride or sizes[1] % stride:
             raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {stride}")
     views = getattr(datamodule, "views", None)
-    if isinstance(getattr(views, "num_views", None), int):
+    crops = _view_sizes(views, img) if views is not None else {}
+    num_views, check_views = _num_views(views, img), getattr(model, "check_views", None)
+    if num_views is not None and callable(check_views):
         try:
-            model.check_views(views.num_views)
+            check_views(num_views)
         except ValueError as err:
             raise ConfigError(f"data.views {type(views).__name__}: {err}") from None
-    crops = _view_sizes(views, img) if views is not None else {}
     if stride:
         for name, size in crops.items():
             if size % stride:
@@ -164,11 +165,27 @@ def validate_run(model: PretextModule, datamodule: L.LightningDataModule, traine
         )
 
 
+def _resolved(views: Any, img: Any) -> Any:
+    """The view transform as the datamodule will use it (a multi-crop's global size from the
+    data's when not set)."""
+    if getattr(views, "global_size", 0) is None and isinstance(img, int) and hasattr(views, "with_img_size"):
+        return views.with_img_size(img)
+    return views
+
+
+def _num_views(views: Any, img: Any) -> int | None:
+    """Views per image of a view transform (None: not known before the data is read)."""
+    try:
+        n = getattr(_resolved(views, img), "num_views", None)
+    except ValueError:  # its sizes are not resolved yet
+        return None
+    return n if isinstance(n, int) else None
+
+
 def _view_sizes(views: Any, img: Any) -> dict[str, int]:
     """The crop sizes a view transform makes (a multi-crop's local size as it resolves it, its
     global size from the data's when not set)."""
-    if getattr(views, "global_size", 0) is None and isinstance(img, int) and hasattr(views, "with_img_size"):
-        views = views.with_img_size(img)
+    views = _resolved(views, img)
     sizes = {n: v for n in ("size", "global_size") if isinstance(v := getattr(views, n, None), int)}
     if "global_size" in sizes and hasattr(views, "resolved_local_size"):
         sizes["local_size"] = int(views.resolved_local_size)
