@@ -185,6 +185,23 @@ def test_results_of_the_run_folder_are_collected_once_and_copies_are_not(tmp_pat
     assert [r["metrics"]["top1"] for r in again] == [0.5]
 
 
+def test_records_of_an_earlier_checkpoint_of_the_run_are_not_credited_to_the_export(tmp_path):
+    # A run evaluated at step 6 and resumed to step 12 overwrote last.ckpt; the step-6 records
+    # still name that file. Expectation by hand: the export of step 12 keeps the step-12 record
+    # and the one that says no step, not the step-6 one.
+    from ssl_vit.eval.results import EvalResult
+
+    run = tmp_path / "run"
+    ckpt = _lightning_ckpt(run / "checkpoints" / "last.ckpt", _vit(0), step=12)
+    (run / "results").mkdir(parents=True)
+    for name, steps, top1 in (("knn.json", 6, 0.5), ("knn_2.json", 12, 0.6)):
+        record = EvalResult("supervised", {"name": "vit"}, {"name": "synthetic"}, "knn", {"top1": top1}, pretrain={"steps": steps})
+        (run / "results" / name).write_text(json.dumps(record.to_dict()))
+    (run / "results" / "plain.json").write_text(json.dumps({"metrics": {"top1": 0.7}}))
+    results = export_backbone(ckpt, tmp_path / "exp").config["ssl_vit"]["results"]
+    assert sorted(r["metrics"]["top1"] for r in results) == [0.6, 0.7]
+
+
 def test_our_record_marks_a_checkpoint_and_online_and_base_name_the_student(tmp_path):
     # sources.py: a checkpoint with an ssl_vit record is ours even when another tool re-saved it
     # without Lightning's version field; "online" / "base" are aliases of the student.

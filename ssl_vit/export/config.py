@@ -179,12 +179,18 @@ def read_result(path: Path, strict: bool = True) -> dict[str, Any] | None:
 
 def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> list[dict[str, Any]]:
     """Results already recorded with the source (an export), those in a checkpoint's run
-    directory, and those passed explicitly (files or folders)."""
+    directory that evaluated these weights, and those passed explicitly (files or folders).
+
+    A run directory also holds the records of its earlier checkpoints: a run resumed after it was
+    evaluated overwrites ``last.ckpt``, and the old records name that file still. Those whose
+    ``pretrain.steps`` is not the checkpoint's step were of other weights, and are left out."""
     results = list(source.results)
     found: list[tuple[Path, bool]] = []
     run_dir = run_directory(Path(source.path)) if source.kind == "lightning" else None
     if run_dir is not None:
         found += [(p, False) for p in sorted(run_dir.rglob("*.json")) if "checkpoints" not in p.relative_to(run_dir).parts]
+    step = source.training.get("global_step")
+    own_run = {p for p, _ in found}
     for item in map(Path, extra):
         if item.is_dir():
             found += [(p, False) for p in sorted(item.rglob("*.json"))]
@@ -197,6 +203,9 @@ def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> lis
         if str(path) in seen or any(part.startswith(".") for part in path.parts[-2:]):
             continue
         record = read_result(path, strict=strict)
+        steps = ((record or {}).get("pretrain") or {}).get("steps")
+        if path in own_run and step is not None and steps is not None and steps != step:
+            continue  # a record of an earlier checkpoint of the run (see above)
         if record is not None:
             results.append(record)
             seen.add(str(path))
