@@ -291,10 +291,12 @@ def main(argv: list[str]) -> int:
     cmp = build_comparison(results)
     print()
     print(format_text(cmp))
+    smoke = None
     if args.quick:
-        print("\n[demo] --quick is a smoke run of the whole pipeline: a few dozen pretraining steps learn next "
-              "to nothing, so trained rows can score below random init. The default run is the measurement.")
-    paths = write_report(cmp, out / "report.md")
+        smoke = ("--quick is a smoke run of the whole pipeline: a few dozen pretraining steps learn next "
+                 "to nothing, so trained rows can score below random init. The default run is the measurement.")
+        print(f"\n[demo] {smoke}")
+    paths = write_report(cmp, out / "report.md", note=smoke)
     atomic_write_json(out / "results.json", [r.to_dict() for r in results])
     print(f"\n[demo] finished in {(time.perf_counter() - started) / 60:.1f} min; report: {', '.join(map(str, paths))}; "
           f"results: {out / 'results.json'}; TensorBoard: tensorboard --logdir {out / 'tensorboard'}")

@@ -51,6 +51,7 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys):
     assert {(r["method"], r["protocol"]) for r in results} == {(m, p) for m in ("mpp", "mocov3", "dino", "supervised", "random") for p in ("linear", "knn")}
     assert all(0.0 <= r["metrics"]["top1"] <= 1.0 for r in results)
     assert (out / "report.md").is_file() and (out / "report_bars.png").stat().st_size > 1000
+    assert "**Note:** --quick is a smoke run" in (out / "report.md").read_text()  # the report read alone says so too
     assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert (out / "runs" / "dino" / "checkpoints" / "last.ckpt").is_file()
     assert out / "results.json" in earlier_run(out)  # a second run into `out` is refused

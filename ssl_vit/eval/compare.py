@@ -254,12 +254,13 @@ def format_text(cmp: Comparison) -> str:
     return "\n".join([line(head), rule, *map(line, body)])
 
 
-def format_markdown(cmp: Comparison, figures: Sequence[Path] = ()) -> str:
-    """The Markdown report: the table, how to read it, the figures and the records it used."""
+def format_markdown(cmp: Comparison, figures: Sequence[Path] = (), note: str | None = None) -> str:
+    """The Markdown report: the table, how to read it, the figures and the records it used;
+    ``note``: a paragraph above the table (what the numbers are and are not)."""
     head, body = _grid(cmp)
     n_left = 3 if cmp.multi_dataset else 2
     align = ["---"] * n_left + ["---:"] * (len(head) - n_left)
-    lines = ["# ssl_vit: comparison of evaluations", ""]
+    lines = ["# ssl_vit: comparison of evaluations", ""] + ([f"**Note:** {note}", ""] if note else [])
     lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     main = ", ".join(f"{p}: {m}" for p, m in MAIN_METRIC.items())
@@ -279,9 +280,10 @@ def format_markdown(cmp: Comparison, figures: Sequence[Path] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(cmp: Comparison, out: str | Path, plots: bool = True) -> list[Path]:
-    """Write the Markdown report and, with ``plots``, ``<stem>_bars.png`` and (when FLOPs are
-    known) ``<stem>_compute.png`` beside it. Returns the paths written."""
+def write_report(cmp: Comparison, out: str | Path, plots: bool = True, note: str | None = None) -> list[Path]:
+    """Write the Markdown report (with ``note`` above its table) and, with ``plots``,
+    ``<stem>_bars.png`` and (when FLOPs are known) ``<stem>_compute.png`` beside it. Returns the
+    paths written."""
     out = Path(out)
     figures: list[Path] = []
     if plots:
@@ -290,7 +292,7 @@ def write_report(cmp: Comparison, out: str | Path, plots: bool = True) -> list[P
         if compute is not None:
             figures.append(compute)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(format_markdown(cmp, figures), encoding="utf-8")
+    out.write_text(format_markdown(cmp, figures, note), encoding="utf-8")
     return [out, *figures]
 
 
