@@ -367,6 +367,17 @@ def test_attention_distance_figure_plots_each_head_against_its_layer() -> None:
         np.testing.assert_allclose(np.asarray(ax.collections[head].get_offsets()), want)
 
 
+def test_attention_distance_figure_gives_neighbouring_heads_distinct_hues() -> None:
+    # 16 heads (ViT-B): the first ten in ten different hues, and no two consecutive heads in two
+    # shades of one hue (tab20 pairs a dark and a light shade per hue: indices 2i, 2i + 1).
+    from matplotlib import colormaps
+
+    ax = plot_attention_distance(torch.rand(2, 16)).axes[0]
+    tab20 = [colormaps["tab20"](i) for i in range(20)]
+    hue = [tab20.index(tuple(c.get_facecolors()[0])) // 2 for c in ax.collections]
+    assert len(set(hue[:10])) == 10 and all(a != b for a, b in zip(hue, hue[1:]))
+
+
 def test_rollout_figure_shows_the_image_and_the_image_weighted_by_its_unit_scaled_map() -> None:
     """ViT paper Fig. 6: top the RGB image [H, W, 3], bottom the image x the map rescaled to
     [0, 1] (its min to 0, its max to 1), on a non-square image."""

@@ -129,17 +129,19 @@ def plot_attention_distance(dist: Tensor | np.ndarray, title: str = "Mean attent
     depth, heads = d.shape
     fig = _new_figure(max(4.0, 0.25 * depth + 2.5), 3.5)
     ax = fig.add_subplot(1, 1, 1)
+    # Ten distinct hues for the first ten heads (tab20's dark shades), their light shades after:
+    # neighbouring heads never get two shades of one hue.
     cmap = colormaps["tab20"]
     layers = np.arange(1, depth + 1)
     for h in range(heads):
-        ax.scatter(layers, d[:, h], s=14, color=cmap(h % 20), label=f"Head {h + 1}")
+        ax.scatter(layers, d[:, h], s=14, color=cmap((2 * h + (h // 10) % 2) % 20), label=f"Head {h + 1}")
     ax.set_xlabel("Network depth (layer)")
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_xlim(0.5, depth + 0.5)
     ax.set_ylim(0.0, max(float(np.nanmax(d)) * 1.1, 1.0))
     ax.set_title(title)
     if heads <= 16:
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     return fig
 
 
