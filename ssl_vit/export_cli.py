@@ -108,7 +108,14 @@ def main(argv: list[str]) -> int:
     if earlier:
         print(f"ssl-vit export: note: replaced the export in {args.out} ({earlier})", file=sys.stderr)
     info = result.config["ssl_vit"]
-    what = " ".join(str(x) for x in (info["method"], info["which"]) if x) or "state dict"
+    # The encoder is named unless it is the online backbone a method evaluates by default (MPP's
+    # or a supervised run's only one, MoCo v3's base encoder): DINO's teacher or student, MoCo
+    # v3's momentum encoder.
+    from ssl_vit.export.sources import DEFAULT_WHICH
+
+    default = DEFAULT_WHICH.get(str(info["method"]), "student")
+    which = None if info["which"] == "student" == default else info["which"]
+    what = " ".join(str(x) for x in (info["method"], which) if x) or "state dict"
     h, w = info["img_size"]
     print(
         f"exported the {what} backbone {info['backbone']} ({h}x{w}, {info['in_chans']} channel(s), "

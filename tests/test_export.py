@@ -482,6 +482,15 @@ def test_cli_end_to_end(dino_ckpt, tmp_path, capsys):
     assert "ssl-vit export takes the backbone's file as its first argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("fixture", "which", "said"), [("mpp_ckpt", None, "the mpp backbone vit"), ("moco_ckpt", None, "the mocov3 backbone vit"),
+                                                         ("moco_ckpt", "momentum", "the mocov3 momentum backbone vit")])
+def test_the_cli_names_the_encoder_only_where_there_is_a_choice(request, tmp_path, capsys, fixture, which, said):
+    # MPP has no "student": its one online backbone goes unnamed, as MoCo v3's default base encoder
+    args = ["export", str(request.getfixturevalue(fixture)), "--out", str(tmp_path / "exp")] + (["--which", which] if which else [])
+    assert cli.main(args) == 0
+    assert f"exported {said} (" in capsys.readouterr().out
+
+
 def test_cli_exports_a_bare_state_dict_named_with_arch(tmp_path, capsys):
     # The option the error message names (--arch, as in eval and visualize) is accepted here too.
     bare = tmp_path / "bare.pth"
