@@ -316,7 +316,7 @@ def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
         ("SIGINT", 4, 4),  # Ctrl-C: as SIGTERM, the step finishes and last.ckpt is written
     ],
 )
-def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, how, step, resumed_from):
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted, how, step, resumed_from, caplog):
     interrupt = [{"class_path": "test_faults.Interrupt", "init_args": {"step": step, "how": how}}]
     if how == "crash":
         before = signal.getsignal(signal.SIGINT)
@@ -329,7 +329,10 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, unint
     assert last["global_step"] == resumed_from
     # The run resumes with worker processes reading the data: the result cannot depend on them.
     resumed = recipe(tmp_path, data={"num_workers": 1} if how == "SIGTERM" else None)
-    assert fit("--config", str(resumed), "--resume") == 0
+    with caplog.at_level(logging.INFO):
+        assert fit("--config", str(resumed), "--resume") == 0
+    assert "effective batch size" in caplog.text  # (the log is captured)
+    assert "planned for" not in caplog.text and "resumed a run trained at" not in caplog.text  # same settings: no note
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 

@@ -585,6 +585,7 @@ def test_resuming_with_another_batch_size_says_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         assert cli_main(["fit", "--config", str(cfg), "--resume", "--trainer.max_steps", "3", "--global_batch_size", "4"]) == 0
     assert "resumed a run trained at an effective batch size of 8 with 4: from step 2 on" in caplog.text
+    assert "resumed a run planned for 2 optimiser steps as one of 3: from step 2 on, the LR, weight-decay and momentum" in caplog.text
     # The epochs trained, as records report them: 2 x 8 + 1 x 4 of the 32 images, not 3 steps of
     # the 8 a 4-image batch takes per epoch (0.375).
     from ssl_vit.export.load import load_any_backbone

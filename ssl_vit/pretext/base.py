@@ -277,6 +277,13 @@ class PretextModule(L.LightningModule):
                     else f"warmup_epochs {self.hparams.warmup_epochs:g} = {warmup} steps")
             rank_zero_info(f"[ssl_vit] note: the LR warm-up, {what}, spans the whole run of {self._total_steps} steps: "
                            "its LR only rises and the cosine never starts (set a shorter warm-up)")
+        planned = getattr(self, "_resumed_total_steps", None)
+        if planned and planned != self._total_steps:
+            rank_zero_info(
+                f"[ssl_vit] note: resumed a run planned for {planned} optimiser steps as one of {self._total_steps}: from step "
+                f"{self.global_step} on, the LR, weight-decay and momentum schedules follow the new length (the run is not "
+                f"the one a {self._total_steps}-step run would have been)"
+            )
         resumed_at = getattr(self, "_resumed_global_batch", None)
         if resumed_at and resumed_at != global_batch:
             rank_zero_info(
@@ -478,6 +485,7 @@ class PretextModule(L.LightningModule):
             "data": getattr(self, "data_info", None),
             "recipe": getattr(self, "recipe", None),
             "global_batch_size": self.global_batch_size,
+            "total_steps": self._total_steps,  # the length the schedules were planned for
             # The encoder that evaluation and export take by default (DINO: the teacher).
             "default_encoder": self.default_encoder,
             # What a resumed run needs besides weights, optimiser and loops: the per-step seed
@@ -513,6 +521,7 @@ class PretextModule(L.LightningModule):
             self._seed = int(meta["seed"])
         self._skipped_batches = int(meta.get("skipped_batches", 0))
         self._resumed_global_batch = meta.get("global_batch_size")
+        self._resumed_total_steps = meta.get("total_steps")
 
 
 def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[str, Any]) -> None:
