@@ -190,7 +190,9 @@ def evaluate(
     return evaluate_features(
         backbone, train_ds, test_ds, budget.protocols(seed), method=label, data={"name": "fashion_mnist"}, num_classes=10,
         batch_size=512, num_workers=num_workers, device=device, source=source, pretrain=pretrain_record,
-        out_dir=out_dir / "results",
+        # Beside the method's checkpoints, as `ssl-vit fit` writes a recipe's evaluation: an
+        # export of that checkpoint then carries its results (random init: out/results).
+        out_dir=(out_dir / "runs" / label if label in RECIPES else out_dir) / "results",
     )
 
 

@@ -54,6 +54,11 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys):
     assert "**Note:** --quick is a smoke run" in (out / "report.md").read_text()  # the report read alone says so too
     assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert (out / "runs" / "dino" / "checkpoints" / "last.ckpt").is_file()
+    # each method's records sit beside its checkpoints: an export of one carries them
+    from ssl_vit.export import export_backbone
+
+    exported = export_backbone(out / "runs" / "dino" / "checkpoints" / "last.ckpt", tmp_path / "exp").config["ssl_vit"]["results"]
+    assert sorted((r["method"], r["protocol"]) for r in exported) == [("dino", "knn"), ("dino", "linear")]
     assert out / "results.json" in earlier_run(out)  # a second run into `out` is refused
 
 
