@@ -704,6 +704,8 @@ def test_step_table_columns_by_hand() -> None:
     assert row["GFLOP/img"] == "2.00" and row["ours GFLOP/s"] == "40.0"
     assert row["ours/peer of matmul"] == "50%/25%"
     assert _cells(text, "mpp")["ours img/s"] == "error"
+    # a tiny model's sub-0.005 GFLOPs and sub-MiB saved tensors keep two significant digits, not 0
+    assert (report._num(1.2e6, ".2f", 1e9), report._num(0.3 * 2**20, ".0f", 2**20), report._num(0.0, ".2f")) == ("0.0012", "0.3", "0.00")
 
 
 def test_report_text_by_hand() -> None:

@@ -12,7 +12,14 @@ def ratio(x: float | None, digits: int = 2) -> str:
 
 
 def _num(x: float | None, fmt: str = ".2f", scale: float = 1.0) -> str:
-    return "-" if x is None else format(x / scale, fmt)
+    if x is None:
+        return "-"
+    v = x / scale
+    # A small value a fixed-point format would print as 0 (a tiny model's GFLOPs or MiB): two
+    # significant digits instead.
+    if fmt.endswith("f") and v != 0 and format(abs(v), fmt).strip("0.") == "":
+        return format(v, ".2g")
+    return format(v, fmt)
 
 
 def _pct(x: float | None) -> str:
