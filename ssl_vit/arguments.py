@@ -35,6 +35,18 @@ def plain_type(annotation: Any) -> tuple[type, bool] | None:
     return None
 
 
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal[...]`` annotation (``Literal[...] | None``: with None), else None."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+        if len(literals) == 1 and all(a is type(None) or a in literals for a in args):
+            return (*typing.get_args(literals[0]), *((None,) if type(None) in args else ()))
+    return None
+
+
 def _accepts(kind: type, value: Any) -> bool:
     if kind is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
@@ -63,6 +75,11 @@ def check_argument_types(fn: Callable[..., Any], kwargs: Mapping[str, Any], wher
     annotation: ``"{where}embed_dim must be an integer, got 'abc'"``."""
     hints = annotations_of(fn)
     for name, value in kwargs.items():
+        choices = literal_choices(hints.get(name))
+        if choices is not None:
+            if value not in choices:
+                raise TypeError(f"{where}{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+            continue
         plain = plain_type(hints.get(name))
         if plain is None:
             continue

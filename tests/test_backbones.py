@@ -312,6 +312,13 @@ def test_intermediate_layers_end_with_forward_features():
         assert not torch.allclose(raw[0], raw[1])
     with pytest.raises(ValueError, match="out of range"):
         m.get_intermediate_layers(x, [12])
+    for n in (0, -1, 13):  # "the last n blocks": none, or more than there are, is an error, not []
+        with pytest.raises(ValueError, match=rf"n={n}: the last n blocks of a backbone of depth 12 need n in 1..12"):
+            m.get_intermediate_layers(x, n)
+    resnet = create_backbone("resnet18", in_chans=3)
+    for n in (0, 5, [3]):
+        with pytest.raises(ValueError, match=r"n must be a number of last stages in 1..4"):
+            resnet.get_intermediate_layers(torch.randn(1, 3, 32, 32), n)
 
 
 # ----------------------------------------------------------------------------- masking hook
@@ -420,8 +427,17 @@ def test_wrong_channel_count_at_forward(name, kwargs):
 
 
 def test_bad_architecture_arguments():
-    with pytest.raises(ValueError, match="pos_embed must be"):
+    with pytest.raises(TypeError, match="backbone 'vit_tiny': pos_embed must be one of 'learn', 'sincos', got '2d'"):
         create_backbone("vit_tiny", pos_embed="2d")
+    with pytest.raises(ValueError, match="pos_embed must be 'learn' or 'sincos'"):
+        VisionTransformer(pos_embed="2d")
+    with pytest.raises(TypeError, match="backbone 'hybrid': resnet must be one of 'resnet18', 'resnet50', got 'resnet34'"):
+        create_backbone("hybrid", img_size=32, embed_dim=32, depth=1, num_heads=2, resnet="resnet34")
+    for name, value in (("num_heads", 0), ("patch_size", 0), ("depth", -1), ("embed_dim", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):
+            VisionTransformer(**{"embed_dim": 32, "depth": 1, "num_heads": 2, name: value})
+    with pytest.raises(ValueError, match="mlp_ratio must be > 0, got 0.0"):
+        VisionTransformer(embed_dim=32, depth=1, num_heads=2, mlp_ratio=0.0)
     with pytest.raises(ValueError, match="drop_path_rate"):
         create_backbone("vit_tiny", drop_path_rate=1.5)
     with pytest.raises(ValueError, match="not divisible by num_heads"):

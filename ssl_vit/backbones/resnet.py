@@ -99,8 +99,8 @@ class ResNetBackbone(nn.Module):
     def get_intermediate_layers(self, x: Tensor, n: int = 1, norm: bool = True) -> list[Tensor]:
         """Feature maps of the last ``n`` stages, each ``[B, C_i, h_i, w_i]`` (``norm`` is accepted
         for interface parity with the ViT and ignored: ResNet stages end in BatchNorm)."""
-        if not 1 <= n <= self.num_stages:
-            raise ValueError(f"n must be in 1..{self.num_stages}, got {n}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_stages:
+            raise ValueError(f"n must be a number of last stages in 1..{self.num_stages} (stage indices are not taken), got {n!r}")
         outs = []
         x = self._stem(x)
         for stage in self._stages():

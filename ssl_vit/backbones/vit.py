@@ -225,6 +225,11 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
         if not 0.0 <= drop_path_rate < 1.0:
             raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+        for name, value in (("patch_size", patch_size), ("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio}")
         self.embed_dim = embed_dim
         self.num_features = embed_dim
         self.depth = depth
@@ -367,10 +372,16 @@ class VisionTransformer(nn.Module):
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1, norm: bool = True) -> list[Tensor]:
         """Outputs of the last ``n`` blocks (or of the blocks whose indices are given), each
         ``[B, 1+N, D]``, optionally passed through the final LayerNorm (DINO's linear protocol
-        concatenates the [CLS] of the last 4 of these)."""
-        keep = list(range(self.depth - n, self.depth)) if isinstance(n, int) else list(n)
-        if any(not 0 <= i < self.depth for i in keep):
-            raise ValueError(f"block indices {keep} out of range for depth {self.depth}")
+        concatenates the [CLS] of the last 4 of these). Unlike timm's method of this name, the
+        [CLS] token is kept and the norm applied by default (DINO's convention)."""
+        if isinstance(n, int):
+            if not 1 <= n <= self.depth:
+                raise ValueError(f"n={n}: the last n blocks of a backbone of depth {self.depth} need n in 1..{self.depth}")
+            keep = list(range(self.depth - n, self.depth))
+        else:
+            keep = list(n)
+            if not keep or any(not 0 <= i < self.depth for i in keep):
+                raise ValueError(f"block indices {keep} out of range for depth {self.depth} (0..{self.depth - 1})")
         _, _, kept = self._run_blocks(self.prepare_tokens(x), keep=keep)
         return [self.norm(t) if norm else t for t in kept]
 
