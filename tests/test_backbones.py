@@ -33,8 +33,31 @@ def test_registry_lists_the_families():
 
 
 def test_unknown_backbone_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown backbone 'vit_gigantic'.*vit_tiny"):
+    with pytest.raises(ValueError, match=r"unknown backbone 'vit_gigantic'.*vit_tiny.*\(one of your own: name the module that registers it in SSL_VIT_PLUGINS\)"):
         create_backbone("vit_gigantic")
+
+
+def test_a_module_registering_its_backbone_again_replaces_it_and_another_builder_is_refused():
+    # A reloaded plugin module (a notebook cell run twice) makes a new builder of the same module
+    # and name: it replaces the old one. A builder from elsewhere under a taken name is refused.
+    from ssl_vit.backbones.registry import _REGISTRY, BackboneSpec, register_backbone
+
+    def make(module: str):
+        def vit_reloaded(img_size: int = 16):
+            return VisionTransformer(img_size=img_size, embed_dim=32, depth=1, num_heads=2)
+        vit_reloaded.__module__ = module
+        return vit_reloaded
+
+    try:
+        first, again = make("mypkg.backbones"), make("mypkg.backbones")
+        register_backbone(BackboneSpec("vit_reloaded", first))
+        register_backbone(BackboneSpec("vit_reloaded", again))
+        assert _REGISTRY["vit_reloaded"].build is again
+        with pytest.raises(ValueError, match="backbone 'vit_reloaded' is registered twice: by mypkg.backbones.*and by other.pkg"):
+            register_backbone(BackboneSpec("vit_reloaded", make("other.pkg")))
+        assert isinstance(create_backbone("vit_reloaded", img_size=16), VisionTransformer)
+    finally:
+        _REGISTRY.pop("vit_reloaded", None)
 
 
 def test_unknown_kwarg_names_accepted_ones():

@@ -38,9 +38,16 @@ class BackboneSpec:
 _REGISTRY: dict[str, BackboneSpec] = {}
 
 
+def _origin(build: Callable[..., nn.Module]) -> str:
+    return f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"
+
+
 def register_backbone(spec: BackboneSpec) -> BackboneSpec:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"backbone {spec.name!r} is registered twice")
+    """Add an architecture under ``spec.name``. The same module registering it again (a reloaded
+    module, a notebook cell run twice) replaces it; another builder under a taken name is an error."""
+    old = _REGISTRY.get(spec.name)
+    if old is not None and _origin(old.build) != _origin(spec.build):
+        raise ValueError(f"backbone {spec.name!r} is registered twice: by {_origin(old.build)} and by {_origin(spec.build)}")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -52,7 +59,8 @@ def list_backbones() -> list[str]:
 
 def get_spec(name: str) -> BackboneSpec:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown backbone {name!r}{did_you_mean(name, _REGISTRY)}; known backbones: {', '.join(list_backbones())}")
+        raise ValueError(f"unknown backbone {name!r}{did_you_mean(name, _REGISTRY)}; known backbones: {', '.join(list_backbones())} "
+                         "(one of your own: name the module that registers it in SSL_VIT_PLUGINS)")
     return _REGISTRY[name]
 
 
