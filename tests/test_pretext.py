@@ -653,3 +653,11 @@ def test_the_online_probe_trains_on_the_representation_it_is_validated_on(method
     first = calls[0][:4]  # [B, 1+N, D]: the first view's tokens as the step saw them
     assert torch.allclose(out["features"], first[:, 1:].mean(1), atol=1e-6)
     assert not torch.allclose(out["features"], first[:, 0], atol=1e-3)
+
+
+def test_a_batch_of_bare_images_is_refused_by_name():
+    # A plain (images, labels) loader instead of a view transform's (views, labels): the images
+    # would be unpacked along the batch as if they were views.
+    model = make("supervised")
+    with pytest.raises(TypeError, match=r"a training batch must be \(views, labels\) with views a list of \[B, C, H, W\] tensors.*got tuple of Tensor, Tensor"):
+        model.training_step((torch.randn(4, 1, 16, 16), torch.zeros(4, dtype=torch.long)), 0)

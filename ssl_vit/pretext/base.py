@@ -365,6 +365,10 @@ class PretextModule(L.LightningModule):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+        if not (isinstance(batch, list | tuple) and len(batch) == 2 and isinstance(batch[0], list | tuple)):
+            raise TypeError("a training batch must be (views, labels) with views a list of [B, C, H, W] tensors, one per "
+                            "view (the datamodules' view transforms make it: SingleView, TwoViews, MultiCrop); got "
+                            f"{type(batch).__name__} of {', '.join(type(b).__name__ for b in batch) if isinstance(batch, list | tuple) else '?'}")
         views, labels = batch
         # What the forward changes besides the parameters (BatchNorm statistics, DINO's centre),
         # to put back if this batch is skipped: small tensors, copied only under the skip policy.
