@@ -92,6 +92,9 @@ class MoCoV3Loss(nn.Module):
         self.temperature = temperature
 
     def forward(self, q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor) -> Tensor:
+        if not q1.shape == q2.shape == k1.shape == k2.shape:
+            # The keys are this process's own, one per query image (the gather adds the others').
+            raise ValueError(f"q1, q2, k1, k2 must all be [B, C] of one batch, got {', '.join(str(tuple(t.shape)) for t in (q1, q2, k1, k2))}")
         rank, _ = world_info()
         k1_all = concat_all_gather(k1)  # [W*B, C]
         k2_all = concat_all_gather(k2)  # [W*B, C]

@@ -67,6 +67,13 @@ def test_mocov3_loss_default_temperature() -> None:
     assert MoCoV3Loss().temperature == 0.2
 
 
+def test_mocov3_loss_refuses_keys_of_another_batch() -> None:
+    # One process: 8 keys for 4 queries would make the 4 others silent negatives of another batch.
+    q = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"q1, q2, k1, k2 must all be \[B, C\] of one batch, got \(4, 8\), \(4, 8\), \(8, 8\), \(8, 8\)"):
+        MoCoV3Loss()(q, q, torch.randn(8, 8), torch.randn(8, 8))
+
+
 def test_contrastive_label_offset_with_fake_gather() -> None:
     torch.manual_seed(2)
     world, b, tau = 3, 4, 0.2
