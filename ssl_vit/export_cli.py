@@ -121,6 +121,9 @@ def main(argv: list[str]) -> int:
         f"exported the {what} backbone {info['backbone']} ({h}x{w}, {info['in_chans']} channel(s), "
         f"{info['weights_format']} keys) from {args.source} to {result.out_dir}"
     )
+    if "architecture" not in result.config:
+        print(f"  note: timm has no architecture for {info['backbone']}: load this export with ssl_vit.load_backbone "
+              "(timm.create_model('local-dir:...') needs one)")
     for path in result.files:
         diff = result.parity.get(path.name)
         check = f"max |diff| vs eager {diff:.2e}" if diff is not None else f"{len(info['results'])} evaluation result(s)"

@@ -491,6 +491,14 @@ def test_the_cli_names_the_encoder_only_where_there_is_a_choice(request, tmp_pat
     assert f"exported {said} (" in capsys.readouterr().out
 
 
+def test_the_cli_says_when_timm_cannot_build_the_export(tmp_path, capsys):
+    kwargs = {"resnet": "resnet18", "embed_dim": 32, "depth": 1, "num_heads": 2, "img_size": 16, "in_chans": 1, "small_input": True, "num_stages": 3}
+    assert cli.main(["export", "random:hybrid", "--backbone-kwargs", json.dumps(kwargs), "--out", str(tmp_path / "hyb")]) == 0
+    assert "note: timm has no architecture for hybrid: load this export with ssl_vit.load_backbone" in capsys.readouterr().out
+    assert cli.main(["export", "random:vit_tiny", "--backbone-kwargs", '{"img_size": 16, "patch_size": 8}', "--out", str(tmp_path / "vit")]) == 0
+    assert "timm has no architecture" not in capsys.readouterr().out
+
+
 def test_cli_exports_a_bare_state_dict_named_with_arch(tmp_path, capsys):
     # The option the error message names (--arch, as in eval and visualize) is accepted here too.
     bare = tmp_path / "bare.pth"
