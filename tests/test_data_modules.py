@@ -185,6 +185,13 @@ def test_image_folder_with_classes_and_flat(tmp_path):
     assert flat.num_classes is None and not flat.has_labelled_test_split()
     no_val = ImageFolderDataModule(str(tmp_path / "train"), img_size=16, in_chans=1, batch_size=5, num_workers=0)
     assert not no_val.has_labelled_test_split()
+    # a recipe evaluating on it is refused before training
+    from ssl_vit.training.evaluate import RecipeEvaluation
+
+    with pytest.raises(ValueError, match=r"ImageFolderDataModule has no labelled test split to evaluate on; set data val_dir "
+                                         r"to a labelled folder, or set evaluate.protocols: \[\] to pretrain without evaluating"):
+        RecipeEvaluation(protocols=["knn"]).check_data(no_val)
+    RecipeEvaluation(protocols=["knn"]).check_data(dm)
     _, labels = next(iter(flat.train_dataloader()))
     assert labels.tolist() == [-1, -1, -1]
     assert flat.val_dataloader() == [] and flat.eval_datasets()[1] is None

@@ -147,9 +147,9 @@ class RecipeEvaluation:
             return
         has_test = getattr(datamodule, "has_labelled_test_split", None)
         if callable(has_test) and not has_test():
-            fix = "set data val_dir to a labelled folder, " if hasattr(datamodule, "val_dir") else ""
+            fix = "set data val_dir to a labelled folder, or " if hasattr(datamodule, "val_dir") else ""
             raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on; "
-                             f"{fix}or set evaluate.protocols: [] to pretrain without evaluating")
+                             f"{fix}set evaluate.protocols: [] to pretrain without evaluating")
         sizes = [n for n in (getattr(datamodule, "subset", None), self.train_subset) if n is not None]
         if not sizes:
             return
