@@ -238,6 +238,31 @@ def test_dino_centre_moves_once_per_step_under_gradient_accumulation():
     torch.testing.assert_close(centres[1], centres[0], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [0, 1])  # the first micro-batch of step 2, or its last (run inside the optimiser step)
+def test_a_skipped_accumulated_step_leaves_dinos_centre_where_it_was(bad):
+    # Expectation by hand: step 2 is skipped, so the centre after it is the centre after step 1,
+    # and stays finite; without the skip both micro-batches' teacher means would move it.
+    views, labels = fixed_views(VIEW_SIZES["dino"], batch=16)
+    halves = [([v[:8] for v in views], labels[:8]), ([v[8:] for v in views], labels[8:])]
+    poisoned = [[v.clone() for v in halves[bad][0]], halves[bad][1]]
+    poisoned[0][0][0] = float("nan")  # one corrupt image
+    step2 = [poisoned, halves[1]] if bad == 0 else [halves[0], poisoned]
+    seen = []
+
+    class Centre(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx % 2:  # the end of an optimiser step
+                seen.append(pl_module.criterion.center.clone())
+
+    torch.manual_seed(0)
+    model = make("dino", num_classes=None, nonfinite_policy="skip")
+    trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Centre()])
+    trainer.fit(model, DataLoader(RepeatList(halves + step2 + halves), batch_size=None))
+    assert model._skipped_batches == 1 and all(torch.isfinite(c).all() for c in seen)
+    assert torch.equal(seen[1], seen[0]) and not torch.equal(seen[2], seen[1])
+
+
 def test_dino_last_layer_frozen_in_first_epoch_only():
     torch.manual_seed(0)
     model = make("dino", freeze_last_layer_epochs=1)

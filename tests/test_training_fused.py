@@ -98,3 +98,50 @@ def test_a_checkpoint_of_the_loop_resumes_as_it_was_written() -> None:
     for a, b in zip(old.parameters(), new.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(float(s["step"]) == 3.0 for s in new_opt.state.values())
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fp16_loss_scaling_unscales_a_fused_optimiser_before_clipping_and_skipping(skip: bool) -> None:
+    # Lightning unscales before the clipping hooks only for optimisers that do not unscale in
+    # their step; the fused ones do. Expectation: the clip sees the same (unscaled) gradient norm
+    # and the step moves the weights as far as with the per-tensor loop; a skipped batch (a
+    # non-finite loss) leaves the scaler an inf check to update from instead of failing.
+    import lightning as L
+    from helpers import RepeatBatch, fixed_views
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    import ssl_vit.pretext.base as base
+
+    seen: list[float] = []
+    real = base.clip_gradients
+
+    def spy(params, clip, mode, group):
+        norm = real(params, clip, mode, group)
+        seen.append(float(norm.max()))
+        return norm
+
+    class NaNOnce(Supervised):
+        def step(self, views, labels):
+            out = super().step(views, labels)
+            return {**out, "loss": out["loss"] * float("nan")} if skip and self.global_step == 1 else out
+
+    moved = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = NaNOnce(**TINY_BACKBONE, num_classes=4, optimizer="sgd", base_lr=0.1, warmup_epochs=0.0, weight_decay=0.0,
+                        grad_clip=1.0, grad_clip_mode="global", fused_optimizer=fused, nonfinite_policy="skip")
+        before = [p.detach().clone() for p in model.backbone.parameters()]
+        views, labels = fixed_views([16], batch=8)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, plugins=[plugin])
+        seen.clear()
+        base.clip_gradients = spy
+        try:
+            trainer.fit(model, torch.utils.data.DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
+        finally:
+            base.clip_gradients = real
+        assert trainer.global_step == 2 and model._skipped_batches == int(skip)
+        assert seen[0] < 100  # the unscaled norm, not 65536 times it
+        moved.append((seen[0], sum(float((p.detach() - b).norm()) for p, b in zip(model.backbone.parameters(), before))))
+    assert moved[1] == pytest.approx(moved[0], rel=1e-3)

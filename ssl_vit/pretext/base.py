@@ -152,6 +152,7 @@ class PretextModule(L.LightningModule):
         self._steps_per_epoch = 1
         self._skipped_batches = 0
         self._skipping = False  # the current batch is being skipped (non-finite loss)
+        self.step_skipped = False  # the last optimiser step was skipped
         self._seed: int | None = None  # base of the per-step seeds; kept in checkpoints
         self.peak_lr = base_lr
         self.global_batch_size: int | None = None
@@ -327,7 +328,8 @@ class PretextModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
         # Our own clipping (per-parameter for DINO) of the model's gradients: the online probe
         # learns from detached features, and its gradient must not shrink the model's update.
-        # A Trainer-level clip (Lightning's, over every parameter) still works on top.
+        # A Trainer-level clip (Lightning's, over every parameter) still works on top, except with
+        # fp16 loss scaling and a fused optimiser, which Lightning refuses (grad_clip is not).
         clip = self.hparams.grad_clip
         if clip:
             probe_ids = self._probe_param_ids()
@@ -340,6 +342,14 @@ class PretextModule(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # fp16 with a loss scaler: Lightning unscales the gradients before this hook only for
+        # optimisers that do not unscale inside their step, as the fused ones do; ours (the
+        # default) would otherwise be clipped at 65536x their size, and a skipped batch would
+        # leave the scaler without the inf check its update needs. GradScaler.step takes an
+        # optimiser unscaled here as it takes any other.
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+        if scaler is not None and scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.unscale_(optimizer)
         if self._skipping:
             # A skipped batch: without gradients the optimiser leaves every parameter, its moments
             # and its weight decay alone.
@@ -355,8 +365,11 @@ class PretextModule(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
-        if self._skipping:
-            self._skipping = False
+        # Read after the step: Lightning runs the last micro-batch's training_step inside it, so a
+        # non-finite loss there is only known now. ``step_skipped`` tells a method's own
+        # optimizer_step (DINO's centre) what happened.
+        self.step_skipped, self._skipping = self._skipping, False
+        if self.step_skipped:
             return
         # EMA after each optimiser step (MoCo v3 Alg. 1; DINO main loop "EMA update for the teacher").
         if self.ema is not None:

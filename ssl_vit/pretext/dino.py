@@ -161,9 +161,8 @@ class DINO(PretextModule):
         self.criterion.defer_center = self.trainer.accumulate_grad_batches > 1
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        skipped = self._skipping
         super().optimizer_step(*args, **kwargs)
-        if skipped:
+        if self.step_skipped:  # (known only after the step: its last micro-batch runs inside it)
             self.criterion.discard_pending_center()
         else:
             self.criterion.step_center()
