@@ -368,6 +368,7 @@ def test_clipping_matches_torch_clip_grad_norm_and_never_scales_up(monkeypatch, 
     # torch.nn.utils.clip_grad_norm_ does: per parameter, small gradients untouched.
     if sharded:
         monkeypatch.setattr(grad_clip.dist, "all_reduce", lambda tensor, group=None: None)
+        monkeypatch.setattr(grad_clip.dist, "get_backend", lambda group=None: "gloo")
     group = object() if sharded else None
     scales = [0.01, 10.0, 0.02, 5.0]  # two gradients below max_norm 1, two above
     ours, ref = _grads(scales), _grads(scales)
@@ -383,6 +384,11 @@ def test_clipping_matches_torch_clip_grad_norm_and_never_scales_up(monkeypatch, 
     for a, b in zip(small, ref):
         torch.testing.assert_close(a.grad, b.grad)
     assert clip_gradients([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))], 1.0, "per_param").tolist() == [0.0, 0.0]
+    if sharded:  # a skipped step (no gradients) still joins the all-reduce, with the parameters' device
+        reduced = []
+        monkeypatch.setattr(grad_clip.dist, "all_reduce", lambda tensor, group=None: reduced.append(tensor.device))
+        assert clip_gradients([nn.Parameter(torch.ones(2))], 1.0, "per_param", shard_group=group).tolist() == [0.0]
+        assert reduced == [torch.device("cpu")]
 
 
 # ----------------------------------------------------------------------------- position embeddings

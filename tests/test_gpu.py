@@ -190,3 +190,30 @@ def test_pretext_optimiser_is_fused_on_cuda_and_matches_the_loop() -> None:
             opt.step()
     for a, b in zip(fused.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_clipping_of_a_skipped_step_reduces_on_the_gpu_for_nccl() -> None:
+    # A skipped batch under FSDP has no gradients: the norms to all-reduce must still be CUDA
+    # tensors for NCCL (a CPU tensor there is an error), and nothing is clipped.
+    import os
+
+    import torch.distributed as dist
+
+    from ssl_vit.training.grad_clip import clip_gradients
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    group = dist.new_group(backend="nccl") if dist.is_initialized() else None
+    if group is None:
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        group = dist.group.WORLD
+    try:
+        params = [torch.nn.Parameter(torch.ones(3, device="cuda")), torch.nn.Parameter(torch.ones(2, device="cuda"))]
+        norms = clip_gradients(params, 3.0, "per_param", group)  # no gradients: a skipped step
+        assert norms.device.type == "cuda" and norms.tolist() == [0.0, 0.0]
+        params[0].grad = torch.full((3,), 4.0, device="cuda")
+        clip_gradients(params, 3.0, "per_param", group)
+        assert params[0].grad.norm().item() == pytest.approx(3.0, rel=1e-4)
+    finally:
+        if group is dist.group.WORLD:
+            dist.destroy_process_group()

@@ -43,20 +43,25 @@ def clip_gradients(
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
     if not present and shard_group is None:
         return torch.zeros(len(params))
-    device = present[0].device if present else torch.device("cpu")
+    # Where the norms are summed: the gradients' device; with none here (a skipped batch, whose
+    # gradients were dropped) the parameters'; for NCCL a GPU whatever they are on (it reduces
+    # CUDA tensors only; CPU-offloaded gradients live on the CPU).
+    device = present[0].device if present else (params[0].device if params else torch.device("cpu"))
+    if shard_group is not None and dist.get_backend(shard_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     zero = torch.zeros((), device=device)
-    squares = torch.stack([g.detach().float().pow(2).sum() if g is not None else zero for g in grads])  # [P]
+    squares = torch.stack([g.detach().float().pow(2).sum().to(device) if g is not None else zero for g in grads])  # [P]
     if shard_group is not None:
         dist.all_reduce(squares, group=shard_group)
     if mode == "global":
         norm = squares.sum().sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in present:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return norm
     norms = squares.sqrt()  # [P]
     coefs = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
     for g, c in zip(grads, coefs.unbind()):
         if g is not None:
-            g.mul_(c.to(g.dtype))
+            g.mul_(c.to(device=g.device, dtype=g.dtype))
     return norms
