@@ -90,6 +90,8 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
         assert record["protocol_args"]["warmup_epochs"] == 5.0
+        # what ran: 2 steps of the 1-epoch run, with its seed
+        assert (record["protocol_args"]["max_steps"], record["protocol_args"]["seed"]) == (2, 0)
         assert "fine-tuning's 5 warm-up epochs cover its whole run of 1: its LR only rises" in capsys.readouterr().err
     if protocol == "linear":
         assert record["protocol_args"]["warmup_epochs"] == 10
@@ -102,6 +104,7 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
         assert json.loads((tmp_path / "lars.json").read_text())["protocol_args"]["base_lr"] == 0.1
     if protocol == "linear_aug":
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["features"] == "avg"
+        assert record["protocol_args"]["max_steps"] is None  # no cap
         assert path.name == "random_vit-D32-L2-H2-4_synthetic_linear_aug-avg.json"
 
 

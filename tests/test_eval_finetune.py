@@ -188,6 +188,11 @@ def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_pat
     monkeypatch.setattr(FineTuneModule, "training_step", step)
     with pytest.raises(ValueError, match="already holds a fine-tuning run's checkpoints"):
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
+    # Other settings on resume would not run (the optimiser and its LR schedule are restored)
+    # while the record would claim them: refused, naming them.
+    with pytest.raises(ValueError, match=r"is a fine-tuning run started with other settings: base_lr 0.0005 there, 0.05 here; "
+                                         r"epochs 2 there, 3 here; total_steps 6 there, 9 here; resume it with the command"):
+        run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "epochs": 3}, base_lr=0.05)
     resumed = tiny_vit()
     got = run_finetune(resumed, train, test, run_dir=tmp_path / "cut", resume=True, **common)
     assert got == want
@@ -262,3 +267,15 @@ def test_the_training_loss_is_label_smoothed_cross_entropy_from_a_near_zero_head
         logp = module(x).log_softmax(-1)
     smoothed = 0.9 * torch.nn.functional.one_hot(y, 3) + 0.1 / 3  # (1 - ε) onehot + ε / K
     assert loss.item() == pytest.approx(-(smoothed * logp).sum(-1).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(("replicas", "batch", "want"), [(1, 48, 1), (2, 48, 1), (2, 16, 2), (1, 16, 4)])
+def test_each_process_gets_a_batch_when_its_share_is_smaller_than_one(replicas, batch, want):
+    # 64 images over 2 processes are 32 each: a per-process batch of 48 must give one short batch,
+    # not none (drop_last was decided on the whole set: "No training batches", an untrained record).
+    from ssl_vit.data.sampler import ResumableSampler
+    from ssl_vit.eval.train_run import training_loader
+
+    data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, dtype=torch.long))
+    loader = training_loader(data, ResumableSampler(data, num_replicas=replicas, rank=0, seed=0), batch, num_workers=0)
+    assert len(loader) == want and len(list(loader)) == want

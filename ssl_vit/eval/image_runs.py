@@ -111,10 +111,11 @@ class FineTuneSettings:
         scale = self.scale_for(img_size)
         return None if scale is None else SingleView(scale=scale)
 
-    def protocol_args(self, img_size: int, new_img_size: int | None, precision: str, devices: int, num_nodes: int) -> dict[str, Any]:
+    def protocol_args(self, img_size: int, new_img_size: int | None, precision: str, devices: int, num_nodes: int, seed: int) -> dict[str, Any]:
         """The record's ``protocol_args`` (the names of ``ssl-vit eval finetune``'s options)."""
         scale = self.scale_for(img_size)
-        return {"epochs": self.epochs, "lr": self.base_lr, "layer_decay": self.layer_decay, "drop_path": self.drop_path_rate,
+        return {"epochs": self.epochs, "max_steps": None if self.max_steps == -1 else self.max_steps, "seed": seed,
+                "lr": self.base_lr, "layer_decay": self.layer_decay, "drop_path": self.drop_path_rate,
                 "label_smoothing": self.label_smoothing, "weight_decay": self.weight_decay, "img_size": new_img_size,
                 "batch_size": self.batch_size, "mixup": self.mixup_alpha, "cutmix": self.cutmix_alpha, "precision": precision,
                 "devices": devices, "num_nodes": num_nodes, "warmup_epochs": self.warmup_epochs,
@@ -174,7 +175,7 @@ def finetune_and_record(
         return None  # another process of a distributed run: process 0 tests and writes the record
     result = EvalResult(
         method=method, backbone=backbone_record, data=data_record, protocol="finetune", metrics=metrics,
-        protocol_args=settings.protocol_args(img_size, new_img_size, precision, count, num_nodes), pretrain=pretrain, source=source,
+        protocol_args=settings.protocol_args(img_size, new_img_size, precision, count, num_nodes, seed), pretrain=pretrain, source=source,
     )
     return result, result.to_json(result_path(out, result))
 
@@ -231,7 +232,8 @@ class LinearAugSettings:
 
     def protocol_args(self, img_size: int, features: str, precision: str, devices: int, num_nodes: int, seed: int) -> dict[str, Any]:
         """The record's ``protocol_args``."""
-        return {"epochs": self.epochs, "base_lr": self.base_lr, "optimizer": self.optimizer, "batch_size": self.batch_size,
+        return {"epochs": self.epochs, "max_steps": None if self.max_steps == -1 else self.max_steps, "base_lr": self.base_lr,
+                "optimizer": self.optimizer, "batch_size": self.batch_size,
                 "warmup_epochs": self.warmup_epochs, "crop_scale": list(self.scale_for(img_size)), "features": features,
                 "precision": precision, "devices": devices, "num_nodes": num_nodes, "seed": seed}
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from ssl_vit.backbones.registry import kwargs_differences
+from ssl_vit.backbones.registry import as_plain, kwargs_differences
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
 from ssl_vit.runtime import release_process_group
@@ -77,6 +77,15 @@ class _PlainIndex(Dataset):
 
     def __getitem__(self, index: SeededIndex | int) -> Any:
         return self.dataset[index.index if isinstance(index, SeededIndex) else index]
+
+
+def training_loader(train_ds: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int) -> ResumableLoader:
+    """The resumable training loader of one process: full batches only where the process's share
+    of the epoch holds more than one (else the one short batch there is, not none)."""
+    return ResumableLoader(
+        train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
+        batch_size=batch_size, drop_last=sampler.num_samples > batch_size, num_workers=num_workers,
+    )
 
 
 def train_and_test(
@@ -157,18 +166,22 @@ def train_and_test(
     )
     # The training order: shuffled per (seed, epoch), sharded over the processes, resumable.
     sampler = ResumableSampler(train_ds, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=seed)
-    train_loader = ResumableLoader(
-        train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
-        batch_size=batch_size, drop_last=len(train_ds) > batch_size, num_workers=num_workers,
-    )
+    train_loader = training_loader(train_ds, sampler, batch_size, num_workers)
     test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     per_epoch = max(1, len(train_loader))
     total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
     module = make_module(total, per_epoch, trainer.world_size)
+    # What the run was started with: a resume restores its optimiser and LR schedule, so other
+    # settings would not run, while the record would claim them.
+    settings = {"epochs": epochs, "max_steps": max_steps, "seed": seed, **dict(module.hparams)}
+    trainer.callbacks.append(_RunSettings(settings))
     if held is not None and ckpt_path is not None:
         difference = resume_difference(module, held)
+        trained = "was fine-tuned from another backbone" if what == "fine-tuning" else f"is a {what} run of another backbone or setting"
+        if difference is None:
+            difference = settings_difference(held.get(_RunSettings.KEY), settings)
+            trained = f"is a {what} run started with other settings"
         if difference is not None:  # said before Lightning loads it (and lists every key)
-            trained = "was fine-tuned from another backbone" if what == "fine-tuning" else f"is a {what} run of another backbone or setting"
             raise ValueError(f"--run-dir {run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
     held = None  # (its file mapping closed before the run replaces the file)
     with warnings.catch_warnings():
@@ -253,6 +266,28 @@ def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) 
         said.append(f"{len(missing)} weights missing there (e.g. {missing[0]})")
     if extra:
         said.append(f"{len(extra)} weights this run lacks (e.g. {extra[0]})")
+    return "; ".join(said) or None
+
+
+class _RunSettings(L.Callback):
+    """Writes the run's settings into its checkpoints (``checkpoint["ssl_vit_run"]``)."""
+
+    KEY = "ssl_vit_run"
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[self.KEY] = dict(self.settings)
+
+
+def settings_difference(saved: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> str | None:
+    """``"base_lr 0.0005 there, 0.05 here; ..."`` for the settings a checkpoint's run was started
+    with and this one's; None when they agree (or the checkpoint predates the record)."""
+    if not isinstance(saved, Mapping):
+        return None
+    said = [f"{k} {saved.get(k)!r} there, {settings.get(k)!r} here" for k in sorted(set(saved) | set(settings))
+            if as_plain(saved.get(k)) != as_plain(settings.get(k))]
     return "; ".join(said) or None
 
 
