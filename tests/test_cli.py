@@ -153,6 +153,8 @@ def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monke
     assert cli_main(["eval", "linear", "--augment", *resnet, "--features", "last4"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --features last4: feature mode 'last4' needs a token sequence (ViT or hybrid); "
                                        "resnet18 has no tokens, use mode='cls' (--features cls: its globally pooled feature map)\n")
+    assert cli_main(["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--features", "avg"]) == 1
+    assert capsys.readouterr().err.startswith("ssl-vit eval: error: --features avg: fine-tuning classifies from the backbone's own pooled")
     shallow = ["--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH]  # depth 2
     assert cli_main(["eval", "linear", *shallow, "--features", "last4"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --features last4: feature mode 'last4' reads the [CLS] of the last 4 blocks "

@@ -277,6 +277,9 @@ def main(argv: list[str]) -> int:
         what = "a random initialisation" if source.kind == "random" else "recorded"
         raise ValueError(f"--method {args.method}: {args.backbone} is {what} as method {recorded}; --method names the method "
                          "of weights that record none (a bare state dict): leave it out")
+    if args.protocol == "finetune" and args.features != "cls":
+        raise ValueError(f"--features {args.features}: fine-tuning classifies from the backbone's own pooled representation "
+                         "([CLS], or the patch mean of a backbone built with global_pool avg); --features is for the frozen protocols")
     if args.protocol != "finetune":
         try:  # a read-out this backbone lacks: said before any data is read
             feature_dim(backbone, args.features)
