@@ -375,7 +375,7 @@ def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_pat
     record = json.loads((tmp_path / "ft.json").read_text())["protocol_args"]
     assert record == {"epochs": 3, "lr": 0.002, "layer_decay": 0.5, "drop_path": 0.2, "label_smoothing": 0.3, "weight_decay": 0.01, "img_size": 24,
                       "batch_size": 8, "mixup": 0.4, "cutmix": 0.6, "precision": "32-true", "devices": 1, "num_nodes": 2, "warmup_epochs": 1.0,
-                      "crop_scale": [0.3, 0.9]}
+                      "crop_scale": [0.3, 0.9], "max_steps": 7, "seed": 5}
     # --no-augment: the evaluation transform (resize + centre crop), recorded without a crop.
     calls.clear()
     assert cli_main(["eval", "finetune", *TINY_ARGS, *SYNTH, "--no-augment", "--out", str(tmp_path / "plain.json")]) == 0
@@ -397,7 +397,7 @@ def test_every_option_of_the_probe_on_images_reaches_it_and_its_record(tmp_path,
     assert isinstance(calls["train_transform"], OneView) and calls["train_transform"].views.scale == (0.5, 1.0)  # 16 px: the small-image crop
     record = json.loads((tmp_path / "lin.json").read_text())["protocol_args"]
     assert record == {"epochs": 3, "base_lr": 0.3, "optimizer": "lars", "batch_size": 16, "warmup_epochs": 2, "crop_scale": [0.5, 1.0],
-                      "features": "avg", "precision": "32-true", "devices": 1, "num_nodes": 1, "seed": 4}
+                      "features": "avg", "precision": "32-true", "devices": 1, "num_nodes": 1, "seed": 4, "max_steps": 7}
 
 
 def _parser_defaults(*argv: str) -> dict:
