@@ -182,6 +182,7 @@ def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_pat
         return step(self, batch, batch_idx)
 
     monkeypatch.setattr(FineTuneModule, "training_step", signalled)
+    common = {**common, "origin": {"pretrain_steps": 2}}  # (the backbone's pretraining step)
     with pytest.raises(EvalRunInterrupted, match="stopped by SIGUSR1 at step 2") as stop:
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
     assert stop.value.checkpoint == tmp_path / "cut" / "checkpoints" / "last.ckpt"
@@ -193,6 +194,9 @@ def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_pat
     with pytest.raises(ValueError, match=r"is a fine-tuning run started with other settings: base_lr 0.0005 there, 0.05 here; "
                                          r"epochs 2 there, 3 here; total_steps 6 there, 9 here; resume it with the command"):
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "epochs": 3}, base_lr=0.05)
+    # nor on the weights of another pretraining step (a pretraining extended after it started)
+    with pytest.raises(ValueError, match=r"started with other settings: origin \{'pretrain_steps': 2\} there, \{'pretrain_steps': 4\} here"):
+        run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "origin": {"pretrain_steps": 4}})
     resumed = tiny_vit()
     got = run_finetune(resumed, train, test, run_dir=tmp_path / "cut", resume=True, **common)
     assert got == want

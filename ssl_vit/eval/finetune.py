@@ -21,6 +21,7 @@ acts as in ViTs at coarser grain (``layer_decay=1`` switches it off). Hybrids ar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +325,7 @@ def run_finetune(
     run_dir: str | Path | None = None,
     resume: bool = False,
     checkpoint_every: int = 500,
+    origin: Mapping[str, Any] | None = None,
     **module_kwargs: Any,
 ) -> dict[str, float] | None:
     """Fine-tune ``backbone`` (in place) on ``train_ds`` with a Lightning Trainer and return the
@@ -334,7 +336,7 @@ def run_finetune(
     LR scales with the global batch (x ``devices`` x ``num_nodes``, MAE's rule).
     ``max_steps`` caps the run (smoke tests); the LR schedule follows the shorter of the two.
 
-    ``run_dir``, ``resume`` and ``checkpoint_every``: checkpoints, signals and exact resume, and
+    ``run_dir``, ``resume``, ``checkpoint_every`` and ``origin``: checkpoints, signals and exact resume, and
     several processes (the metrics come back in process 0, None in the others), as
     ``ssl_vit.eval.train_run.train_and_test`` describes (a signal raises
     :class:`~ssl_vit.eval.train_run.EvalRunInterrupted`)."""
@@ -346,5 +348,5 @@ def run_finetune(
         make_module, train_ds, test_ds, what="fine-tuning", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
         num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
         default_root_dir=default_root_dir, enable_progress_bar=enable_progress_bar, run_dir=run_dir, resume=resume,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=checkpoint_every, origin=origin,
     )

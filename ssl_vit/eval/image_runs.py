@@ -6,6 +6,7 @@ after the pretraining (``protocols: [finetune, linear_aug]``, their settings und
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,6 +123,12 @@ class FineTuneSettings:
                 "crop_scale": None if scale is None else list(scale)}
 
 
+def _origin(pretrain: Mapping[str, Any]) -> dict[str, Any]:
+    """The backbone's pretraining step, kept with an evaluation run so that it is not resumed on
+    the weights of another step (a pretraining extended after it)."""
+    return {"pretrain_steps": pretrain.get("steps")}
+
+
 def finetune_and_record(
     backbone: nn.Module,
     train_ds: Dataset,
@@ -169,7 +176,7 @@ def finetune_and_record(
         run_dir=run_dir, resume=resume, checkpoint_every=settings.checkpoint_every, head=head, base_lr=settings.base_lr,
         layer_decay=settings.layer_decay, drop_path_rate=settings.drop_path_rate, label_smoothing=settings.label_smoothing,
         weight_decay=settings.weight_decay, img_size=new_img_size, mixup_alpha=settings.mixup_alpha, cutmix_alpha=settings.cutmix_alpha,
-        warmup_epochs=settings.warmup_epochs, record=finetuned,
+        warmup_epochs=settings.warmup_epochs, record=finetuned, origin=_origin(pretrain),
     )
     if metrics is None:
         return None  # another process of a distributed run: process 0 tests and writes the record
@@ -272,7 +279,7 @@ def linear_aug_and_record(
         backbone, train_ds, test_ds, num_classes, epochs=settings.epochs, batch_size=settings.batch_size, max_steps=settings.max_steps,
         num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
         run_dir=run_dir, resume=resume, checkpoint_every=settings.checkpoint_every, features=features, base_lr=settings.base_lr,
-        optimizer=settings.optimizer, warmup_epochs=settings.warmup_epochs,
+        optimizer=settings.optimizer, warmup_epochs=settings.warmup_epochs, origin=_origin(pretrain),
     )
     if metrics is None:
         return None  # another process of a distributed run: process 0 tests and writes the record

@@ -19,6 +19,7 @@ epoch, and usually scores a little higher than the fixed-feature probe.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -144,12 +145,13 @@ def run_linear_augmented(
     run_dir: str | Path | None = None,
     resume: bool = False,
     checkpoint_every: int = 500,
+    origin: Mapping[str, Any] | None = None,
     **module_kwargs: Any,
 ) -> dict[str, float] | None:
     """Train an :class:`AugmentedLinearProbe` on ``train_ds`` (a dataset whose transform
     augments) and return its test accuracies ``{"top1", "top5"}`` (fractions). ``module_kwargs``
     go to the module (``features``, ``base_lr``, ``optimizer`` ...); ``batch_size`` is per process
-    (the LR scales with the global batch); checkpoints, signals, resume and several processes (the
+    (the LR scales with the global batch); checkpoints, signals, resume (``origin`` included) and several processes (the
     metrics come back in process 0, None in the others) as
     :func:`~ssl_vit.eval.train_run.train_and_test`."""
 
@@ -167,7 +169,7 @@ def run_linear_augmented(
             return train_and_test(
                 make_module, train_ds, test_ds, what="linear probe", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
                 num_workers=num_workers, accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, seed=seed,
-                run_dir=run_dir, resume=resume, checkpoint_every=checkpoint_every,
+                run_dir=run_dir, resume=resume, checkpoint_every=checkpoint_every, origin=origin,
             )
         finally:
             for p in trainable:

@@ -108,6 +108,7 @@ def train_and_test(
     run_dir: str | Path | None = None,
     resume: bool = False,
     checkpoint_every: int = 500,
+    origin: Mapping[str, Any] | None = None,
 ) -> dict[str, float] | None:
     """Train the module ``make_module`` builds on ``train_ds`` for ``epochs`` (capped at
     ``max_steps``), then return its test metrics whose names start with ``test_top``, without
@@ -117,7 +118,10 @@ def train_and_test(
     one machine as it does for ``ssl-vit fit``) ``batch_size`` is per process and each takes its
     share of every epoch; the test runs on the whole test split in process 0, which returns the
     metrics, while the others return None (a distributed test would pad the split to a multiple of
-    the processes and count some images twice)."""
+    the processes and count some images twice).
+
+    ``origin``: what the trained backbone came from (its pretraining step): a resume from a
+    checkpoint of a run on other weights is refused, as one with other settings is."""
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"need epochs >= 1 and batch_size >= 1, got {epochs} and {batch_size}")
     if checkpoint_every < 1 or not (max_steps == -1 or max_steps >= 1):
@@ -173,7 +177,8 @@ def train_and_test(
     module = make_module(total, per_epoch, trainer.world_size)
     # What the run was started with: a resume restores its optimiser and LR schedule, so other
     # settings would not run, while the record would claim them.
-    settings = {"epochs": epochs, "max_steps": max_steps, "seed": seed, **dict(module.hparams)}
+    settings = {"epochs": epochs, "max_steps": max_steps, "seed": seed, **dict(module.hparams),
+                **({"origin": dict(origin)} if origin is not None else {})}
     trainer.callbacks.append(_RunSettings(settings))
     if held is not None and ckpt_path is not None:
         difference = resume_difference(module, held)
