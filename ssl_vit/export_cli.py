@@ -111,10 +111,9 @@ def main(argv: list[str]) -> int:
     # The encoder is named unless it is the online backbone a method evaluates by default (MPP's
     # or a supervised run's only one, MoCo v3's base encoder): DINO's teacher or student, MoCo
     # v3's momentum encoder.
-    from ssl_vit.export.sources import DEFAULT_WHICH
+    from ssl_vit.eval.results import chosen_encoder
 
-    default = DEFAULT_WHICH.get(str(info["method"]), "student")
-    which = None if info["which"] == "student" == default else info["which"]
+    which = info["which"] if info["which"] != "student" or chosen_encoder(info) else None
     what = " ".join(str(x) for x in (info["method"], which) if x) or "state dict"
     h, w = info["img_size"]
     print(
