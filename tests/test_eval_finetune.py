@@ -191,11 +191,11 @@ def test_an_interrupted_fine_tuning_resumes_to_the_uninterrupted_weights(tmp_pat
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
     # Other settings on resume would not run (the optimiser and its LR schedule are restored)
     # while the record would claim them: refused, naming them.
-    with pytest.raises(ValueError, match=r"is a fine-tuning run started with other settings: base_lr 0.0005 there, 0.05 here; "
-                                         r"epochs 2 there, 3 here; total_steps 6 there, 9 here; resume it with the command"):
+    with pytest.raises(ValueError, match=r"is a fine-tuning run started with other settings: base_lr: 0.0005 there, 0.05 here; "
+                                         r"epochs: 2 there, 3 here; total_steps: 6 there, 9 here; resume it with the command"):
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "epochs": 3}, base_lr=0.05)
     # nor on the weights of another pretraining step (a pretraining extended after it started)
-    with pytest.raises(ValueError, match=r"started with other settings: origin \{'pretrain_steps': 2\} there, \{'pretrain_steps': 4\} here"):
+    with pytest.raises(ValueError, match=r"started with other settings: origin: \{'pretrain_steps': 2\} there, \{'pretrain_steps': 4\} here"):
         run_finetune(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "origin": {"pretrain_steps": 4}})
     resumed = tiny_vit()
     got = run_finetune(resumed, train, test, run_dir=tmp_path / "cut", resume=True, **common)

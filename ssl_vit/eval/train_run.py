@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from ssl_vit.backbones.registry import as_plain, kwargs_differences
+from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
 from ssl_vit.runtime import release_process_group
@@ -287,13 +287,11 @@ class _RunSettings(L.Callback):
 
 
 def settings_difference(saved: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> str | None:
-    """``"base_lr 0.0005 there, 0.05 here; ..."`` for the settings a checkpoint's run was started
+    """``"base_lr: 0.0005 there, 0.05 here; ..."`` for the settings a checkpoint's run was started
     with and this one's; None when they agree (or the checkpoint predates the record)."""
     if not isinstance(saved, Mapping):
         return None
-    said = [f"{k} {saved.get(k)!r} there, {settings.get(k)!r} here" for k in sorted(set(saved) | set(settings))
-            if as_plain(saved.get(k)) != as_plain(settings.get(k))]
-    return "; ".join(said) or None
+    return "; ".join(kwargs_differences(saved, settings)) or None
 
 
 def _first_device(trainer: L.Trainer) -> int | list[int]:
