@@ -182,9 +182,15 @@ class ResumableLoader(DataLoader):
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         state = self.state_dict()
         seen = state["samples"] / sampler.num_replicas  # this process's share of the epoch
-        if sampler.num_samples - seen < ((self.batch_size or 1) if self.drop_last else 1):
+        if self._epoch_ended(seen):
             return float(state["epoch"] + 1)
         return state["epoch"] + seen / sampler.num_samples
+
+    def _epoch_ended(self, seen: float) -> bool:
+        """Whether a process that has read ``seen`` samples of its share has no batch of the epoch
+        left (with ``drop_last``, fewer than a batch remaining is none)."""
+        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        return sampler.num_samples - seen < ((self.batch_size or 1) if self.drop_last else 1)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
@@ -197,7 +203,7 @@ class ResumableLoader(DataLoader):
                             "so %d images of the epoch are left out", sampler.num_replicas, seen, skip, skip * sampler.num_replicas - seen)
         else:  # a checkpoint from before the sample count: the batch size is assumed unchanged
             skip = int(state["batches"]) * batch_size
-        if sampler.num_samples - skip < (batch_size if self.drop_last else 1):
+        if self._epoch_ended(skip):
             epoch, skip = epoch + 1, 0  # saved after the epoch's last batch: the next starts afresh
         # The checkpoint's seed wins, so a run seeded at random continues the same order.
         sampler.seed = int(state["seed"])
