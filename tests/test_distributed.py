@@ -144,7 +144,7 @@ def _worker(out: Path) -> None:
     model = NaNOnRank1(**COMMON, nonfinite_policy="skip")
     model.load_state_dict(init["supervised"])
     fit(model, datamodule("supervised", PER_DEVICE), devices=WORLD, strategy="ddp")
-    result["skip"] = {"state": model.state_dict(), "skipped": model._skipped_batches, "step": model.global_step}
+    result["skip"] = {"state": model.state_dict(), "skipped": model.nonfinite.skipped, "step": model.global_step}
     model = build("dino")
     model.load_state_dict(init["dino"])
     result["knn"] = knn_bank(model.backbone, datamodule("dino", PER_DEVICE), distributed=True)

@@ -259,7 +259,7 @@ def test_a_skipped_accumulated_step_leaves_dinos_centre_where_it_was(bad):
     trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Centre()])
     trainer.fit(model, DataLoader(RepeatList(halves + step2 + halves), batch_size=None))
-    assert model._skipped_batches == 1 and all(torch.isfinite(c).all() for c in seen)
+    assert model.nonfinite.skipped == 1 and all(torch.isfinite(c).all() for c in seen)
     assert torch.equal(seen[1], seen[0]) and not torch.equal(seen[2], seen[1])
 
 
@@ -493,7 +493,24 @@ def test_nonfinite_loss_stops_with_the_step_or_skips():
         fit_steps(Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0), views, labels, steps=5)
     model = Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, nonfinite_policy="skip")
     losses = fit_steps(model, views, labels, steps=5)
-    assert model._skipped_batches == 1 and len(losses) == 5 and all(math.isfinite(v) for v in losses)
+    assert model.nonfinite.skipped == 1 and len(losses) == 5 and all(math.isfinite(v) for v in losses)
+
+
+def test_the_skip_policy_raises_once_its_budget_is_spent():
+    class AlwaysNaN(Supervised):
+        def step(self, views, labels):
+            out = super().step(views, labels)
+            if self.global_step >= 1:
+                out["loss"] = out["loss"] * float("nan")
+            return out
+
+    views, labels = fixed_views([16])
+    model = AlwaysNaN(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, nonfinite_policy="skip", max_skipped_batches=2)
+    with pytest.raises(NonFiniteLossError, match=r"at step 3 .*\(2 batch\(es\) already skipped, the limit\)"):
+        fit_steps(model, views, labels, steps=6)
+    assert model.nonfinite.skipped == 2
+    with pytest.raises(ValueError, match="max_skipped_batches must be >= 0"):
+        Supervised(**TINY_BACKBONE, max_skipped_batches=-1)
 
 
 def test_a_skipped_batch_leaves_dinos_centre_and_batchnorm_statistics_as_they_were():
@@ -508,7 +525,7 @@ def test_a_skipped_batch_leaves_dinos_centre_and_batchnorm_statistics_as_they_we
                       **SMALL_HEADS["dino"])
     views, labels = fixed_views(VIEW_SIZES["dino"])
     losses = fit_steps(model, views, labels, steps=5)
-    assert model._skipped_batches == 1 and all(math.isfinite(v) for v in losses)
+    assert model.nonfinite.skipped == 1 and all(math.isfinite(v) for v in losses)
     assert torch.isfinite(model.criterion.center).all()
     assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
 

@@ -141,7 +141,7 @@ def test_fp16_loss_scaling_unscales_a_fused_optimiser_before_clipping_and_skippi
             trainer.fit(model, torch.utils.data.DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
         finally:
             base.clip_gradients = real
-        assert trainer.global_step == 2 and model._skipped_batches == int(skip)
+        assert trainer.global_step == 2 and model.nonfinite.skipped == int(skip)
         assert seen[0] < 100  # the unscaled norm, not 65536 times it
         moved.append((seen[0], sum(float((p.detach() - b).norm()) for p, b in zip(model.backbone.parameters(), before))))
     assert moved[1] == pytest.approx(moved[0], rel=1e-3)

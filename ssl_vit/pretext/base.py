@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.backbones.registry import as_plain
 from ssl_vit.pretext.ema import EMAPairs
+from ssl_vit.pretext.nonfinite import NonFiniteGuard, NonFinitePolicy
 from ssl_vit.pretext.optim import (
     OptimizerName,
     WeightDecayExempt,
@@ -36,6 +37,7 @@ from ssl_vit.pretext.optim import (
     param_groups,
 )
 from ssl_vit.pretext.probe import OnlineLinearProbe
+from ssl_vit.pretext.start_notes import start_notes
 from ssl_vit.runtime import global_seed, seed_training_step
 from ssl_vit.training.grad_clip import ClipMode, clip_gradients
 from ssl_vit.training.optimizer_state import materialize_adam_state
@@ -43,10 +45,6 @@ from ssl_vit.training.sharding import gradient_shard_group, unwrapped_name
 from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
 Batch = tuple[list[Tensor], Tensor]
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/Inf loss and no skip policy was configured."""
 
 
 # The schedules (LR, weight decay, EMA momentum, DINO's teacher temperature) are functions of the
@@ -126,7 +124,7 @@ class PretextModule(L.LightningModule):
         grad_clip_mode: ClipMode = "global",
         num_classes: int | None = None,
         probe_lr: float = 1e-3,
-        nonfinite_policy: Literal["raise", "skip"] = "raise",
+        nonfinite_policy: NonFinitePolicy = "raise",
         max_skipped_batches: int = 10,
         fused_optimizer: bool = True,
     ) -> None:
@@ -140,8 +138,6 @@ class PretextModule(L.LightningModule):
             raise ValueError("base_lr must be > 0, warmup_epochs >= 0 and weight_decay >= 0")
         if weight_decay_exempt not in ("bias_norm_tokens", "bias_norm", "none"):
             raise ValueError(f"weight_decay_exempt must be 'bias_norm_tokens', 'bias_norm' or 'none', got {weight_decay_exempt!r}")
-        if nonfinite_policy not in ("raise", "skip"):
-            raise ValueError(f"nonfinite_policy must be 'raise' or 'skip', got {nonfinite_policy!r}")
         self.backbone_name = backbone
         self.backbone_kwargs = dict(backbone_kwargs or {})
         self.backbone = create_backbone(backbone, **self.backbone_kwargs)
@@ -150,8 +146,7 @@ class PretextModule(L.LightningModule):
         self.ema: EMAPairs | None = None
         self._total_steps = 1
         self._steps_per_epoch = 1
-        self._skipped_batches = 0
-        self._skipping = False  # the current batch is being skipped (non-finite loss)
+        self.nonfinite = NonFiniteGuard(nonfinite_policy, max_skipped_batches)
         self.step_skipped = False  # the last optimiser step was skipped
         self._seed: int | None = None  # base of the per-step seeds; kept in checkpoints
         self.peak_lr = base_lr
@@ -266,32 +261,13 @@ class PretextModule(L.LightningModule):
         global_batch = per_device * trainer.world_size * trainer.accumulate_grad_batches
         self.global_batch_size = global_batch
         self.peak_lr = self.hparams.base_lr * global_batch / 256  # the one place the LR is scaled
-        rank_zero_info(
-            f"[ssl_vit] {type(self).__name__} on {self.backbone_name}: effective batch size {global_batch} "
-            f"= {per_device} per device x {trainer.world_size} device(s) x {trainer.accumulate_grad_batches} "
-            f"accumulation; lr = base_lr {self.hparams.base_lr:g} x {global_batch}/256 = {self.peak_lr:.4g}; "
-            f"{self._total_steps} optimiser steps ({self._steps_per_epoch} per epoch)"
-        )
         warmup = self._warmup_steps()
-        if warmup >= self._total_steps:
-            what = (f"warmup_steps {self.hparams.warmup_steps}" if self.hparams.warmup_steps is not None
-                    else f"warmup_epochs {self.hparams.warmup_epochs:g} = {warmup} steps")
-            rank_zero_info(f"[ssl_vit] note: the LR warm-up, {what}, spans the whole run of {self._total_steps} steps: "
-                           "its LR only rises and the cosine never starts (set a shorter warm-up)")
-        planned = getattr(self, "_resumed_total_steps", None)
-        if planned and planned != self._total_steps:
-            rank_zero_info(
-                f"[ssl_vit] note: resumed a run planned for {planned} optimiser steps as one of {self._total_steps}: from step "
-                f"{self.global_step} on, the LR, weight-decay and momentum schedules follow the new length (the run is not "
-                f"the one a {self._total_steps}-step run would have been)"
-            )
-        resumed_at = getattr(self, "_resumed_global_batch", None)
-        if resumed_at and resumed_at != global_batch:
-            rank_zero_info(
-                f"[ssl_vit] note: resumed a run trained at an effective batch size of {resumed_at} with {global_batch}: "
-                f"from step {self.global_step} on, a step takes {global_batch} images at lr {self.peak_lr:.4g} "
-                "(set global_batch_size to keep the run's batch over another number of devices)"
-            )
+        hp = self.hparams
+        label = f"warmup_steps {hp.warmup_steps}" if hp.warmup_steps is not None else f"warmup_epochs {hp.warmup_epochs:g} = {warmup} steps"
+        for line in start_notes(type(self).__name__, self.backbone_name, per_device, trainer.world_size, trainer.accumulate_grad_batches,
+                                hp.base_lr, self.peak_lr, self._total_steps, self._steps_per_epoch, warmup, label, self.global_step,
+                                getattr(self, "_resumed_total_steps", None), getattr(self, "_resumed_global_batch", None)):
+            rank_zero_info(line)
         self._lr_announced = True
 
     def schedule_values(self, step: int) -> dict[str, float]:
@@ -350,7 +326,7 @@ class PretextModule(L.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
         if scaler is not None and scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
             scaler.unscale_(optimizer)
-        if self._skipping:
+        if self.nonfinite.skipping:
             # A skipped batch: without gradients the optimiser leaves every parameter, its moments
             # and its weight decay alone.
             for group in optimizer.param_groups:
@@ -368,7 +344,7 @@ class PretextModule(L.LightningModule):
         # Read after the step: Lightning runs the last micro-batch's training_step inside it, so a
         # non-finite loss there is only known now. ``step_skipped`` tells a method's own
         # optimizer_step (DINO's centre) what happened.
-        self.step_skipped, self._skipping = self._skipping, False
+        self.step_skipped = self.nonfinite.step_done()
         if self.step_skipped:
             return
         # EMA after each optimiser step (MoCo v3 Alg. 1; DINO main loop "EMA update for the teacher").
@@ -383,9 +359,7 @@ class PretextModule(L.LightningModule):
                             "view (the datamodules' view transforms make it: SingleView, TwoViews, MultiCrop); got "
                             f"{type(batch).__name__} of {', '.join(type(b).__name__ for b in batch) if isinstance(batch, list | tuple) else '?'}")
         views, labels = batch
-        # What the forward changes besides the parameters (BatchNorm statistics, DINO's centre),
-        # to put back if this batch is skipped: small tensors, copied only under the skip policy.
-        buffers = [(b, b.clone()) for b in self.buffers()] if self.hparams.nonfinite_policy == "skip" else []
+        buffers = self.nonfinite.snapshot(self)  # what to put back if this batch is skipped
         out = self.step(views, labels)
         loss = out.pop("loss")
         features = out.pop("features", None)
@@ -427,27 +401,9 @@ class PretextModule(L.LightningModule):
         return {**logs, **dict(zip(keys, mean.unbind()))}
 
     def _handle_nonfinite(self, loss: Tensor, buffers: list[tuple[Tensor, Tensor]]) -> Tensor:
-        step = self.global_step
-        if self.hparams.nonfinite_policy == "skip" and self._skipped_batches < self.hparams.max_skipped_batches:
-            self._skipped_batches += 1
-            self._skipping = True
-            for buffer, before in buffers:  # a NaN centre or BN mean would poison every later step
-                buffer.copy_(before)
-            rank_zero_info(f"[ssl_vit] non-finite loss (on rank 0: {loss.item()}) at step {step}: batch skipped ({self._skipped_batches}/{self.hparams.max_skipped_batches})")
-            # Not `return None`, which Lightning refuses under DDP: a zero that reaches every
-            # trainable parameter, so the backward (and DDP's gradient reduction, which every
-            # process must join) runs with zero gradients; they are dropped before the update.
-            trainable = [p.sum() for p in self.parameters() if p.requires_grad]
-            return torch.stack(trainable).sum() * 0.0
-        last = None
         ckpt_cb = getattr(self.trainer, "checkpoint_callback", None)
-        if ckpt_cb is not None:
-            last = getattr(ckpt_cb, "last_model_path", None) or getattr(ckpt_cb, "best_model_path", None)
-        where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-        raise NonFiniteLossError(
-            f"non-finite loss ({loss.item()} on rank {self.global_rank}) at step {step} (epoch {self.current_epoch}); {where}. "
-            "Lower the learning rate, raise warm-up, or set nonfinite_policy: skip."
-        )
+        last = (getattr(ckpt_cb, "last_model_path", None) or getattr(ckpt_cb, "best_model_path", None)) if ckpt_cb is not None else None
+        return self.nonfinite.handle(self, loss, buffers, self.global_step, self.current_epoch, self.global_rank, last)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
@@ -508,7 +464,7 @@ class PretextModule(L.LightningModule):
             # What a resumed run needs besides weights, optimiser and loops: the per-step seed
             # base and how much of the non-finite skip budget is spent.
             "seed": self._seed,
-            "skipped_batches": self._skipped_batches,
+            "skipped_batches": self.nonfinite.skipped,
             # Set by the PretrainFlopsCounter callback (None without it): the x-axis of the ViT
             # paper's accuracy-vs-compute plot (Figure 5).
             "pretrain_flops": getattr(self, "pretrain_flops", None),
@@ -536,7 +492,7 @@ class PretextModule(L.LightningModule):
             self.recipe = meta["recipe"]
         if meta.get("seed") is not None:
             self._seed = int(meta["seed"])
-        self._skipped_batches = int(meta.get("skipped_batches", 0))
+        self.nonfinite.skipped = int(meta.get("skipped_batches", 0))
         self._resumed_global_batch = meta.get("global_batch_size")
         self._resumed_total_steps = meta.get("total_steps")
 
