@@ -359,7 +359,7 @@ def _spy_image_run(monkeypatch, runner: str) -> dict:
 
 
 def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_path, monkeypatch):
-    from ssl_vit.data.views import OneView
+    from ssl_vit.data.single_image import OneView
 
     calls = _spy_image_run(monkeypatch, "run_finetune")
     args = ["eval", "finetune", *TINY_ARGS, *SYNTH, "--epochs", "3", "--batch-size", "8", "--max-steps", "7", "--checkpoint-every", "11",
@@ -384,7 +384,7 @@ def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_pat
 
 
 def test_every_option_of_the_probe_on_images_reaches_it_and_its_record(tmp_path, monkeypatch):
-    from ssl_vit.data.views import OneView
+    from ssl_vit.data.single_image import OneView
 
     calls = _spy_image_run(monkeypatch, "run_linear_augmented")
     args = ["eval", "linear", "--augment", *TINY_ARGS, *SYNTH, "--epochs", "3", "--probe-batch-size", "16", "--batch-size", "8", "--max-steps", "7",

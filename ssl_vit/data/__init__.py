@@ -18,12 +18,11 @@ from ssl_vit.data.datasets import ImageFiles, InMemoryImages, TransformedDataset
 from ssl_vit.data.fashion_mnist import FashionMNISTDataModule
 from ssl_vit.data.idx import read_idx, read_idx_images_labels
 from ssl_vit.data.image_folder import ImageFolderDataModule, scan_image_dir
+from ssl_vit.data.single_image import EvalTransform, OneView
 from ssl_vit.data.stl10 import STL10DataModule
 from ssl_vit.data.synthetic import SyntheticDataModule, make_synthetic_images
 from ssl_vit.data.views import (
-    EvalTransform,
     MultiCrop,
-    OneView,
     SingleView,
     TwoViews,
     ViewRecipe,

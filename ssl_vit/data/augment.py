@@ -20,6 +20,7 @@ import functools
 import math
 import random
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from PIL import Image, ImageFilter, ImageStat
 # (main_dino.py DataAugmentationDINO) and MoCo v3 (main_moco.py): torchvision's default.
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 
+ImageLike = Image.Image | torch.Tensor | np.ndarray
+Interpolation = Literal["nearest", "bilinear", "bicubic"]
+
 RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
@@ -36,7 +40,7 @@ RESAMPLE = {
 }
 
 
-def to_pil(image: Image.Image | torch.Tensor | np.ndarray) -> Image.Image:
+def to_pil(image: ImageLike) -> Image.Image:
     """Return an 8-bit "L" or "RGB" PIL image.
 
     Accepts a PIL image of any mode, a uint8 tensor ``[C, H, W]`` or ``[H, W]`` (C in {1, 3}),

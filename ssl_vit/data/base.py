@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
-from ssl_vit.data.views import EvalTransform, OneView, SingleView, ViewTransform
+from ssl_vit.data.single_image import EvalTransform, OneView
+from ssl_vit.data.views import SingleView, ViewTransform
 from ssl_vit.runtime import global_seed
 
 log = logging.getLogger(__name__)
