@@ -480,3 +480,67 @@ def test_ddp_from_the_cli_resumes_to_the_uninterrupted_weights(tmp_path):
 if __name__ == "__main__":  # one rank, started by torchrun from the fixture above
     _worker(Path(sys.argv[1]))
     torch.distributed.destroy_process_group()  # gloo's group left to interpreter exit aborts now and then
+
+
+_EVAL_ON_TWO_PROCESSES = '''
+import json, sys
+import lightning as L, torch
+from torch.utils.data import Dataset
+from helpers import TINY_BACKBONE
+from ssl_vit.backbones import create_backbone
+from ssl_vit.data import SyntheticDataModule
+from ssl_vit.eval.finetune import run_finetune
+from ssl_vit.eval.linear_augmented import run_linear_augmented
+from ssl_vit.pretext import Supervised
+
+torch.set_num_threads(1)
+devices = int(sys.argv[1])
+
+class Images(Dataset):  # 8 images; those in `bad` unreadable (labelled -1, as ImageFiles.for_evaluation marks them)
+    def __init__(self, bad):
+        self.x, self.bad = torch.randn(8, 1, 16, 16, generator=torch.Generator().manual_seed(0)), bad
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return self.x[i], -1 if i in self.bad else i % 2
+
+torch.manual_seed(0)
+model = Supervised(**TINY_BACKBONE, num_classes=4)
+dm = SyntheticDataModule(num_samples=8, num_test_samples=7, num_classes=4, img_size=16, in_chans=1, batch_size=4,
+                         eval_batch_size=3, num_workers=0)
+trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+metrics = trainer.validate(model, datamodule=dm, verbose=False)[0]
+out = {"val": {k: float(v) for k, v in metrics.items()}}
+if devices > 1:
+    # Rank 1's first batch (images 1 and 3 of a batch of 2 per process) is all unreadable.
+    backbone = create_backbone(TINY_BACKBONE["backbone"], **TINY_BACKBONE["backbone_kwargs"])
+    common = {"num_classes": 2, "epochs": 1, "batch_size": 2, "accelerator": "cpu", "devices": devices, "warmup_epochs": 0}
+    out["linear_aug"] = run_linear_augmented(backbone, Images({1, 3}), Images(set()), base_lr=0.1, **common)
+    out["finetune"] = run_finetune(backbone, Images({1, 3}), Images(set()), **common)
+if trainer.global_rank == 0:
+    print("RESULT", json.dumps(out), flush=True)
+'''
+
+
+def test_two_processes_evaluate_each_test_image_once_and_train_past_unreadable_batches(tmp_path):
+    """Validation over 2 processes pads the 7 test images to 8 with an unlabelled copy (not a
+    second vote of image 0): the online probe's and the classifier's accuracies are the
+    one-process values. And the evaluators that train on images go on when one process's batch
+    has no readable image (Lightning refuses a skipped step under DDP)."""
+    import json
+
+    script = tmp_path / "eval_on_two.py"
+    script.write_text(_EVAL_ON_TWO_PROCESSES)
+    results = {}
+    for devices in (1, 2):
+        done = subprocess.run([sys.executable, str(script), str(devices)], cwd=tmp_path, env=subprocess_env(OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        results[devices] = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    one, two = results[1]["val"], results[2]["val"]
+    assert set(one) == {"probe/val_acc", "val/acc"}
+    # 7 images: an accuracy of k/7 with 0 < k < 7 cannot equal a mean over 8 votes.
+    assert all(0 < v < 1 for v in one.values()), one
+    assert two == pytest.approx(one, abs=1e-6)
+    assert set(results[2]["linear_aug"]) == {"top1"} and set(results[2]["finetune"]) == {"top1"}

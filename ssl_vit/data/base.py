@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from ssl_vit.data.datasets import TransformedDataset
+from ssl_vit.data.datasets import EvenShares, TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.data.single_image import EvalTransform, OneView
 from ssl_vit.data.views import SingleView, ViewTransform
@@ -294,14 +294,19 @@ class ImageDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         """The test split through the evaluation transform (the online probe's accuracy);
         an empty list (Lightning then skips validation) when there is no test split."""
-        _, test = self.eval_datasets()
-        batch_size = self.eval_batch_size or self.batch_size
-        return [] if test is None else self._loader(test, batch_size, train=False, persistent=True)
+        return self._eval_loader(persistent=True)
 
     def test_dataloader(self) -> DataLoader | list:
+        return self._eval_loader(persistent=False)
+
+    def _eval_loader(self, persistent: bool) -> DataLoader | list:
         _, test = self.eval_datasets()
-        batch_size = self.eval_batch_size or self.batch_size
-        return [] if test is None else self._loader(test, batch_size, train=False, persistent=False)
+        if test is None:
+            return []
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if world > 1:  # every image counted once over the processes (EvenShares)
+            test = EvenShares(test, world)
+        return self._loader(test, self.eval_batch_size or self.batch_size, train=False, persistent=persistent)
 
     def teardown(self, stage: str) -> None:
         # The run's summary of bad input: every unreadable file, once, with its path.

@@ -204,3 +204,32 @@ class TransformedDataset(Dataset):
         if self.multi_view:
             return [self._normalise(v) for v in out], label
         return self._normalise(out), label
+
+
+class EvenShares(Dataset):
+    """An evaluation split padded to a multiple of ``num_processes`` with unlabelled (label -1)
+    copies of its first items.
+
+    ``DistributedSampler(shuffle=False)``, which Lightning puts under a validation loader, pads
+    each process's share with repeats of the first images, which the metrics would then count
+    twice. Padded here instead, every process still runs the same number of batches (an FSDP
+    forward and the stop-signal check are collectives of all processes), and the padding,
+    labelled -1, counts nowhere: the metrics are means over labelled images, weighted by their
+    number, and Lightning sums values and weights over processes.
+    """
+
+    def __init__(self, source: Dataset, num_processes: int) -> None:
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        self.source = source
+        self.size = len(source)  # type: ignore[arg-type]
+        self.padded = -(-self.size // num_processes) * num_processes if self.size else 0
+
+    def __len__(self) -> int:
+        return self.padded
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        if index < self.size:
+            return self.source[index]
+        image, _ = self.source[index - self.size]
+        return image, -1

@@ -40,6 +40,7 @@ from ssl_vit.eval.train_run import (
     accuracy_metrics,
     drop_unlabelled_batch,
     log_accuracy,
+    nothing_to_learn,
     train_and_test,
 )
 from ssl_vit.runtime import seed_training_step
@@ -274,7 +275,7 @@ class FineTuneModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch
         if len(y) == 0:
-            return None  # a batch of unreadable files only: skip the step
+            return nothing_to_learn(self)  # a batch of unreadable files only: skip the step
         if self.mix is not None:
             x, y = self.mix(x, y)  # y: soft labels [B, K]
         loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)

@@ -35,6 +35,7 @@ from ssl_vit.eval.train_run import (
     accuracy_metrics,
     drop_unlabelled_batch,
     log_accuracy,
+    nothing_to_learn,
     train_and_test,
 )
 from ssl_vit.heads import LinearProbeHead
@@ -100,7 +101,7 @@ class AugmentedLinearProbe(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch
         if len(y) < 2:
-            return None  # BatchNorm needs two examples (a batch of unreadable files: skipped)
+            return nothing_to_learn(self)  # BatchNorm needs two examples (a batch of unreadable files: skipped)
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
@@ -42,6 +43,18 @@ def drop_unlabelled_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]
     x, y = batch
     keep = y >= 0  # [B]
     return batch if bool(keep.all()) else (x[keep], y[keep])
+
+
+def nothing_to_learn(module: L.LightningModule) -> Tensor | None:
+    """``training_step``'s return for a batch with nothing to learn from (its images unreadable,
+    too few for a BatchNorm): ``None``, so Lightning skips the step, on one process. Under DDP,
+    where every process must join the backward's gradient reduction (and Lightning refuses
+    ``None``), a zero that reaches every trainable parameter: this process adds a zero gradient
+    to the average, and the step goes on with the others' batches."""
+    trainer = module._trainer
+    if trainer is None or trainer.world_size <= 1:
+        return None
+    return torch.stack([p.sum() for p in module.parameters() if p.requires_grad]).sum() * 0.0
 
 
 def accuracy_metrics(num_classes: int) -> nn.ModuleDict:

@@ -405,6 +405,9 @@ class PretextModule(L.LightningModule):
         last = (getattr(ckpt_cb, "last_model_path", None) or getattr(ckpt_cb, "best_model_path", None)) if ckpt_cb is not None else None
         return self.nonfinite.handle(self, loss, buffers, self.global_step, self.current_epoch, self.global_rank, last)
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_totals: dict[str, Tensor] = {}
+
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
         if self.probe is None and type(self).validation_metrics is PretextModule.validation_metrics:
@@ -412,11 +415,26 @@ class PretextModule(L.LightningModule):
         with torch.no_grad():
             feats = self.backbone(images)  # [B, D]
         # Each metric is a mean over the batch's labelled images (an unreadable file of the test
-        # split comes labelled -1), weighted by their number: the epoch's value is exact, and
-        # every process logs the same metrics at every batch (they are synced at the epoch end).
-        labelled = int((labels >= 0).sum())
+        # split, or the padding of a process's share, comes labelled -1): summed here with their
+        # number, and divided once the sums of every process are in (on_validation_epoch_end).
+        labelled = (labels >= 0).sum().float()
         for name, value in self.validation_metrics(feats, labels).items():
-            self.log(name, value, on_epoch=True, prog_bar=True, batch_size=labelled, sync_dist=True)
+            total = self._val_totals.setdefault(name, torch.zeros(2, device=feats.device))  # [value sum, images]
+            total += torch.stack([value.detach().float() * labelled, labelled])
+
+    def on_validation_epoch_end(self) -> None:
+        # Lightning's own weighted mean (self.log with batch_size and sync_dist) divides the
+        # summed weights by the process count in integers: 7 images over 2 processes count as 3.
+        totals = getattr(self, "_val_totals", {})
+        names = sorted(totals)
+        if not names:
+            return
+        stacked = torch.stack([totals[n] for n in names])  # [K, 2]
+        if self.trainer.world_size > 1:  # every process has batches (EvenShares), so the same names
+            stacked = self.trainer.strategy.reduce(stacked, reduce_op="sum")
+        for name, (value, count) in zip(names, stacked.unbind()):
+            if count > 0:  # a split without labels measures nothing
+                self.log(name, value / count, prog_bar=True, sync_dist=False)
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
         """Metrics of one validation batch from the backbone's representation ``[B, D]``: means
