@@ -276,11 +276,6 @@ def test_dino_last_layer_frozen_in_first_epoch_only():
     assert not torch.equal(model.head.last_layer.weight_v, v0)
 
 
-def test_dino_teacher_temperature_warms_up_per_epoch():
-    model = make("dino", warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_epochs=30)
-    assert model.current_teacher_temp() == pytest.approx(0.04)  # epoch 0
-
-
 def test_dino_head_has_weight_normalised_last_layer_fixed_to_norm_one():
     model = make("dino")
     w = model.head.last_layer.weight
@@ -384,11 +379,40 @@ def test_lr_warmup_cosine_and_weight_decay_schedule():
     assert wds[-1] == pytest.approx(0.4 + (0.04 - 0.4) * (1 + math.cos(math.pi * 99 / 100)) / 2)
 
 
+def test_without_warmup_the_cosine_starts_at_the_peak_and_ends_above_min_lr():
+    model = make("supervised", base_lr=0.1, min_lr=0.001, warmup_epochs=0.0)
+    model._total_steps, model._steps_per_epoch = 50, 10
+    model.peak_lr = 0.1
+    lrs = [model.schedule_values(s)["lr"] for s in range(50)]
+    for step in (0, 17, 49):  # DINO cosine_scheduler with no warm-up: cos(pi i / N), N = 50
+        assert lrs[step] == pytest.approx(0.001 + (0.1 - 0.001) * (1 + math.cos(math.pi * step / 50)) / 2)
+    assert lrs[-1] > 0.001
+    model._total_steps = 1
+    assert model.schedule_values(0)["lr"] == pytest.approx(0.1)  # a one-step run learns, at the peak
+
+
 def test_lr_is_scaled_by_global_batch_over_256_and_set_on_the_optimiser():
+    seen = []
+
+    class OptimiserLR(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append([g["lr"] for g in optimizer.param_groups if "fixed_lr" not in g])
+
     model = make("supervised", base_lr=0.1, warmup_epochs=0.0)
     views, labels = fixed_views([16], batch=16)
-    fit_steps(model, views, labels, steps=2)
-    assert model.peak_lr == pytest.approx(0.1 * 16 / 256)
+    fit_steps(model, views, labels, steps=2, callbacks_extra=[OptimiserLR()])
+    peak = 0.1 * 16 / 256
+    assert model.peak_lr == pytest.approx(peak)
+    # Two steps of the cosine to min_lr 0: the peak, then half of it (cos(pi / 2)).
+    assert len(seen) == 2 and all(len(lrs) >= 2 for lrs in seen)  # the decayed and the exempt group
+    assert seen == [pytest.approx([peak] * len(seen[0])), pytest.approx([peak / 2] * len(seen[1]))]
+
+
+def test_warmup_epochs_count_optimiser_steps_under_gradient_accumulation():
+    model = make("supervised", warmup_epochs=1.0)
+    views, labels = fixed_views([16])
+    fit_steps(model, views, labels, steps=8, accumulate_grad_batches=2)  # 8 batches: 4 optimiser steps per epoch
+    assert model.global_step == 4 and model._warmup_steps() == 4
 
 
 def test_weight_decay_groups_exclude_norms_biases_and_embeddings():
@@ -510,24 +534,55 @@ def test_the_skip_policy_raises_once_its_budget_is_spent():
         fit_steps(model, views, labels, steps=6)
     assert model.nonfinite.skipped == 2
     with pytest.raises(ValueError, match="max_skipped_batches must be >= 0"):
-        Supervised(**TINY_BACKBONE, max_skipped_batches=-1)
+        Supervised(**TINY_BACKBONE, num_classes=4, max_skipped_batches=-1)
 
 
-def test_a_skipped_batch_leaves_dinos_centre_and_batchnorm_statistics_as_they_were():
-    class Exploding(DINO):
+def test_a_checkpoint_carries_the_step_seed_and_the_spent_skip_budget_to_the_resumed_run():
+    """An unseeded run draws a new seed at each launch: the resumed one must take the checkpoint's
+    (its drop path and masks are functions of it), and the non-finite skip budget spans resumes."""
+    model = Supervised(**TINY_BACKBONE, num_classes=4, nonfinite_policy="skip", max_skipped_batches=3)
+    model._seed, model.nonfinite.skipped = 1234, 3
+    checkpoint: dict = {}
+    model.on_save_checkpoint(checkpoint)
+    resumed = Supervised(**TINY_BACKBONE, num_classes=4, nonfinite_policy="skip", max_skipped_batches=3)
+    resumed._seed = 99  # what this launch would have drawn
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed._seed == 1234 and resumed.nonfinite.skipped == 3
+    with pytest.raises(NonFiniteLossError, match="3 batch\\(es\\) already skipped"):
+        resumed.nonfinite.handle(resumed, torch.tensor(float("nan")), [], step=7, epoch=0, rank=0, last_checkpoint=None)
+
+
+@pytest.mark.parametrize("name", ["dino", "mocov3"])
+def test_a_skipped_batch_leaves_every_weight_buffer_and_ema_target_as_it_was(name):
+    """The state after the skipped step 2 is the state after step 1, exactly: the online weights,
+    the momentum encoder / teacher (no EMA update), DINO's centre and the BatchNorm statistics;
+    the next step trains again."""
+    cls = {"dino": DINO, "mocov3": MoCoV3}[name]
+
+    class Exploding(cls):
         def step(self, views, labels):
-            if self.global_step == 2:  # a batch that overflows: teacher and student outputs NaN
+            if self.global_step == 2:  # a batch that overflows: every output NaN
                 views = [v * float("nan") for v in views]
             return super().step(views, labels)
 
+    states = []
+
+    class Snapshot(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            states.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
     torch.manual_seed(0)
-    model = Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, use_bn_in_head=True, nonfinite_policy="skip",
-                      **SMALL_HEADS["dino"])
-    views, labels = fixed_views(VIEW_SIZES["dino"])
-    losses = fit_steps(model, views, labels, steps=5)
+    extra = {"use_bn_in_head": True} if name == "dino" else {}
+    model = Exploding(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, nonfinite_policy="skip", momentum=0.9,
+                      momentum_end=0.9, **extra, **SMALL_HEADS[name])
+    views, labels = fixed_views(VIEW_SIZES[name])
+    losses = fit_steps(model, views, labels, steps=4, callbacks_extra=[Snapshot()])
     assert model.nonfinite.skipped == 1 and all(math.isfinite(v) for v in losses)
-    assert torch.isfinite(model.criterion.center).all()
-    assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
+    targets = [k for k in states[1] if k.startswith(("teacher", "momentum"))]
+    buffers = {n for n, _ in model.named_buffers()}
+    assert targets and buffers & set(states[1]) - {k for k in buffers if k.endswith("num_batches_tracked")}
+    assert all(torch.equal(states[1][k], states[2][k]) for k in states[1]), [k for k in states[1] if not torch.equal(states[1][k], states[2][k])]
+    assert not all(torch.equal(states[2][k], states[3][k]) for k in targets)  # step 3 trains (and moves the target)
 
 
 def test_supervised_needs_labels(tmp_path):
