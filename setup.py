@@ -37,7 +37,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # timm is the parity reference for the backbone, never a runtime dependency.
+        # timm is the parity reference for the backbone (and the benchmark's peer), never needed to train.
         # ONNX packages let the suite check exported graphs against the eager model.
         "test": [
             "pytest>=7.4",
@@ -49,6 +49,8 @@ setup(
         ],
         # ONNX export and its parity check.
         "onnx": ["onnx>=1.15", "onnxscript>=0.1", "onnxruntime>=1.17"],
+        # `ssl-vit benchmark`: its peers are timm's ViT and lightly's methods around timm.
+        "bench": ["timm>=1.0"],
     },
     entry_points={"console_scripts": ["ssl-vit=ssl_vit.cli:main"]},
     classifiers=[

@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("ssl_vit.eval.cli", "evaluate a backbone: linear | knn | fewshot | frozen (all three) | finetune"),
     "compare": ("ssl_vit.eval.compare", "tabulate result JSONs (SSL vs supervised vs random init)"),
     "demo": ("ssl_vit.demo", "the main job: pretrain MPP, MoCo v3, DINO + supervised on Fashion-MNIST and compare"),
-    "export": ("ssl_vit.export_cli", "extract a backbone: timm-compatible safetensors, config.json, TorchScript/ONNX"),
+    "export": ("ssl_vit.export_cli", "extract a backbone: timm-compatible safetensors, config.json, TorchScript / torch.export / ONNX"),
     "visualize": ("ssl_vit.analysis.cli", "the ViT paper's figures: filters, position embeddings, attention distance, maps"),
     "benchmark": ("ssl_vit.bench.cli", "speed and memory against lightly+timm, and against the machine's matmul rate"),
     "backbones": ("ssl_vit.backbones.cli", "list the registered backbones"),

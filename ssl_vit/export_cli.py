@@ -3,7 +3,7 @@
 SOURCE is a pretraining checkpoint (``.ckpt`` from ``ssl-vit fit``), an export folder, or a bare
 state dict (ours, timm's, an official DINO / MoCo v3 checkpoint; then ``--arch`` and
 ``--backbone-kwargs`` name the architecture). The folder gets ``model.safetensors`` (timm keys for
-ViTs, torchvision keys for ResNets), ``config.json`` and, with ``--format``, TorchScript / ONNX
+ViTs, torchvision keys for ResNets), ``config.json`` and, with ``--format``, TorchScript / torch.export (``model.pt2``) / ONNX
 copies, each checked against the eager backbone.
 """
 

@@ -251,3 +251,12 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     assert "mocov3" in format_report(result, markdown=True)
     assert result["config"]["lean_backward"] is False and "lean_backward=False" in printed
     assert result["config"]["fused_optimizer"] is False and "AdamW: ours torch default, peers torch default" in printed
+
+
+def test_without_timm_the_benchmark_says_what_to_install(monkeypatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else find_spec(name, *a))
+    with pytest.raises(RuntimeError, match=re.escape("timm is not installed: pip install 'ssl_vit[bench]'")):
+        main(["--preset", "tiny", "--no-peers"])

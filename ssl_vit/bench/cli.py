@@ -158,6 +158,11 @@ def main(argv: list[str]) -> int:
             raise RuntimeError("--device cuda was asked for but no CUDA device is available")
     if args.json is not None:  # the last check: the folder it makes stays
         _check_writable(args.json)
+    import importlib.util
+
+    if importlib.util.find_spec("timm") is None:  # the peers are timm's ViT and lightly's timm wrappers
+        raise RuntimeError("ssl-vit benchmark measures against timm's ViT and lightly + timm, and timm is not installed: "
+                           "pip install 'ssl_vit[bench]' (or pip install timm)")
     from ssl_vit.bench.runner import run_benchmark  # heavy (torch, timm, lightly): after --help
 
     result = run_benchmark(cfg)
