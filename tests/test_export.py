@@ -467,7 +467,8 @@ def test_cli_end_to_end(dino_ckpt, tmp_path, capsys):
     assert "dino student backbone vit" in capsys.readouterr().out
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "model.torchscript.pt"}
     cfg = json.loads((out / "config.json").read_text())
-    assert sorted(r["metrics"]["top1"] for r in cfg["ssl_vit"]["results"]) == [0.42, 0.61]
+    # the run's record (0.61) is of DINO's default encoder, the teacher: not this export's
+    assert sorted(r["metrics"]["top1"] for r in cfg["ssl_vit"]["results"]) == [0.42]
     x = _x()
     torch.testing.assert_close(load_backbone(out)(x), _reference(dino_ckpt, "backbone.")(x), rtol=0, atol=0)
 

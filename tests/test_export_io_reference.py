@@ -202,6 +202,32 @@ def test_records_of_an_earlier_checkpoint_of_the_run_are_not_credited_to_the_exp
     assert sorted(r["metrics"]["top1"] for r in results) == [0.6, 0.7]
 
 
+def test_an_export_of_one_encoder_carries_only_that_encoders_results(tmp_path):
+    # A MoCo v3 run evaluated its online encoder (records without "encoder") and, with --which
+    # momentum, its momentum encoder (records naming it). Expectation by hand: each export
+    # carries its own encoder's record only; a file of the other encoder given explicitly is refused.
+    from ssl_vit.eval.results import EvalResult
+
+    run = tmp_path / "run"
+    vit = _vit(0)
+    path = run / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    state = {f"{prefix}.{k}": v for prefix in ("backbone", "momentum_backbone") for k, v in vit.state_dict().items()}
+    torch.save({"pytorch-lightning_version": "2.6.0", "global_step": 3, "epoch": 0, "state_dict": state,
+                "ssl_vit": {"method": "MoCoV3", "backbone": "vit", "backbone_kwargs": dict(TINY_VIT)}}, path)
+    (run / "results").mkdir()
+    for name, encoder, top1 in (("knn.json", None, 0.5), ("knn_momentum.json", "momentum", 0.4)):
+        backbone = {"name": "vit", **({"encoder": encoder} if encoder else {})}
+        record = EvalResult("mocov3", backbone, {"name": "synthetic"}, "knn", {"top1": top1}, pretrain={"steps": 3})
+        (run / "results" / name).write_text(json.dumps(record.to_dict()))
+    online = export_backbone(path, tmp_path / "online").config["ssl_vit"]["results"]
+    momentum = export_backbone(path, tmp_path / "momentum", which="momentum").config["ssl_vit"]["results"]
+    assert [r["metrics"]["top1"] for r in online] == [0.5]
+    assert [r["metrics"]["top1"] for r in momentum] == [0.4]
+    with pytest.raises(ValueError, match=r"knn\.json: a result of the default encoder of its checkpoint; this export is of the momentum one"):
+        export_backbone(path, tmp_path / "momentum2", which="momentum", results=[run / "results" / "knn.json"])
+
+
 def test_our_record_marks_a_checkpoint_and_online_and_base_name_the_student(tmp_path):
     # sources.py: a checkpoint with an ssl_vit record is ours even when another tool re-saved it
     # without Lightning's version field; "online" / "base" are aliases of the student.

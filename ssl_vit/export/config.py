@@ -183,7 +183,13 @@ def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> lis
 
     A run directory also holds the records of its earlier checkpoints: a run resumed after it was
     evaluated overwrites ``last.ckpt``, and the old records name that file still. Those whose
-    ``pretrain.steps`` is not the checkpoint's step were of other weights, and are left out."""
+    ``pretrain.steps`` is not the checkpoint's step were of other weights, and are left out; so are
+    those of another encoder of the checkpoint (a record names its encoder, ``backbone.encoder``,
+    when it is not the method's default: MoCo v3's momentum encoder, DINO's student), and a
+    result file given explicitly of another encoder is refused."""
+    from ssl_vit.eval.results import chosen_encoder
+
+    exported = chosen_encoder({"which": source.which, "method": source.method, "default_which": source.default_which})
     results = list(source.results)
     found: list[tuple[Path, bool]] = []
     run_dir = run_directory(Path(source.path)) if source.kind == "lightning" else None
@@ -206,6 +212,13 @@ def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> lis
         steps = ((record or {}).get("pretrain") or {}).get("steps")
         if path in own_run and step is not None and steps is not None and steps != step:
             continue  # a record of an earlier checkpoint of the run (see above)
+        backbone = (record or {}).get("backbone")
+        encoder = backbone.get("encoder") if isinstance(backbone, dict) else exported  # a bare {"metrics"} file: unknown, kept
+        if record is not None and encoder != exported:
+            if strict:
+                raise ValueError(f"{path}: a result of the {encoder or 'default'} encoder of its checkpoint; this export is of the "
+                                 f"{exported or 'default'} one ({source.which})")
+            continue
         if record is not None:
             results.append(record)
             seen.add(str(path))
