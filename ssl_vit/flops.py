@@ -106,7 +106,8 @@ def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int],
 
     Plain ViTs are counted analytically (:func:`vit_forward_flops`). The ResNet trunk of a hybrid
     and plain ResNets are counted by ``FlopCounterMode`` on the meta device (shapes only, no
-    memory, no compute); the hybrid's 1x1 projection and Transformer are then analytic. A backbone
+    memory, no compute); the hybrid's 1x1 projection and Transformer are then analytic. Any other
+    backbone, a subclass of ``VisionTransformer`` included, is counted whole on the meta device. A backbone
     wrapped by FSDP is counted as the module inside; ``shape_of`` gives its parameters' shapes
     before wrapping (:meth:`PretextModule.shape_before_wrapping`), for the meta-device count.
     """
@@ -115,7 +116,7 @@ def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int],
 
     backbone = unwrap_module(backbone)
 
-    if isinstance(backbone, VisionTransformer):
+    if type(backbone) is VisionTransformer:  # a subclass may compute more (its own pooling): counted below
         embed = backbone.patch_embed
         d = backbone.embed_dim
         mlp_hidden = backbone.blocks[0].mlp.fc1.out_features if len(backbone.blocks) else 4 * d

@@ -715,3 +715,36 @@ def test_a_bare_dino_state_dict_gives_its_teacher_by_default_as_its_checkpoint_d
     assert read_source(tmp_path / "dino.pt").which == "teacher"  # and the record says so
     torch.save({f"backbone.{k}": v for k, v in student.state_dict().items()}, tmp_path / "one.pt")
     assert read_source(tmp_path / "one.pt").which is None
+
+
+def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
+    # A registered subclass of our ViT with a layer of its own (a learned-query pooling): timm's
+    # ViT of the same arguments would drop that layer, so the export claims no timm architecture
+    # or keys, and load_backbone rebuilds the subclass with every weight.
+    from ssl_vit.backbones import BackboneSpec, VisionTransformer, register_backbone
+    from ssl_vit.backbones.registry import _REGISTRY
+    from ssl_vit.export.config import timm_architecture, weights_format
+
+    class PooledViT(VisionTransformer):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.pool_proj = torch.nn.Linear(self.embed_dim, self.embed_dim)
+
+        def forward(self, x):
+            return self.pool_proj(self.forward_features(x)[:, 1:].mean(1))
+
+    def pooled_vit(img_size: int = 16, patch_size: int = 4, in_chans: int = 1) -> PooledViT:
+        return PooledViT(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=32, depth=1, num_heads=2)
+
+    register_backbone(BackboneSpec("pooled_vit_test", pooled_vit))
+    try:
+        torch.manual_seed(0)
+        model = create_backbone("pooled_vit_test").eval()
+        assert timm_architecture(model) is None and weights_format(model) == "ssl_vit"
+        torch.save(model.state_dict(), tmp_path / "weights.pt")
+        out = export_backbone(tmp_path / "weights.pt", tmp_path / "exp", backbone="pooled_vit_test").out_dir
+        config = json.loads((out / "config.json").read_text())
+        assert "architecture" not in config and config["ssl_vit"]["weights_format"] == "ssl_vit"
+        torch.testing.assert_close(load_backbone(out)(_x()), model(_x()), rtol=0, atol=0)
+    finally:
+        _REGISTRY.pop("pooled_vit_test", None)

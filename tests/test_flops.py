@@ -16,7 +16,7 @@ from helpers import TINY_BACKBONE, TINY_VIT, RepeatBatch, fixed_views, torch_flo
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch.utils.data import DataLoader
 
-from ssl_vit.backbones import create_backbone
+from ssl_vit.backbones import VisionTransformer, create_backbone
 from ssl_vit.flops import (
     PretrainFlopsCounter,
     backbone_forward_flops,
@@ -84,6 +84,28 @@ def test_backbone_counts_agree_with_flop_counter(name: str, kwargs: dict, size: 
     train = torch_flops(lambda: model(x).sum().backward())
     assert backbone_forward_flops(model, size) * 2 == pytest.approx(forward, rel=1e-6)
     assert backbone_train_flops(model, size) * 2 == pytest.approx(train, rel=1e-6)
+
+
+class _AttentionPooledViT(VisionTransformer):
+    """A user's ViT subclass that pools the patch tokens with a learned query: more FLOPs than the
+    ViT it extends."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.query = torch.nn.Parameter(torch.zeros(1, 1, self.embed_dim))
+        self.pool_attn = torch.nn.MultiheadAttention(self.embed_dim, 1, batch_first=True)
+
+    def forward(self, x):
+        tokens = self.forward_features(x)[:, 1:]  # [B, N, D]
+        return self.pool_attn(self.query.expand(len(tokens), -1, -1), tokens, tokens, need_weights=False)[0][:, 0]
+
+
+def test_a_vit_subclass_is_counted_with_what_it_adds() -> None:
+    model = _AttentionPooledViT(**TINY_VIT)
+    x = torch.randn(2, 1, 16, 16)
+    forward = torch_flops(lambda: model(x))  # forward only (MultiheadAttention refuses the tracker under no_grad)
+    assert backbone_forward_flops(model, 16) * 2 == pytest.approx(forward, rel=1e-6)
+    assert backbone_forward_flops(model, 16) > backbone_forward_flops(create_backbone("vit", **TINY_VIT), 16)
 
 
 def test_frozen_patch_projection_saves_its_weight_gradient() -> None:

@@ -75,7 +75,9 @@ def resolve_normalization(recorded: dict[str, Any] | None, in_chans: int) -> dic
 
 
 def is_plain_vit(model: nn.Module) -> bool:
-    return isinstance(model, VisionTransformer) and isinstance(model.patch_embed, PatchEmbed)
+    """Our ViT itself (not a subclass, which may add layers timm's does not have) with a plain
+    patch embedding: the network timm builds from the same arguments."""
+    return type(model) is VisionTransformer and isinstance(model.patch_embed, PatchEmbed)
 
 
 def weights_format(model: nn.Module) -> str:
