@@ -660,6 +660,15 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
     data = ["--data", "my_data.MySynth", *SYNTH[2:]]
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--k", "3", "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["data"]["name"] == "my_data.MySynth"
+    # ... as a recipe's evaluation and a checkpoint's pretraining data name it (compare pairs them)
+    import my_data
+
+    from ssl_vit.eval.results import pretraining_data
+    from ssl_vit.training.evaluate import datamodule_name
+
+    assert datamodule_name(my_data.MySynth()) == "my_data.MySynth"
+    assert pretraining_data({"name": "MySynth", "class": "my_data.MySynth"}) == "my_data.MySynth"
+    assert datamodule_name(__import__("ssl_vit.data").data.SyntheticDataModule()) == "synthetic"
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "my_data.MySynth", *SYNTH[2:8], "--figures", "filters",
                      "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()

@@ -30,7 +30,9 @@ from ssl_vit.arguments import ArgumentParser
 from ssl_vit.eval.data_args import (
     DATASETS,
     build_datamodule,
+    class_path,
     datamodule_class,
+    dataset_name,
     key_value,
     labelled_classes,
     note_channel_conversion,
@@ -313,7 +315,7 @@ def main(argv: list[str]) -> int:
         short = KNNClassifier(**_protocol_kwargs(args, "knn")).bank_shortfall(len(train_ds))  # a sweep's held-out part
         if short is not None:
             raise ValueError(f"--k {' '.join(map(str, args.k))}: {short.replace('training examples', 'training images')}")
-    data_record = {"name": args.data, "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
+    data_record = {"name": dataset_name(type(dm).__name__, class_path(type(dm))), "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
     method = recorded or args.method or "unknown"
     check_out(args.out, create=True)
     if getattr(args, "export", None) is not None:
@@ -329,7 +331,7 @@ def main(argv: list[str]) -> int:
             if args.protocol == "finetune":
                 head = new_head(backbone.embed_dim, num_classes, seed=args.seed)  # trained in place, for --export
                 # What the run's checkpoints and its export say of the fine-tuned backbone's origin.
-                normalization = {"name": args.data, "mean": list(dm.mean), "std": list(dm.std)}
+                normalization = {"name": data_record["name"], "mean": list(dm.mean), "std": list(dm.std)}
                 done = finetune_and_record(backbone, train_ds, test_ds, num_classes, settings, img_size=dm.img_size, new_img_size=args.img_size,
                                            normalization=normalization, head=head, **run)
             else:

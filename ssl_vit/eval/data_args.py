@@ -24,10 +24,16 @@ DATASETS = {
 }
 
 
-def dataset_name(class_name: str) -> str:
+def dataset_name(class_name: str, path: str | None = None) -> str:
     """``FashionMNISTDataModule`` -> ``fashion_mnist``: a datamodule as ``--data`` names it (and
-    result records do), or its class name when ``--data`` has no name for it."""
-    return next((name for name, cls in DATASETS.items() if cls == class_name), class_name)
+    result records do); one of the user's by its import path (``mypkg.data.Flowers``, as
+    ``--data`` takes it) when known, else its class name."""
+    return next((name for name, cls in DATASETS.items() if cls == class_name), path or class_name)
+
+
+def class_path(cls: type) -> str:
+    """``mypkg.data.Flowers``: where a class is imported from."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def key_value(text: str) -> tuple[str, Any]:

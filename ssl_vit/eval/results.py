@@ -89,7 +89,7 @@ def pretraining_data(record: Mapping[str, Any] | None) -> str | None:
         return None
     from ssl_vit.eval.data_args import dataset_name
 
-    return data_label({**record, "name": dataset_name(record["name"])})
+    return data_label({**record, "name": dataset_name(record["name"], record.get("class"))})
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.backbones.registry import as_plain
+from ssl_vit.eval.data_args import class_path
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.nonfinite import NonFiniteGuard, NonFinitePolicy
 from ssl_vit.pretext.optim import (
@@ -451,7 +452,7 @@ class PretextModule(L.LightningModule):
         # What the data looked like, for export (normalisation) and result records.
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None:
-            info = {"name": type(dm).__name__}
+            info = {"name": type(dm).__name__, "class": class_path(type(dm))}
             for key in ("mean", "std", "img_size", "in_chans", "num_classes"):
                 value = getattr(dm, key, None)
                 if value is not None:

@@ -291,6 +291,6 @@ def _evaluator(protocol: str) -> Any:
 def datamodule_name(datamodule: L.LightningDataModule) -> str:
     """``FashionMNISTDataModule`` -> ``fashion_mnist``: the names ``ssl-vit eval --data`` uses, so
     that ``compare`` puts a recipe's records beside those of ``ssl-vit eval``."""
-    from ssl_vit.eval.data_args import dataset_name
+    from ssl_vit.eval.data_args import class_path, dataset_name
 
-    return dataset_name(type(datamodule).__name__)
+    return dataset_name(type(datamodule).__name__, class_path(type(datamodule)))
