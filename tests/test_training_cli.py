@@ -475,6 +475,18 @@ def test_evaluation_settings_the_data_cannot_meet_are_refused_before_training(tm
     assert cli_main(["fit", "--config", str(cfg), "--data.init_args.num_test_samples", "0", "--evaluate.protocols", "[knn]"]) == 1
     assert ("evaluate: SyntheticDataModule has no labelled test split to evaluate on; "
             "set evaluate.protocols: [] to pretrain without evaluating") in capsys.readouterr().err
+    # a datamodule of one's own that forgot num_classes: named as the cause, not as a missing split
+    (tmp_path / "uncounted.py").write_text("from ssl_vit.data import SyntheticDataModule\n\n\nclass Uncounted(SyntheticDataModule):\n"
+                                           "    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n        self.num_classes = None\n")
+    recipe = yaml.safe_load(cfg.read_text())
+    recipe["data"]["class_path"] = "uncounted.Uncounted"
+    cfg.write_text(yaml.safe_dump(recipe))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert cli_main(["fit", "--config", str(cfg), "--evaluate.protocols", "[knn]"]) == 1
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert "evaluate: Uncounted does not say how many classes its labels have (num_classes is unset)" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
 
 

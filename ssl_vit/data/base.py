@@ -12,7 +12,11 @@ The training loader is a :class:`~ssl_vit.data.sampler.ResumableLoader`: its ord
 augmentations follow from the run's seed, the epoch and the sample, and a mid-epoch checkpoint
 resumes at the next batch (see ``sampler.py``).
 
-A subclass only says where its images come from (``_load_split``) and its default statistics.
+A subclass only says where its images come from (``_load_split``), its default statistics
+(``dataset_mean`` / ``dataset_std``) and, for labelled data, its number of classes
+(``num_classes``: a class attribute, or set in ``__init__``), which the online probe and the
+evaluations need; a split whose labelled test data depends on its arguments says so in
+``has_labelled_test_split`` (checked before a recipe trains).
 """
 
 from __future__ import annotations

@@ -150,6 +150,10 @@ class RecipeEvaluation:
             fix = "set data val_dir to a labelled folder, or " if hasattr(datamodule, "val_dir") else ""
             raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on; "
                              f"{fix}set evaluate.protocols: [] to pretrain without evaluating")
+        if not getattr(datamodule, "num_classes", None):
+            raise ValueError(f"evaluate: {type(datamodule).__name__} does not say how many classes its labels have (num_classes "
+                             "is unset): a datamodule of labelled data sets num_classes (a class attribute, or in __init__), which "
+                             "the evaluations and the online probe need; or set evaluate.protocols: [] to pretrain without evaluating")
         sizes = [n for n in (getattr(datamodule, "subset", None), self.train_subset) if n is not None]
         if not sizes:
             return
