@@ -564,3 +564,32 @@ def test_a_hybrid_of_any_width_sits_beside_small_vits():
     assert hybrid.grid_size == (7, 7) and hybrid.embed_dim == 128 and len(hybrid.blocks) == 4
     assert hybrid(torch.randn(2, 1, 28, 28)).shape == (2, 128)
     assert hybrid.get_attention_maps(torch.randn(1, 1, 28, 28))[0].shape == (1, 4, 50, 50)
+
+
+def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_interface_is_named():
+    from ssl_vit.backbones.registry import _REGISTRY, BackboneSpec, register_backbone
+
+    def vit_forwarding(depth: int = 1, **kwargs):  # a subclass' builder that passes the rest on
+        return VisionTransformer(depth=depth, embed_dim=32, num_heads=2, **kwargs)
+
+    class Bare(torch.nn.Module):  # no embed_dim, an int img_size, no forward_features
+        in_chans, img_size = 1, 16
+
+    try:
+        register_backbone(BackboneSpec("vit_forwarding_test", vit_forwarding))
+        model = create_backbone("vit_forwarding_test", img_size=16, patch_size=4, in_chans=1, drop_path_rate=0.1)
+        assert model.img_size == (16, 16) and model.backbone_kwargs["drop_path_rate"] == 0.1
+        from ssl_vit.pretext import Supervised
+
+        # a momentum encoder / teacher is built without stochastic depth
+        online = Supervised(backbone="vit_forwarding_test", backbone_kwargs={"img_size": 16, "patch_size": 4, "in_chans": 1,
+                                                                               "drop_path_rate": 0.1, "depth": 2}, num_classes=2)
+        assert not isinstance(online.backbone.blocks[-1].drop_path, torch.nn.Identity)  # (the rate grows with depth from 0)
+        assert isinstance(online.build_target_backbone().blocks[-1].drop_path, torch.nn.Identity)
+        register_backbone(BackboneSpec("bare_test", Bare))
+        with pytest.raises(TypeError, match=r"backbone 'bare_test' \(Bare\) does not have the attributes every backbone has: embed_dim "
+                                            r"\(an int\) is missing; img_size \(a \(height, width\) pair of ints\) is 16; forward_features"):
+            create_backbone("bare_test")
+    finally:
+        _REGISTRY.pop("vit_forwarding_test", None)
+        _REGISTRY.pop("bare_test", None)

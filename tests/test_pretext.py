@@ -758,3 +758,26 @@ def test_a_batch_of_bare_images_is_refused_by_name():
     model = make("supervised")
     with pytest.raises(TypeError, match=r"a training batch must be \(views, labels\) with views a list of \[B, C, H, W\] tensors.*got tuple of Tensor, Tensor"):
         model.training_step((torch.randn(4, 1, 16, 16), torch.zeros(4, dtype=torch.long)), 0)
+
+
+def test_a_methods_other_scalars_are_logged_under_train_once():
+    class Extra(Supervised):
+        def step(self, views, labels):
+            out = super().step(views, labels)
+            return {**out, "z_std": torch.tensor(1.0), "train/already": torch.tensor(2.0)}
+
+    seen = {}
+
+    class Logged(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.update(trainer.callback_metrics)
+
+    fit_steps(Extra(**TINY_BACKBONE, num_classes=4), *fixed_views([16]), steps=1, callbacks_extra=[Logged()])
+    assert seen["train/z_std"] == 1.0 and seen["train/already"] == 2.0 and "train/train/already" not in seen
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it():
+    model = make("supervised", base_lr=0.1, warmup_steps=120)
+    model._total_steps, model.peak_lr = 12, 0.1
+    lrs = [model.schedule_values(s)["lr"] for s in range(12)]
+    assert lrs == pytest.approx([0.1 * (t + 1) / 12 for t in range(12)])  # peak·(t + 1)/W with W = 12, not 120

@@ -409,8 +409,8 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO):  # 1 step of 4 per epoch: half an epoch of warm-up covers it
         assert cli_main(["fit", "--config", str(cfg), "--model.init_args.warmup_epochs", "0.5", "--trainer.default_root_dir", str(tmp_path / "w")]) == 0
-    assert ("the LR warm-up, warmup_epochs 0.5 = 2 steps, spans the whole run of 1 steps: its LR only rises and the cosine "
-            "never starts (set a shorter warm-up)") in caplog.text
+    assert ("the LR warm-up, warmup_epochs 0.5 = 2 steps, is longer than the run of 1 steps and is cut to it: its LR rises to "
+            "the peak at the last step and the cosine never starts (set a shorter warm-up)") in caplog.text
     caplog.clear()
     cfg = tiny_config(tmp_path, method="ssl_vit.pretext.MoCoV3", views="ssl_vit.data.TwoViews", max_steps=1, default_root_dir=str(tmp_path / "moco"))
     with caplog.at_level(logging.INFO):

@@ -31,8 +31,14 @@ class BackboneSpec:
     required: tuple[str, ...] = ()
 
     def allowed_kwargs(self) -> list[str]:
+        """The builder's named arguments (those ``fixed`` leaves to the user)."""
         params = inspect.signature(self.build).parameters
-        return [p for p in params if p not in self.fixed and p != "patch_embed"]
+        return [name for name, p in params.items() if name not in self.fixed and name != "patch_embed"
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def takes_any_kwargs(self) -> bool:
+        """Whether the builder also takes ``**kwargs`` (then passed on unchecked)."""
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(self.build).parameters.values())
 
 
 _REGISTRY: dict[str, BackboneSpec] = {}
@@ -90,7 +96,7 @@ def create_backbone(name: str, **kwargs: Any) -> nn.Module:
     """
     spec = get_spec(name)
     allowed = spec.allowed_kwargs()
-    unknown = sorted(set(kwargs) - set(allowed))
+    unknown = [] if spec.takes_any_kwargs() else sorted(set(kwargs) - set(allowed))
     if unknown:
         hint = did_you_mean(unknown[0], allowed) if len(unknown) == 1 else ""
         raise TypeError(f"backbone {name!r} got unknown argument(s) {unknown}{hint}; it accepts: {', '.join(allowed)}")
@@ -99,6 +105,26 @@ def create_backbone(name: str, **kwargs: Any) -> nn.Module:
         raise TypeError(f"backbone {name!r} needs {', '.join(missing)} (it has no shape of its own; or pick a sized one, e.g. vit_small)")
     check_argument_types(spec.build, kwargs, f"backbone {name!r}: ")
     model = spec.build(**spec.fixed, **kwargs)
+    _check_interface(name, model)
     model.backbone_name = name
     model.backbone_kwargs = dict(kwargs)
     return model
+
+
+def _check_interface(name: str, model: nn.Module) -> None:
+    """What evaluation, export, FLOP counting and the recipe checks read from every backbone:
+    ``embed_dim`` (the width of ``forward``'s ``[B, D]``), ``in_chans`` and ``img_size`` as
+    ``(height, width)``; said when the backbone is built rather than as a traceback later."""
+    problems = []
+    for attr in ("embed_dim", "in_chans"):
+        value = getattr(model, attr, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{attr} (an int) is {'missing' if value is None else repr(value)}")
+    size = getattr(model, "img_size", None)
+    if not (isinstance(size, tuple | list) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in size)):
+        problems.append(f"img_size (a (height, width) pair of ints) is {'missing' if size is None else repr(size)}")
+    if not callable(getattr(model, "forward_features", None)):
+        problems.append("forward_features(x) is missing")
+    if problems:
+        raise TypeError(f"backbone {name!r} ({type(model).__name__}) does not have the attributes every backbone has: "
+                        f"{'; '.join(problems)} (see README, Backbones)")

@@ -2,9 +2,12 @@
 LR / weight-decay schedules, EMA updates of declared (online, target) pairs, gradient clipping,
 the online linear probe, logging and the non-finite-loss guard.
 
-A method subclasses ``PretextModule`` once (no deeper), builds its heads and loss from typed
-``__init__`` arguments, and implements ``step(views, labels) -> dict`` returning at least ``loss``
-(and ``features``, the detached representation the online probe learns from).
+A method subclasses ``PretextModule`` (or a method, to change a part of it), builds its heads and
+loss from typed ``__init__`` arguments, and implements ``step(views, labels) -> dict`` returning
+at least ``loss`` (and ``features``, the detached representation the online probe learns from);
+the other scalars it returns are logged as ``train/<key>``. A momentum encoder or teacher is
+declared by assigning ``self.ema = EMAPairs([(online, target), ...], start, end)``: the base
+updates it after every optimiser step.
 
 Distributed training (DDP / FSDP through Lightning) gives the same step as one process with the
 whole batch: losses are means over the local batch and DDP averages gradients; what a method
@@ -183,9 +186,10 @@ class PretextModule(L.LightningModule):
         stochastic depth or dropout (the DINO teacher and the MoCo v3 momentum encoder are built
         without them in the reference code) and loaded with the online weights."""
         kwargs = dict(self.backbone_kwargs)
-        allowed = get_spec(self.backbone_name).allowed_kwargs()
+        spec = get_spec(self.backbone_name)
+        allowed = spec.allowed_kwargs()
         for key in ("drop_path_rate", "drop_rate", "attn_drop_rate"):
-            if key in allowed:
+            if key in allowed or (key in kwargs and spec.takes_any_kwargs()):
                 kwargs[key] = 0.0
         target = create_backbone(self.backbone_name, **kwargs)
         target.load_state_dict(self.backbone.state_dict())
@@ -370,7 +374,8 @@ class PretextModule(L.LightningModule):
             finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
         if not finite:
             return self._handle_nonfinite(loss, buffers)
-        logs = {f"train/{k}": v.detach().float() if isinstance(v, Tensor) else v for k, v in out.items()}
+        # Other scalars under train/ (a key that names its own group, "probe/x", keeps it).
+        logs = {(k if "/" in k else f"train/{k}"): v.detach().float() if isinstance(v, Tensor) else v for k, v in out.items()}
         logs["train/loss"] = loss.detach()
         if self.probe is not None and features is None:
             raise ValueError(f"{type(self).__name__}.step returned no 'features', but the run has an online probe (the data has "

@@ -99,7 +99,8 @@ def lr_and_weight_decay(
     The warm-up is lightly's ``cosine_warmup_schedule``: step t < W runs at peak·(t + 1)/W, so the
     first step already learns and step W − 1 reaches the peak. The references start one step
     earlier, at 0 (MoCo v3 peak·t/W; DINO ``np.linspace(0, peak, W)``): at most peak/W apart during
-    the warm-up, identical after it."""
+    the warm-up, identical after it. A warm-up longer than the run is cut to it (W = ``total``:
+    the last step runs at the peak; the run says so when it starts)."""
     warmup = min(int(warmup), total)
     step = min(step, total)
     # lightly's schedules reach their end value at max_steps - 1; the references' cosine is

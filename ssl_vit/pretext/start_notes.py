@@ -31,8 +31,10 @@ def start_notes(
         f"{total_steps} optimiser steps ({steps_per_epoch} per epoch)"
     ]
     if warmup_steps >= total_steps:
-        lines.append(f"[ssl_vit] note: the LR warm-up, {warmup_label}, spans the whole run of {total_steps} steps: "
-                     "its LR only rises and the cosine never starts (set a shorter warm-up)")
+        cut = f", is longer than the run of {total_steps} steps and is cut to it" if warmup_steps > total_steps else \
+            f", spans the whole run of {total_steps} steps"
+        lines.append(f"[ssl_vit] note: the LR warm-up, {warmup_label}{cut}: its LR rises to the peak at the last step and the "
+                     "cosine never starts (set a shorter warm-up)")
     if resumed_total_steps and resumed_total_steps != total_steps:
         lines.append(
             f"[ssl_vit] note: resumed a run planned for {resumed_total_steps} optimiser steps as one of {total_steps}: from "
