@@ -284,6 +284,34 @@ def test_visualize_draws_what_applies_to_a_resnet(tmp_path, capsys):
     assert "needs a ViT or hybrid backbone" in capsys.readouterr().err
 
 
+def test_visualize_names_a_backbone_it_can_draw_nothing_of(tmp_path, capsys):
+    import torch
+
+    from ssl_vit.backbones.registry import _REGISTRY, BackboneSpec, register_backbone
+
+    class Pooled(torch.nn.Module):  # a backbone of one's own: no tokens, and its first layer is no conv1 / patch_embed.proj
+        def __init__(self, in_chans: int = 3):
+            super().__init__()
+            self.embed_dim, self.in_chans, self.img_size = 8, in_chans, (16, 16)
+            self.stem = torch.nn.Conv2d(in_chans, 8, 4, stride=4)
+
+        def forward_features(self, x):
+            return self.stem(x)
+
+        def forward(self, x):
+            return self.forward_features(x).mean((2, 3))
+
+    register_backbone(BackboneSpec("pooled_test", Pooled))
+    try:
+        assert cli_main(["visualize", "random:pooled_test", "--images", "synthetic", "--data-arg", "num_test_samples=8",
+                         "--data-arg", "img_size=16", "--out", str(tmp_path / "figs")]) == 1
+    finally:
+        _REGISTRY.pop("pooled_test", None)
+    err = capsys.readouterr().err
+    assert "ssl-vit visualize: error: Pooled has none of what the figures read" in err and "drawing" not in err
+    assert not (tmp_path / "figs").exists()
+
+
 def test_visualize_rejects_unknown_images(tmp_path, capsys):
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "no_such_data", "--out", str(tmp_path)]) == 1
     assert "neither a folder nor a dataset" in capsys.readouterr().err

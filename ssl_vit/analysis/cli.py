@@ -85,6 +85,10 @@ def main(argv: list[str]) -> int:
     if figures is None:
         figures = list(applicable_figures(backbone))
         skipped = [f for f in FIGURES if f not in figures]
+        if not figures:
+            raise ValueError(f"{type(backbone).__name__} has none of what the figures read: no attention or position embedding "
+                             "(a ViT's or hybrid's) and no first convolution the filters figure knows (patch_embed.proj, "
+                             "patch_embed.backbone.conv1 or conv1)")
         if skipped:
             print(f"visualize: {type(backbone).__name__} has no attention or position embedding: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)
     dm = build_datamodule(name, backbone, info, extra, train_subset=None, option="--images")

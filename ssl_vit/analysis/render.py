@@ -36,7 +36,7 @@ from ssl_vit.analysis.draw import (
     save_figure,
     write_attention_distance_csv,
 )
-from ssl_vit.analysis.filters import PAPER_NUM_FILTERS, FilterPCA, backbone_filters
+from ssl_vit.analysis.filters import PAPER_NUM_FILTERS, FilterPCA, backbone_filters, filter_weight
 from ssl_vit.analysis.inputs import denormalize, has_tokens, image_grid, require_vit
 from ssl_vit.analysis.pos_embed import position_similarity
 from ssl_vit.backbones import eval_mode
@@ -49,8 +49,14 @@ TOKEN_FIGURES: tuple[str, ...] = ("pos_embed", "attention_distance", "attention_
 
 def applicable_figures(backbone: nn.Module, figures: Sequence[str] = FIGURES) -> tuple[str, ...]:
     """The ``figures`` this backbone can be drawn in: all of them for a ViT or hybrid, the
-    filters only for a backbone without tokens (ResNet)."""
-    return tuple(f for f in figures if has_tokens(backbone) or f not in TOKEN_FIGURES)
+    filters only for a backbone without tokens (ResNet), none for a backbone of one's own with
+    neither tokens nor a first convolution the filters figure knows."""
+    try:
+        filter_weight(backbone)
+        has_filters = True
+    except ValueError:
+        has_filters = False
+    return tuple(f for f in figures if (f in TOKEN_FIGURES and has_tokens(backbone)) or (f == "filters" and has_filters))
 
 
 @dataclass
