@@ -4,6 +4,7 @@ the masking hook and the errors users hit."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import timm
@@ -261,6 +262,16 @@ def test_set_img_size_changes_the_grid_permanently():
     assert torch.allclose(m.pos_embed, resample_abs_pos_embed(old, (8, 8), (4, 4)), atol=1e-6)
     with pytest.raises(ValueError, match="not divisible by the patch size 8"):
         m.set_img_size(60)
+
+
+def test_a_fixed_sincos_table_stays_fixed_and_exact_at_a_new_resolution():
+    m = create_backbone("vit", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, pos_embed="sincos")
+    m.set_img_size(24)
+    assert not m.pos_embed.requires_grad and m.pos_embed_type == "sincos"
+    torch.testing.assert_close(m.pos_embed, sincos_2d_pos_embed(32, (6, 6), 1).to(m.pos_embed), rtol=0, atol=0)
+    m.make_pos_embed_learnable()  # fine-tuning: learned from here on, and resampled as any learned one
+    m.set_img_size(16)
+    assert m.pos_embed.requires_grad and m.pos_embed_type == "learn"
 
 
 def test_sincos_position_embedding_is_frozen_and_follows_the_formula():
@@ -593,3 +604,16 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
     finally:
         _REGISTRY.pop("vit_forwarding_test", None)
         _REGISTRY.pop("bare_test", None)
+
+
+@pytest.mark.parametrize("kwargs", [{"small_input": False, "num_stages": 1}, {"small_input": False, "num_stages": 3},
+                                    {"small_input": True, "num_stages": 2}])
+def test_a_resnets_stride_and_a_hybrids_patch_size_are_what_the_feature_map_shows(kwargs):
+    # The stride (pixels per token: the analysis figures' distances) against the feature map a
+    # forward pass makes: torchvision's stem halves twice (conv1, maxpool), each stage after the first once more.
+    resnet = create_backbone("resnet18", img_size=64, in_chans=1, **kwargs)
+    fmap = resnet.forward_features(torch.randn(2, 1, 64, 64))  # [2, C, h, w]
+    assert resnet.stride == 64 // fmap.shape[-1] == 64 // fmap.shape[-2]
+    hybrid = create_backbone("hybrid", resnet="resnet18", embed_dim=32, depth=1, num_heads=2, img_size=64, in_chans=1, **kwargs)
+    tokens = hybrid.forward_features(torch.randn(2, 1, 64, 64))  # [2, 1 + N, D]
+    assert hybrid.patch_embed.patch_size == 64 // math.isqrt(tokens.shape[1] - 1)

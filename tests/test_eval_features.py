@@ -48,6 +48,13 @@ def test_modes_shapes_and_values(vit, data):
     assert vit.training and vit.blocks[1].training and not vit.blocks[0].training
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_last_n_blocks_features_are_as_wide_as_feature_dim_says(vit, data, n):
+    x, y = data
+    f, _ = extract_features(vit, TensorDataset(x, y), mode="last4", batch_size=4, n_last_blocks=n)
+    assert f.shape[1] == feature_dim(vit, "last4", n_last_blocks=n) == 32 * n
+
+
 def test_dataloader_input_and_gather_hook(vit, data):
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=5)

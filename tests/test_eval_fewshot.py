@@ -56,6 +56,17 @@ def test_lambda_grid_selection_runs_and_is_reproducible():
     assert first == second and first["10shot"] == 1.0
 
 
+def test_the_lambda_grid_is_searched_from_two_shots_on(monkeypatch):
+    # Leave-one-out over the support needs a second example of each class: 1-shot keeps l2_reg.
+    import ssl_vit.eval.fewshot as fewshot
+
+    picked = []
+    monkeypatch.setattr(fewshot, "_pick_l2", lambda sx, *a: picked.append(len(sx)) or 1.0)
+    xtr, ytr, xte, yte = _clusters(12, 5, num_classes=4)
+    FewShotEvaluator(shots=(1, 2, 3), num_seeds=1, l2_grid=(1e-2, 1.0)).evaluate(xtr, ytr, xte, yte)
+    assert picked == [2 * 4, 3 * 4]
+
+
 def test_too_few_examples_per_class_is_a_clear_error():
     x, y = torch.randn(30, 4), torch.tensor([0] * 20 + [1] * 6 + [2] * 4)
     with pytest.raises(ValueError, match=r"class 1 has 6, class 2 has 4"):

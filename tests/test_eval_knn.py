@@ -164,3 +164,24 @@ def test_a_k_sweep_needs_a_bank_for_its_largest_k_after_the_held_out_part():
     with pytest.raises(ValueError, match="select_fraction must be in"):
         KNNClassifier(k=[1, 2], select_fraction=1.0)
     KNNClassifier(k=1, select_fraction=1.0)  # unused without a sweep
+
+
+def test_a_k_sweep_scores_its_held_out_part_against_the_rest_only():
+    """The sweep's per-k scores, recomputed by hand: the seeded held-out tenth queried against the
+    other nine tenths (cosine top-k, weights exp(s / 0.07)); a query never finds itself."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100, 8, generator=g)
+    y = torch.randint(0, 4, (100,), generator=g)  # random labels: a query that found itself would score 100 %
+    knn = KNNClassifier(k=[1, 5], select_fraction=0.1, seed=0)
+    knn.evaluate(x, y, x[:10], y[:10])
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(0))
+    val, fit = perm[:10], perm[10:]
+    xn = torch.nn.functional.normalize(x, dim=1)
+    sim = xn[val] @ xn[fit].T  # [10, 90]
+    want = {}
+    for k in (1, 5):
+        s, i = sim.topk(k, dim=1)
+        votes = torch.zeros(10, 4).scatter_add_(1, y[fit][i], (s / 0.07).exp())
+        want[str(k)] = (votes.argmax(1) == y[val]).float().mean().item()
+    assert knn.record_args["select_top1"] == pytest.approx(want)
+    assert want["1"] < 1.0

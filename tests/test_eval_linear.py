@@ -135,6 +135,20 @@ def test_a_sweep_picks_on_held_out_training_features_and_trains_again_on_all():
     assert metrics == LinearProbe(**settings, base_lr=best).evaluate(xtr, ytr, xte, yte, num_classes=4)
 
 
+def test_a_sweep_breaks_ties_to_the_first_lr_listed_and_trains_the_last_probe_on_every_feature(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([c + 0.05 * torch.randn(30, 3, generator=g) for c in torch.eye(3) * 5])  # separable: every LR scores 100 %
+    y = torch.arange(3).repeat_interleave(30)
+    fitted = []
+    fit = LinearProbe.fit
+    monkeypatch.setattr(LinearProbe, "fit", lambda self, f, *a, **k: fitted.append(len(f)) or fit(self, f, *a, **k))
+    for order in ([0.05, 0.2, 0.1], [0.2, 0.1, 0.05]):
+        probe = LinearProbe(epochs=3, batch_size=16, base_lr=order, warmup_epochs=0)
+        assert probe.evaluate(x, y, x, y)["top1"] == 1.0
+        assert set(probe.record_args["select_top1"].values()) == {1.0} and probe.record_args["selected_base_lr"] == order[0]
+        assert fitted[-1] == 90  # the picked LR's probe trains on all 90 training features, the held-out ones too
+
+
 def test_the_test_split_chooses_nothing():
     xtr, ytr = _classes(300, 4)
     xte, yte = _classes(100, 5)

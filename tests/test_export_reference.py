@@ -76,6 +76,17 @@ def test_each_named_patch_and_resolution_is_a_timm_entry_point_of_that_exact_mod
     assert {k: v.shape for k, v in ref.state_dict().items()} == {k: v.shape for k, v in ours.state_dict().items()}
 
 
+def test_every_plain_vit_entry_point_of_timm_is_in_the_table():
+    # Reference: timm's registry, the other way round: each vit_<size>_patch<P>_<S> it lists is
+    # one the table names exactly (a missing one would be exported under another shape's name).
+    import re
+
+    listed = {(m[1], int(m[2]), int(m[3])) for n in timm.list_models("vit_*") if (m := re.fullmatch(r"vit_(\w+?)_patch(\d+)_(\d+)", n))}
+    plain = {(size, patch, img) for size, patch, img in listed if size in TIMM_VIT_ENTRY_POINTS}
+    ours = {(size, patch, img) for size, points in TIMM_VIT_ENTRY_POINTS.items() for patch, img in points}
+    assert len(plain) >= 15 and plain == ours
+
+
 @pytest.mark.parametrize("size, patch, img, named", [("huge", 16, 224, "vit_huge_patch14_224"), ("tiny", 8, 224, "vit_tiny_patch16_224"),
                                                       ("small", 16, 96, "vit_small_patch16_224")])
 def test_a_shape_timm_has_no_entry_point_for_takes_its_size_s_first_with_its_own_arguments(size, patch, img, named):

@@ -275,6 +275,8 @@ def test_linear_probe_head() -> None:
     assert not head.norm.affine and head.norm.eps == 1e-6
     assert list(head.norm.parameters()) == []
     assert torch.all(head.linear.bias == 0)
+    # MAE main_linprobe.py: trunc_normal_(head.weight, std=0.01) (timm's default for heads is 0.02)
+    assert LinearProbeHead(256, 1000).linear.weight.std().item() == pytest.approx(0.01, rel=0.05)
     x = torch.randn(32, 6) * 3 + 1
     out = head.train()(x)
     standardised = (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + 1e-6)

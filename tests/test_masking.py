@@ -319,3 +319,13 @@ def test_target_bad_arguments() -> None:
         mpp_targets(img, 4, "colour")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no classes"):
         num_target_classes("pixels", 3)
+
+
+def test_targets_refuse_normalised_or_out_of_range_pixels() -> None:
+    x = torch.rand(2, 3, 8, 8, generator=_gen(5))
+    x[0, 0, 0, 0], x[1, 2, 7, 7] = 0.0, 1.0  # the range's ends are pixels like any other
+    assert mean_color_targets(x, 4).shape == (2, 4)
+    for bad in ((x - 0.5) / 0.5, x * 1.01, x - 0.01):
+        with pytest.raises(ValueError, match=r"MPP targets need un-normalised pixels in \[0, 1\]; got values in"):
+            mean_color_targets(bad, 4)
+    assert mean_color_targets((x - 0.5) / 0.5, 4, check_range=False).shape == (2, 4)  # asked not to check
