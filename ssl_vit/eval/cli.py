@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-subset", type=int, default=None, help="use a fixed random subset of the test split")
     g = common.add_argument_group("run")
     g.add_argument("--features", choices=["cls", "last4", "avg", "cls_avg"], default="cls",
-                   help="representation: [CLS]; last-4 [CLS] concatenated (DINO ViT-S); mean patch token; [CLS] + mean patch token (DINO ViT-B)")
+                   help="representation: the backbone's output (the final [CLS], or its global_pool); last-4 [CLS] concatenated (DINO ViT-S); "
+                        "mean patch token; [CLS] + mean patch token (DINO ViT-B)")
     g.add_argument("--batch-size", type=int, default=256,
                    help="images per forward pass of the feature extraction; fine-tuning: per process and step (--probe-batch-size: the probes')")
     g.add_argument("--num-workers", type=int, default=2)
