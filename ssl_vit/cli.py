@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ssl-vit: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exit_:
+        # Lightning ends a Ctrl-C it caught itself (a second one, after the first's checkpoint) with exit(1).
+        if isinstance(exit_.__context__, KeyboardInterrupt):
+            print("ssl-vit: interrupted", file=sys.stderr)
+            return 130
+        raise
     except BrokenPipeError:
         # The reader of the output went away (`ssl-vit backbones | head -1`): nothing to report.
         # Python's own flush of stdout at exit would fail again, so it goes to /dev/null.

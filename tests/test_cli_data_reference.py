@@ -648,6 +648,23 @@ def test_what_a_command_raises_becomes_its_exit_status_and_one_line(monkeypatch,
     assert capsys.readouterr().err == line
 
 
+def test_a_ctrl_c_lightning_ends_with_exit_1_is_still_an_interruption(monkeypatch, capsys):
+    # Lightning's _call_and_handle_interrupt: on a KeyboardInterrupt it tears down, then exit(1).
+    import ssl_vit.training.cli as training_cli
+
+    def command(argv):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise SystemExit(1)  # noqa: B904 (as Lightning does it)
+
+    monkeypatch.setattr(training_cli, "main", command)
+    assert cli_main(["fit"]) == 130 and capsys.readouterr().err == "ssl-vit: interrupted\n"
+    monkeypatch.setattr(training_cli, "main", lambda argv: exit(3))  # any other exit is the command's own
+    with pytest.raises(SystemExit, match="3"):
+        cli_main(["fit"])
+
+
 def test_openmp_threads_wait_passively_unless_the_user_chose(monkeypatch):
     # Set before any command runs (spinning OpenMP threads slow a shared CPU several times over).
     import os
