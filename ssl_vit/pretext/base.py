@@ -440,7 +440,9 @@ class PretextModule(L.LightningModule):
             stacked = self.trainer.strategy.reduce(stacked, reduce_op="sum")
         for name, (value, count) in zip(names, stacked.unbind()):
             if count > 0:  # a split without labels measures nothing
-                self.log(name, value / count, prog_bar=True, sync_dist=False)
+                # The same value on every process: sync_dist averages it to itself (and spares
+                # Lightning's warning about epoch-level values logged without it).
+                self.log(name, value / count, prog_bar=True, sync_dist=True)
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
         """Metrics of one validation batch from the backbone's representation ``[B, D]``: means
