@@ -356,3 +356,15 @@ def test_recipes_use_their_scales_and_sizes():
                       solarize_p=0.0)(ramp)
     spans = np.array([float(v[0, 8, -1] - v[0, 8, 0]) * 255 / 4 for v in views[2:]])  # columns covered
     assert spans.max() < 64 * math.sqrt(0.2 * 4 / 3) and spans.min() > 0.5 * 64 * math.sqrt(0.05 * 3 / 4)
+
+
+def test_crop_box_tries_ten_times_and_takes_a_crop_as_wide_as_the_image(monkeypatch):
+    # torchvision RandomResizedCrop.get_params: `for _ in range(10)`, accepting
+    # `0 < w <= width and 0 < h <= height`, then the central crop. Scripted draws (area
+    # fraction, log aspect ratio): nine tries far too wide, the tenth a 10 x 20 box of a 10 x 40 image.
+    draws = [1.0, math.log(100.0)] * 9 + [0.5, math.log(0.5)]
+    monkeypatch.setattr(augment.random, "uniform", lambda lo, hi: draws.pop(0))
+    left, top, right, bottom = augment.random_resized_crop_box(10, 40, (0.08, 1.0))
+    assert (right - left, bottom - top) == (10, 20) and not draws
+    draws[:] = [1.0, math.log(100.0)] * 10  # ten failures: the central crop, clipped to the ratio range
+    assert augment.random_resized_crop_box(10, 40, (0.08, 1.0)) == (0, 13, 10, 26)  # h = round(10 / (3/4)) = 13, top (40 - 13) // 2

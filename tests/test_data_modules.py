@@ -82,6 +82,17 @@ def test_normalisation_is_applied_to_every_view(tmp_path):
     torch.testing.assert_close(image, torch.full((1, 16, 16), expected), atol=1e-5, rtol=0)
 
 
+def test_statistics_and_crop_that_cannot_normalise_are_refused():
+    for std in ((0.0,), (-0.2,), (0.2, 0.0, 0.2)):
+        with pytest.raises(ValueError, match="std values must be positive"):
+            SyntheticDataModule(in_chans=len(std), std=std)
+    with pytest.raises(ValueError, match="mean has 2 values but in_chans=3; give 1 or 3"):
+        SyntheticDataModule(mean=(0.5, 0.5))
+    for crop_pct in (0.0, 1.5):  # above 1 the resize would be smaller than the crop (black borders)
+        with pytest.raises(ValueError, match=r"crop_pct must be in \(0, 1\]"):
+            SyntheticDataModule(eval_crop_pct=crop_pct)
+
+
 def test_channel_conversion_both_ways(tmp_path):
     # Grey -> 3 channels: the grey value repeated, normalised per channel.
     _write_pngs(tmp_path / "grey", [60, 60])

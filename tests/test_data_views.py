@@ -82,6 +82,11 @@ def test_idx_reader_rejects_bad_files(tmp_path):
     (tmp_path / "none-lab").write_bytes(_idx_bytes(np.zeros(0, dtype=np.uint8)))
     with pytest.raises(ValueError, match="none-img: holds no images"):
         read_idx_images_labels(tmp_path / "none-img", tmp_path / "none-lab")
+    # labels of another element type (0x0B: big-endian int16) are not Fashion-MNIST's
+    header = bytes([0, 0, 0x0B, 1]) + struct.pack(">I", 2)
+    (tmp_path / "labels16").write_bytes(header + np.array([1, 2], dtype=">i2").tobytes())
+    with pytest.raises(ValueError, match="expected unsigned-byte IDX files, got uint8 / int16"):
+        read_idx_images_labels(tmp_path / "img", tmp_path / "labels16")
     # gzip is told by its magic bytes, whatever the file is called
     (tmp_path / "IMG.GZ").write_bytes(gzip.compress(good))
     (tmp_path / "renamed").write_bytes(gzip.compress(good))
@@ -116,6 +121,26 @@ def test_multicrop_defaults_follow_dino():
     assert MultiCrop(global_size=28).recipes()[0].blur_sigma == pytest.approx((0.0125, 0.25))
     probs = [(r.blur_p, r.solarize_p) for r in mc.recipes()]
     assert probs[:3] == [(1.0, 0.0), (0.1, 0.2), (0.5, 0.0)]
+
+
+def test_the_colour_jitter_reaching_each_view_is_the_references():
+    # MoCo v3 main_moco.py and DINO main_dino.py: RandomApply([ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
+    # RandomGrayscale(p=0.2), for every view; jitter is (brightness, contrast, saturation, hue).
+    for transform in (TwoViews().with_img_size(32), MultiCrop().with_img_size(32)):
+        for recipe in transform.recipes():
+            assert (recipe.jitter, recipe.jitter_p, recipe.grayscale_p) == ((0.4, 0.4, 0.2, 0.1), 0.8, 0.2)
+
+
+def test_colour_jitter_comes_before_grayscale():
+    # Both references jitter first, then (maybe) turn grey: a grey view still carries the
+    # brightness the hue shift gave its colours. Pure red, hue jitter 0.5, always grey: many grey levels.
+    from ssl_vit.data.views import ViewRecipe
+
+    recipe = ViewRecipe(8, (1.0, 1.0), "bilinear", flip_p=0.0, jitter_p=1.0, jitter=(0.0, 0.0, 0.0, 0.5), grayscale_p=1.0)
+    red = Image.new("RGB", (8, 8), (255, 0, 0))
+    random.seed(0)
+    levels = {recipe(red)[0].getpixel((4, 4))[0] for _ in range(100)}
+    assert len(levels) > 20  # grey first: red's one luma (76), whatever the hue does
 
 
 def test_two_views_and_single_view_shapes():

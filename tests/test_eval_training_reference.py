@@ -198,6 +198,12 @@ def test_ema_updates_every_pair_with_dinos_cosine_momentum():
         for target, w in zip(targets, want):
             for p, q in zip(target.parameters(), w):
                 torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    # a momentum that falls over the run, or leaves [0, 1], is no EMA of the papers
+    for start, end in ((0.999, 0.99), (-0.1, 1.0), (0.9, 1.1)):
+        with pytest.raises(ValueError, match="EMA momentum must satisfy 0 <= start <= end <= 1"):
+            EMAPairs(list(zip(onlines, targets)), start=start, end=end)
+    with pytest.raises(ValueError, match="EMA pair has 2 online but 4 target parameter tensors"):
+        EMAPairs([(onlines[0], targets[1])], start=0.9)
 
 
 # ----------------------------------------------------------------------------- synchronised BatchNorm
@@ -342,6 +348,14 @@ def test_the_final_last_ckpt_is_the_batch_end_checkpoint_lightning_writes(tmp_pa
     mine, theirs = (torch.load(p, weights_only=False) for p in (tmp_path / "ours" / "last.ckpt", tmp_path / "ref" / "ref.ckpt"))
     assert mine["global_step"] == theirs["global_step"] == end_step
     assert mine["loops"] == theirs["loops"]
+
+
+def test_step_checkpoints_keep_the_last_three_by_default(tmp_path):
+    """StepCheckpoint's docstring: the newest ``keep_last`` (3) step checkpoints and ``last.ckpt``."""
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=5,
+                        callbacks=[StepCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1)])
+    trainer.fit(_Regress(None), DataLoader(TensorDataset(torch.randn(10, 2)), batch_size=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step00000003.ckpt", "step00000004.ckpt", "step00000005.ckpt"]
 
 
 def test_a_stray_file_that_is_no_checkpoint_is_never_the_newest(tmp_path):

@@ -415,6 +415,25 @@ def test_warmup_epochs_count_optimiser_steps_under_gradient_accumulation():
     assert model.global_step == 4 and model._warmup_steps() == 4
 
 
+def test_optimizer_lars_is_lightlys_lars_with_the_trust_ratio_of_you_et_al():
+    from lightly.utils.lars import LARS
+
+    model = make("supervised", optimizer="lars", weight_decay=1e-4, sgd_momentum=0.9)
+    opt = model.configure_optimizers()
+    assert isinstance(opt, LARS)
+    group = next(g for g in opt.param_groups if g["weight_decay"] > 0 and "fixed_lr" not in g)
+    p = group["params"][0]
+    w, g = p.detach().clone(), torch.randn_like(p)
+    for q in model.parameters():
+        q.grad = None
+    p.grad = g.clone()
+    group["lr"] = 0.1
+    opt.step()
+    # You et al. 2017: local LR eta ||w|| / (||g|| + wd ||w||), eta = 0.001, on g + wd w (first step: no momentum yet)
+    local = 0.001 * w.norm() / (g.norm() + 1e-4 * w.norm() + 1e-8)
+    torch.testing.assert_close(p.detach(), w - 0.1 * local * (g + 1e-4 * w))
+
+
 def test_weight_decay_groups_exclude_norms_biases_and_embeddings():
     model = make("mpp", weight_decay=0.05)
     groups = model._param_groups()

@@ -43,6 +43,15 @@ def test_a_line_says_the_step_the_epoch_the_loss_and_the_time_left():
         ProgressLog(every_n_seconds=-1)
 
 
+def test_a_resumed_run_estimates_from_the_steps_it_took_itself():
+    now = [0.0]
+    log = ProgressLog(name="dino", every_n_seconds=60, clock=lambda: now[0])
+    trainer = _trainer(900, 1000, batches=100)
+    log.on_train_start(trainer, None)  # resumed at step 900
+    now[0], trainer.global_step = 60.0, 910  # 10 steps in a minute: 90 more take 9
+    assert log.line(trainer, now[0]).endswith("step 910/1000 (91 %), epoch 9.10, 1.0 min, about 9.0 min left")
+
+
 class _Logged(BoringModel):
     def training_step(self, batch, batch_idx):
         out = super().training_step(batch, batch_idx)
