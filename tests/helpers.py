@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,17 @@ def torch_flops(fn) -> int:
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
+
+
+@contextlib.contextmanager
+def registered_backbones(**builds: Any) -> Iterator[None]:
+    """Backbones of a test's own in the registry (``name=builder``), removed afterwards."""
+    from ssl_vit.backbones.registry import _REGISTRY, BackboneSpec, register_backbone
+
+    try:
+        for name, build in builds.items():
+            register_backbone(BackboneSpec(name, build))
+        yield
+    finally:
+        for name in builds:
+            _REGISTRY.pop(name, None)

@@ -10,6 +10,7 @@ import pytest
 import timm
 import torch
 import torchvision
+from helpers import registered_backbones
 from timm.layers import resample_abs_pos_embed
 
 from ssl_vit import create_backbone, list_backbones
@@ -578,16 +579,13 @@ def test_a_hybrid_of_any_width_sits_beside_small_vits():
 
 
 def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_interface_is_named():
-    from ssl_vit.backbones.registry import _REGISTRY, BackboneSpec, register_backbone
-
     def vit_forwarding(depth: int = 1, **kwargs):  # a subclass' builder that passes the rest on
         return VisionTransformer(depth=depth, embed_dim=32, num_heads=2, **kwargs)
 
     class Bare(torch.nn.Module):  # no embed_dim, an int img_size, no forward_features
         in_chans, img_size = 1, 16
 
-    try:
-        register_backbone(BackboneSpec("vit_forwarding_test", vit_forwarding))
+    with registered_backbones(vit_forwarding_test=vit_forwarding, bare_test=Bare):
         model = create_backbone("vit_forwarding_test", img_size=16, patch_size=4, in_chans=1, drop_path_rate=0.1)
         assert model.img_size == (16, 16) and model.backbone_kwargs["drop_path_rate"] == 0.1
         from ssl_vit.pretext import Supervised
@@ -597,13 +595,9 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
                                                                                "drop_path_rate": 0.1, "depth": 2}, num_classes=2)
         assert not isinstance(online.backbone.blocks[-1].drop_path, torch.nn.Identity)  # (the rate grows with depth from 0)
         assert isinstance(online.build_target_backbone().blocks[-1].drop_path, torch.nn.Identity)
-        register_backbone(BackboneSpec("bare_test", Bare))
         with pytest.raises(TypeError, match=r"backbone 'bare_test' \(Bare\) does not have the attributes every backbone has: embed_dim "
                                             r"\(an int\) is missing; img_size \(a \(height, width\) pair of ints\) is 16; forward_features"):
             create_backbone("bare_test")
-    finally:
-        _REGISTRY.pop("vit_forwarding_test", None)
-        _REGISTRY.pop("bare_test", None)
 
 
 @pytest.mark.parametrize("kwargs", [{"small_input": False, "num_stages": 1}, {"small_input": False, "num_stages": 3},

@@ -286,8 +286,7 @@ def test_visualize_draws_what_applies_to_a_resnet(tmp_path, capsys):
 
 def test_visualize_names_a_backbone_it_can_draw_nothing_of(tmp_path, capsys):
     import torch
-
-    from ssl_vit.backbones.registry import _REGISTRY, BackboneSpec, register_backbone
+    from helpers import registered_backbones
 
     class Pooled(torch.nn.Module):  # a backbone of one's own: no tokens, and its first layer is no conv1 / patch_embed.proj
         def __init__(self, in_chans: int = 3):
@@ -301,12 +300,9 @@ def test_visualize_names_a_backbone_it_can_draw_nothing_of(tmp_path, capsys):
         def forward(self, x):
             return self.forward_features(x).mean((2, 3))
 
-    register_backbone(BackboneSpec("pooled_test", Pooled))
-    try:
+    with registered_backbones(pooled_test=Pooled):
         assert cli_main(["visualize", "random:pooled_test", "--images", "synthetic", "--data-arg", "num_test_samples=8",
                          "--data-arg", "img_size=16", "--out", str(tmp_path / "figs")]) == 1
-    finally:
-        _REGISTRY.pop("pooled_test", None)
     err = capsys.readouterr().err
     assert "ssl-vit visualize: error: Pooled has none of what the figures read" in err and "drawing" not in err
     assert not (tmp_path / "figs").exists()

@@ -721,8 +721,9 @@ def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
     # A registered subclass of our ViT with a layer of its own (a learned-query pooling): timm's
     # ViT of the same arguments would drop that layer, so the export claims no timm architecture
     # or keys, and load_backbone rebuilds the subclass with every weight.
-    from ssl_vit.backbones import BackboneSpec, VisionTransformer, register_backbone
-    from ssl_vit.backbones.registry import _REGISTRY
+    from helpers import registered_backbones
+
+    from ssl_vit.backbones import VisionTransformer
     from ssl_vit.export.config import timm_architecture, weights_format
 
     class PooledViT(VisionTransformer):
@@ -736,8 +737,7 @@ def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
     def pooled_vit(img_size: int = 16, patch_size: int = 4, in_chans: int = 1) -> PooledViT:
         return PooledViT(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=32, depth=1, num_heads=2)
 
-    register_backbone(BackboneSpec("pooled_vit_test", pooled_vit))
-    try:
+    with registered_backbones(pooled_vit_test=pooled_vit):
         torch.manual_seed(0)
         model = create_backbone("pooled_vit_test").eval()
         assert timm_architecture(model) is None and weights_format(model) == "ssl_vit"
@@ -746,5 +746,3 @@ def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
         config = json.loads((out / "config.json").read_text())
         assert "architecture" not in config and config["ssl_vit"]["weights_format"] == "ssl_vit"
         torch.testing.assert_close(load_backbone(out)(_x()), model(_x()), rtol=0, atol=0)
-    finally:
-        _REGISTRY.pop("pooled_vit_test", None)
