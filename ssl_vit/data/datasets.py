@@ -214,8 +214,8 @@ class EvenShares(Dataset):
     each process's share with repeats of the first images, which the metrics would then count
     twice. Padded here instead, every process still runs the same number of batches (an FSDP
     forward and the stop-signal check are collectives of all processes), and the padding,
-    labelled -1, counts nowhere: the metrics are means over labelled images, weighted by their
-    number, and Lightning sums values and weights over processes.
+    labelled -1, counts nowhere: the metrics are means over labelled images, summed with their
+    number over processes and divided once (``PretextModule.on_validation_epoch_end``).
     """
 
     def __init__(self, source: Dataset, num_processes: int) -> None:

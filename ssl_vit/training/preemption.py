@@ -204,4 +204,3 @@ class PreemptionCheckpoint(Callback):
         # A run ended by an exception gets no teardown hook: the process (a notebook, the next
         # run) gets its own handlers back here, or its next Ctrl-C would only note a stop request.
         self._restore_handlers()
-
