@@ -1,6 +1,6 @@
 """What every pretext task shares: the backbone from the registry, the optimiser and its per-step
 LR / weight-decay schedules, EMA updates of declared (online, target) pairs, gradient clipping,
-the online linear probe, logging and the non-finite-loss guard.
+the online linear probe, logging and the non-finite-loss guard (its checkpoint record: ``record.py``).
 
 A method subclasses ``PretextModule`` (or a method, to change a part of it), builds its heads and
 loss from typed ``__init__`` arguments, and implements ``step(views, labels) -> dict`` returning
@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.backbones.registry import as_plain
-from ssl_vit.eval.data_args import class_path
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.nonfinite import NonFiniteGuard, NonFinitePolicy
 from ssl_vit.pretext.optim import (
@@ -41,6 +40,7 @@ from ssl_vit.pretext.optim import (
     param_groups,
 )
 from ssl_vit.pretext.probe import OnlineLinearProbe
+from ssl_vit.pretext.record import checkpoint_record, data_info, restore_record
 from ssl_vit.pretext.start_notes import start_notes
 from ssl_vit.runtime import global_seed, seed_training_step
 from ssl_vit.training.grad_clip import ClipMode, clip_gradients
@@ -459,68 +459,17 @@ class PretextModule(L.LightningModule):
         # What the data looked like, for export (normalisation) and result records.
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None:
-            info = {"name": type(dm).__name__, "class": class_path(type(dm))}
-            for key in ("mean", "std", "img_size", "in_chans", "num_classes"):
-                value = getattr(dm, key, None)
-                if value is not None:
-                    info[key] = list(value) if isinstance(value, tuple | list) else value
-            if getattr(dm, "train_dir", None) is not None:  # an image folder: which one (result records tell datasets apart by it)
-                info["train_dir"] = str(dm.train_dir)
-            self.data_info = info
+            self.data_info = data_info(dm)
         # The online probe's BN (specs §5: BN without affine + linear) over the global batch, so
         # it learns the same whatever the split over devices.
         if self.probe is not None:
             self.sync_batchnorm("probe")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Enough to rebuild the backbone, and to say how it was trained, without the recipe.
-        checkpoint["ssl_vit"] = {
-            "method": type(self).__name__,
-            "backbone": self.backbone_name,
-            "backbone_kwargs": self.backbone_kwargs,
-            "global_step": self.global_step,
-            "epoch": self.current_epoch,  # Lightning's index of the epoch in progress
-            "epochs": self._epochs_done(),  # the epochs trained (a float; None when unknown)
-            "data": getattr(self, "data_info", None),
-            "recipe": getattr(self, "recipe", None),
-            "global_batch_size": self.global_batch_size,
-            "total_steps": self._total_steps,  # the length the schedules were planned for
-            # The encoder that evaluation and export take by default (DINO: the teacher).
-            "default_encoder": self.default_encoder,
-            # What a resumed run needs besides weights, optimiser and loops: the per-step seed
-            # base and how much of the non-finite skip budget is spent.
-            "seed": self._seed,
-            "skipped_batches": self.nonfinite.skipped,
-            # Set by the PretrainFlopsCounter callback (None without it): the x-axis of the ViT
-            # paper's accuracy-vs-compute plot (Figure 5).
-            "pretrain_flops": getattr(self, "pretrain_flops", None),
-        }
-
-    def _epochs_done(self) -> float | None:
-        """Epochs trained: from the data loader's position (``ResumableLoader.epochs_done``: right
-        across a resume with another batch size), else optimiser steps over steps per epoch."""
-        trainer = self._trainer
-        if trainer is None:
-            return None
-        done = getattr(trainer.train_dataloader, "epochs_done", None)
-        if callable(done):
-            return round(done(), 4)
-        steps_per_epoch = getattr(self, "_steps_per_epoch", None)
-        return round(self.global_step / steps_per_epoch, 4) if steps_per_epoch else None
+        checkpoint["ssl_vit"] = checkpoint_record(self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        meta = checkpoint.get("ssl_vit") or {}
-        if meta.get("data"):
-            self.data_info = meta["data"]
-        # The recipe of this invocation (a resumed run's, with its new length or batch) when the
-        # CLI gave one; the checkpoint's otherwise (a checkpoint loaded from Python).
-        if meta.get("recipe") and getattr(self, "recipe", None) is None:
-            self.recipe = meta["recipe"]
-        if meta.get("seed") is not None:
-            self._seed = int(meta["seed"])
-        self.nonfinite.skipped = int(meta.get("skipped_batches", 0))
-        self._resumed_global_batch = meta.get("global_batch_size")
-        self._resumed_total_steps = meta.get("total_steps")
+        restore_record(self, checkpoint.get("ssl_vit") or {})
 
 
 def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[str, Any]) -> None:
