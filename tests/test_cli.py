@@ -308,6 +308,44 @@ def test_visualize_names_a_backbone_it_can_draw_nothing_of(tmp_path, capsys):
     assert not (tmp_path / "figs").exists()
 
 
+def test_visualize_draws_no_cls_maps_of_a_token_backbone_without_an_output_token(tmp_path, capsys):
+    import torch
+    from helpers import registered_backbones
+
+    class Pooled(torch.nn.Module):  # tokens and attention, no [CLS]: the representation is the mean token
+        num_prefix_tokens = 0
+
+        def __init__(self, in_chans: int = 3, img_size: int = 16):
+            super().__init__()
+            self.embed_dim, self.in_chans, self.img_size, self.patch_size = 8, in_chans, (img_size, img_size), 4
+            self.grid_size = (img_size // 4, img_size // 4)
+            self.patch_embed = torch.nn.Module()
+            self.patch_embed.proj = torch.nn.Conv2d(in_chans, 8, 4, stride=4)
+            self.pos_embed = torch.nn.Parameter(torch.randn(1, self.grid_size[0] * self.grid_size[1], 8))
+
+        def forward_features(self, x):
+            return self.patch_embed.proj(x).flatten(2).transpose(1, 2) + self.pos_embed  # [B, N, D]
+
+        def get_attention_maps(self, x):
+            t = self.forward_features(x)
+            return [(t @ t.transpose(1, 2)).softmax(-1).unsqueeze(1)]  # 1 layer x [B, 1, N, N]
+
+        def forward(self, x):
+            return self.forward_features(x).mean(1)
+
+    args = ["visualize", "random:pooled_cls_less", "--images", "synthetic", "--data-arg", "num_test_samples=8",
+            "--data-arg", "img_size=16", "--num-images", "8", "--show", "2"]
+    with registered_backbones(pooled_cls_less=Pooled):
+        assert cli_main([*args, "--out", str(tmp_path / "all")]) == 0
+        err = capsys.readouterr().err
+        assert "Pooled has no output token ([CLS]) whose attention the maps show: drawing filters, pos_embed, " \
+               "attention_distance (not attention_rollout, attention_dino)" in err
+        assert sorted(p.name for p in (tmp_path / "all").glob("*.png")) == ["attention_distance.png", "filters.png", "pos_embed.png"]
+        # Asked for by name: refused, rather than the first patch's row drawn as the [CLS] map.
+        assert cli_main([*args, "--out", str(tmp_path / "cls"), "--figures", "attention_rollout"]) == 1
+    assert "has no prefix token (num_prefix_tokens=0)" in capsys.readouterr().err
+
+
 def test_visualize_rejects_unknown_images(tmp_path, capsys):
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "no_such_data", "--out", str(tmp_path)]) == 1
     assert "neither a folder nor a dataset" in capsys.readouterr().err

@@ -55,6 +55,26 @@ def test_last_n_blocks_features_are_as_wide_as_feature_dim_says(vit, data, n):
     assert f.shape[1] == feature_dim(vit, "last4", n_last_blocks=n) == 32 * n
 
 
+class _NoCls(VisionTransformer):
+    """A ViT of one's own without [CLS]: the mean patch token is its representation."""
+
+    num_prefix_tokens = 0
+
+    def prepare_tokens(self, x, patch_hook=None):
+        tokens, grid = self.patch_embed(x)  # [B, N, D]
+        return self.pos_drop(tokens + self._pos_embed_for(grid))
+
+
+def test_modes_reading_cls_are_refused_for_a_backbone_without_it(data):
+    x, y = data
+    vit = _NoCls(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=2, global_pool="avg").eval()
+    f, _ = extract_features(vit, TensorDataset(x, y), mode="avg", batch_size=4)
+    torch.testing.assert_close(f, vit(x), rtol=1e-5, atol=1e-5)  # all 16 tokens are patches
+    for mode in ("last4", "cls_avg"):  # would read the first patch as [CLS]
+        with pytest.raises(ValueError, match=f"feature mode '{mode}' reads the \\[CLS\\] token, and this backbone has none"):
+            feature_dim(vit, mode, n_last_blocks=2)
+
+
 def test_dataloader_input_and_gather_hook(vit, data):
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=5)

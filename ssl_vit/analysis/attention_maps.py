@@ -59,6 +59,9 @@ def cls_map(
         ``[B, (heads,) h, w]``, or upsampled to ``out_size`` (the image size) with ``mode``.
     """
     h, w = grid_size
+    if num_prefix_tokens < 1:
+        raise ValueError("the [CLS] maps read the output token's attention row, and this backbone has no prefix token "
+                         "(num_prefix_tokens=0)")
     if attn_rows.shape[-1] != num_prefix_tokens + h * w:
         raise ValueError(
             f"attention has {attn_rows.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {h}x{w} grid"

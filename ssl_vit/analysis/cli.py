@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.utils.data import DataLoader
 
-    from ssl_vit.analysis.render import FIGURES, applicable_figures, render_all
+    from ssl_vit.analysis.render import FIGURES, applicable_figures, missing_for, render_all
     from ssl_vit.eval.data_args import build_datamodule, note_channel_conversion, parse_data_args
     from ssl_vit.eval.run import subsample
     from ssl_vit.export import load_any_backbone
@@ -84,13 +84,12 @@ def main(argv: list[str]) -> int:
     figures = args.figures
     if figures is None:
         figures = list(applicable_figures(backbone))
-        skipped = [f for f in FIGURES if f not in figures]
+        skipped = {f: missing_for(backbone, f) for f in FIGURES if f not in figures}
+        reasons = "; ".join(dict.fromkeys(skipped.values()))  # each reason once, in figure order
         if not figures:
-            raise ValueError(f"{type(backbone).__name__} has none of what the figures read: no attention or position embedding "
-                             "(a ViT's or hybrid's) and no first convolution the filters figure knows (patch_embed.proj, "
-                             "patch_embed.backbone.conv1 or conv1)")
+            raise ValueError(f"{type(backbone).__name__} has none of what the figures read: {reasons}")
         if skipped:
-            print(f"visualize: {type(backbone).__name__} has no attention or position embedding: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)
+            print(f"visualize: {type(backbone).__name__} has {reasons}: drawing {', '.join(figures)} (not {', '.join(skipped)})", file=sys.stderr)
     dm = build_datamodule(name, backbone, info, extra, train_subset=None, option="--images")
     train, test = dm.eval_datasets(replace_unreadable=True)  # figures need images, not labels
     note_channel_conversion(test if test is not None else train, backbone.in_chans, "visualize", f"--images {args.images}")

@@ -45,18 +45,31 @@ FIGURES: tuple[str, ...] = ("filters", "pos_embed", "attention_distance", "atten
 """Names of the figures (``figures=`` selects a subset); also the PNG file stems."""
 TOKEN_FIGURES: tuple[str, ...] = ("pos_embed", "attention_distance", "attention_rollout", "attention_dino")
 """The figures that need a token sequence (ViT, hybrid); a ResNet has the filters only."""
+OUTPUT_TOKEN_FIGURES: tuple[str, ...] = ("attention_rollout", "attention_dino")
+"""The figures drawn from the output token's ([CLS]) attention row: not for a backbone without one."""
 
 
 def applicable_figures(backbone: nn.Module, figures: Sequence[str] = FIGURES) -> tuple[str, ...]:
     """The ``figures`` this backbone can be drawn in: all of them for a ViT or hybrid, the
-    filters only for a backbone without tokens (ResNet), none for a backbone of one's own with
+    filters only for a backbone without tokens (ResNet), no [CLS] attention maps for a token
+    backbone of one's own without an output token (``num_prefix_tokens = 0``), none for one with
     neither tokens nor a first convolution the filters figure knows."""
-    try:
-        filter_weight(backbone)
-        has_filters = True
-    except ValueError:
-        has_filters = False
-    return tuple(f for f in figures if (f in TOKEN_FIGURES and has_tokens(backbone)) or (f == "filters" and has_filters))
+    return tuple(f for f in figures if not missing_for(backbone, f))
+
+
+def missing_for(backbone: nn.Module, figure: str) -> str:
+    """What ``backbone`` lacks for ``figure`` ("" when it can be drawn), in words for a message."""
+    if figure == "filters":
+        try:
+            filter_weight(backbone)
+        except ValueError:
+            return "no first convolution the filters figure knows (patch_embed.proj, patch_embed.backbone.conv1 or conv1)"
+        return ""
+    if not has_tokens(backbone):
+        return "no attention or position embedding (a ViT's or hybrid's)"
+    if figure in OUTPUT_TOKEN_FIGURES and getattr(backbone, "num_prefix_tokens", 1) < 1:
+        return "no output token ([CLS]) whose attention the maps show"
+    return ""
 
 
 @dataclass

@@ -76,6 +76,9 @@ def _check_mode(backbone: nn.Module, mode: str, n_last_blocks: int) -> None:
             f"feature mode {mode!r} needs a token sequence (ViT or hybrid); {name} has no tokens, "
             "use mode='cls' (--features cls: its globally pooled feature map)"
         )
+    if mode in ("last4", "cls_avg") and getattr(backbone, "num_prefix_tokens", 1) < 1:
+        raise ValueError(f"feature mode {mode!r} reads the [CLS] token, and this backbone has none (num_prefix_tokens=0); "
+                         "use mode 'cls' (its own pooled output) or 'avg'")
     if mode == "last4" and not 1 <= n_last_blocks <= backbone.depth:
         others = ", ".join(m for m in FEATURE_MODES if m != "last4")
         raise ValueError(f"feature mode 'last4' reads the [CLS] of the last {n_last_blocks} blocks (DINO's linear protocol), "
