@@ -373,3 +373,73 @@ def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_
     assert [t.get_text() for t in legend.get_texts()] == ["supervised, ViT", "supervised, ResNet", "supervised, hybrid"]
     with_sup = build_comparison([*records, EvalResult("dino", backbones[0], DATA, "knn", {"top1": 0.7}, source="dino.ckpt")])
     assert with_sup.get(("dino", "vit-D128-L4-H4/7", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.7 - 0.80)  # against the supervised ViT of its size
+
+
+def test_no_plots_writes_the_report_alone(results_dir, tmp_path, capsys):
+    out = tmp_path / "report.md"
+    assert main([str(results_dir), "--out", str(out), "--no-plots"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["report.md"]
+    assert "![" not in out.read_text()
+
+
+def test_compute_axis_is_logarithmic(results_dir, tmp_path, monkeypatch):
+    from ssl_vit.eval import compare_figures
+
+    axes = spy_on_axes(monkeypatch)
+    compare_figures.plot_compute(load_results([results_dir]), tmp_path / "compute.png")
+    assert axes and all(ax.get_xscale() == "log" for ax in axes)  # Figure 5: FLOPs on a log axis
+
+
+def test_few_shot_columns_in_order_of_shots_and_rows_by_data_then_backbone_then_method():
+    shots = {"10shot": 0.7, "1shot": 0.4, "25shot": 0.8, "5shot": 0.6, "5shot_std": 0.01}
+    small = {"name": "vit_small", "kwargs": {"patch_size": 4}}
+    other = {"name": "cifar10"}
+    records = [EvalResult("supervised", BACKBONE, DATA, "fewshot", shots), EvalResult("dino", small, DATA, "fewshot", shots),
+               EvalResult("dino", BACKBONE, DATA, "fewshot", shots), EvalResult("mocov3", small, DATA, "fewshot", shots),
+               EvalResult("dino", BACKBONE, other, "fewshot", shots)]
+    cmp = build_comparison(records)
+    assert [c for p, c in cmp.columns if p == "fewshot"][:4] == ["1shot", "5shot", "10shot", "25shot"]  # not as strings sort
+    assert cmp.rows == [("dino", "vit_tiny/4", "cifar10"), ("dino", "vit_small/4", "fashion_mnist"),
+                        ("mocov3", "vit_small/4", "fashion_mnist"), ("dino", "vit_tiny/4", "fashion_mnist"),
+                        ("supervised", "vit_tiny/4", "fashion_mnist")]
+
+
+def test_the_text_table_left_aligns_every_name_column_as_the_report_does():
+    from ssl_vit.eval.compare import format_text
+
+    records = [EvalResult("dino", BACKBONE, {"name": "cifar10"}, "knn", {"top1": 0.5}),
+               EvalResult("dino", BACKBONE, {"name": "fashion_mnist"}, "knn", {"top1": 0.812})]
+    text = format_text(build_comparison(records)).splitlines()
+    assert text[0].startswith("method  backbone    data           knn top1")
+    assert text[2] == "dino    vit_tiny/4  cifar10           50.00"  # data left, numbers right
+    assert text[3] == "dino    vit_tiny/4  fashion_mnist     81.20"
+
+
+def test_exactly_the_shown_number_of_skipped_files_has_no_more_clause(tmp_path):
+    for name in "abc":
+        (tmp_path / f"{name}.json").write_text(json.dumps({"method": "dino"}))
+    with pytest.raises(ValueError) as err:
+        load_results([tmp_path])
+    assert str(err.value).endswith(f"{tmp_path / 'c.json'}: no 'protocol'/'metrics' fields")
+
+
+def test_records_of_two_checkpoints_alike_in_all_else_are_both_kept(tmp_path):
+    a, b = knn_of("runs/a/last.ckpt", 0.8), knn_of("runs/b/last.ckpt", 0.8)
+    a.to_json(tmp_path / "a.json")
+    b.to_json(tmp_path / "b.json")
+    assert sorted(r.source for r in load_results([tmp_path])) == ["runs/a/last.ckpt", "runs/b/last.ckpt"]
+
+
+def test_a_checkpoints_other_encoder_is_a_line_of_its_own_in_the_compute_plot(tmp_path, monkeypatch):
+    from ssl_vit.eval import compare_figures
+
+    student = {**BACKBONE, "encoder": "student"}
+    records = [EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.80}, pretrain={"flops": 1e15}),
+               EvalResult("dino", student, DATA, "knn", {"top1": 0.70}, pretrain={"flops": 1e15}),
+               EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.85}, pretrain={"flops": 2e15}, source="long.ckpt"),
+               EvalResult("dino", {**BACKBONE, "encoder": "student"}, DATA, "knn", {"top1": 0.75}, pretrain={"flops": 2e15},
+                          source="long.ckpt")]
+    axes = spy_on_axes(monkeypatch)
+    compare_figures.plot_compute(records, tmp_path / "compute.png")
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in axes for line in ax.get_lines()}
+    assert lines == {"dino": ([1e15, 2e15], [80.0, 85.0]), "dino, [student]": ([1e15, 2e15], [70.0, 75.0])}

@@ -70,5 +70,8 @@ def test_bad_records_are_clear_errors(tmp_path):
     bad.write_text(json.dumps({**d, "metrics": {"top1": "high"}}))
     with pytest.raises(ValueError, match="'top1' must be a finite number"):
         EvalResult.from_json(bad)
+    bad.write_text(json.dumps({**d, "metrics": {"top1": True}}))  # JSON true is no accuracy of 1.0
+    with pytest.raises(ValueError, match="'top1' must be a finite number, got True"):
+        EvalResult.from_json(bad)
     with pytest.raises(FileNotFoundError):
         EvalResult.from_json(tmp_path / "missing.json")

@@ -100,10 +100,11 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
             raise ValueError(f"no result records found in {where} (no *.json files)")
         more = f"; and {len(skipped) - SKIPPED_SHOWN} more file(s)" if len(skipped) > SKIPPED_SHOWN else ""
         raise ValueError(f"no result records found in {where}: {'; '.join(skipped[:SKIPPED_SHOWN])}{more}")
-    # The same record read twice (a folder holding the demo's records and its results.json list).
-    unique: dict[tuple, EvalResult] = {}
+    # The same record read twice (a folder holding the demo's records and its results.json list):
+    # alike in everything but the file it was read from.
+    unique: dict[str, EvalResult] = {}
     for r in results:
-        unique.setdefault((r.method, r.label, r.data_label, r.protocol, r.created, json.dumps(r.metrics, sort_keys=True)), r)
+        unique.setdefault(json.dumps(r.to_dict(), sort_keys=True, default=str), r)
     return list(unique.values())
 
 
@@ -247,8 +248,10 @@ def format_text(cmp: Comparison) -> str:
     head, body = _grid(cmp)
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
 
+    n_left = 3 if cmp.multi_dataset else 2  # the names (method, backbone, data) left, the numbers right
+
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.ljust(w) if i < n_left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(head), rule, *map(line, body)])

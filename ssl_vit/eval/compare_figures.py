@@ -68,6 +68,11 @@ def compute_ticks(lo: float, hi: float) -> list[float]:
     return ticks[:: math.ceil(len(ticks) / 6)] if len(ticks) > 6 else [lo, hi]
 
 
+def _series(r: EvalResult) -> tuple[str, str, str]:
+    """What tells a method's lines apart in the compute plot: dataset, representation, encoder."""
+    return (r.data_label, r.features or "", r.encoder or "")
+
+
 def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None:
     """Main metric against pre-training FLOPs (log x), one panel per protocol (ViT paper Fig. 5):
     one colour per method, one marker per backbone family (ViT, ResNet, hybrid), a line through
@@ -83,23 +88,24 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
     markers = {"ViT": "o", "ResNet": "s", "hybrid": "D"}
     methods = sorted({r.method for r in with_flops}, key=method_order)
     families = sorted({backbone_family(r.backbone.get("name", "")) for r in with_flops}, key=list(markers).index)
-    # A line joins results of one method, family, dataset and representation (the sizes of a
-    # family, or one size at several training lengths); lines never cross datasets.
+    # A line joins results of one method, family, dataset, representation and encoder (the sizes
+    # of a family, or one size at several training lengths); lines never cross datasets, and a
+    # checkpoint's other encoder (DINO's student) is a line of its own, not a step at equal FLOPs.
     datasets = sorted({r.data_label for r in with_flops})
-    # A method's line style tells its datasets and representations apart, the same in every panel
-    # (the legend is shared: a style numbered per panel would give two series one entry's look).
-    variants = {m: sorted({(r.data_label, r.features or "") for r in with_flops if r.method == m}) for m in methods}
+    # A method's line style tells its series apart, the same in every panel (the legend is
+    # shared: a style numbered per panel would give two series one entry's look).
+    variants = {m: sorted({_series(r) for r in with_flops if r.method == m}) for m in methods}
     for ax, protocol in zip(axes, protocols):
         for i, method in enumerate(methods):
             for family in families:
                 here = [r for r in with_flops
                         if r.protocol == protocol and r.method == method and backbone_family(r.backbone.get("name", "")) == family]
-                for data, features in sorted({(r.data_label, r.features or "") for r in here}):
-                    j = variants[method].index((data, features))
-                    pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label) for r in here
-                                 if r.data_label == data and (r.features or "") == features)
+                for series in sorted({_series(r) for r in here}):
+                    data, features, encoder = series
+                    j = variants[method].index(series)
+                    pts = sorted((float(r.pretrain["flops"]), 100 * r.main_metric, r.label) for r in here if _series(r) == series)
                     tags = [method] + ([family] if len(families) > 1 else []) + ([data] if len(datasets) > 1 else [])
-                    tags += [f"[{features}]"] if features else []
+                    tags += [f"[{', '.join(t for t in (encoder, features) if t)}]"] if encoder or features else []
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[family], color=f"C{i % 10}",
                             linestyle=["-", "--", ":", "-."][j % 4], label=", ".join(tags))
                     for x, y, name in pts:
