@@ -291,8 +291,8 @@ def _meta_forward_flops(module: nn.Module, input_shape: Shape, shape_of: ShapeOf
 class PretrainFlops:
     """Running total of pretraining FLOPs, summed over devices.
 
-    Per-image FLOPs are computed once per distinct view-shape signature (multi-crop and
-    variable-resolution loaders have a handful) and cached.
+    Per-image FLOPs are computed once per module and distinct view-shape signature (multi-crop
+    and variable-resolution loaders have a handful) and cached.
     """
 
     def __init__(self) -> None:
@@ -300,7 +300,9 @@ class PretrainFlops:
         self._per_image: dict[tuple[Any, ...], float] = {}
 
     def per_image(self, module: nn.Module, views_shapes: Sequence[Shape], world_size: int = 1) -> float:
-        key = (type(module), world_size, tuple(tuple(int(d) for d in s) for s in views_shapes))
+        # By the module itself (not its class): a counter reused for another model of the same
+        # method (another size) counts that one.
+        key = (id(module), world_size, tuple(tuple(int(d) for d in s) for s in views_shapes))
         if key not in self._per_image:
             self._per_image[key] = method_step_flops(module, views_shapes, world_size)
         return self._per_image[key]
@@ -420,6 +422,7 @@ def _check_shapes(views_shapes: Sequence[Shape]) -> list[tuple[int, ...]]:
             raise ValueError(f"every view must be [B, C, H, W], got a shape {s}")
         if s[0] != shapes[0][0]:
             raise ValueError(f"every view must have the same batch size, got shapes {shapes}")
-    if not math.prod(shapes[0]):
-        raise ValueError(f"empty view shape {shapes[0]}")
+    for s in shapes:
+        if not math.prod(s):
+            raise ValueError(f"empty view shape {s}")
     return shapes

@@ -43,6 +43,10 @@ def test_ours_and_the_peer_do_the_same_work(row: str) -> None:
     counted_peer = _torch_flops(peer.step) / batch
     assert ours.flops_per_image == pytest.approx(counted_ours, rel=1e-3)
     assert counted_peer == pytest.approx(ours.flops_per_image, rel=1e-3)
+    # and hold the same parameters, trained and not (no online probe the timed step never runs)
+    for trained in (True, False):
+        held = [sum(p.numel() for p in w.model.parameters() if p.requires_grad == trained) for w in (ours, peer)]
+        assert held[0] == held[1]
 
 
 @pytest.mark.parametrize("row", workloads.ROWS)

@@ -180,6 +180,8 @@ def test_method_step_flops_rejects_bad_input() -> None:
         method_step_flops(module, [views[0].shape])
     with pytest.raises(ValueError, match="same batch size"):
         method_step_flops(module, [(4, 1, 16, 16), (8, 1, 16, 16)])
+    with pytest.raises(ValueError, match=r"empty view shape \(4, 1, 0, 0\)"):  # any view, not the first only
+        method_step_flops(module, [(4, 1, 16, 16), (4, 1, 0, 0)])
     with pytest.raises(TypeError, match="no FLOP model"):
         method_step_flops(torch.nn.Linear(2, 2), [(4, 1, 16, 16)])
     with pytest.raises(ValueError, match="divisible"):

@@ -138,6 +138,11 @@ def test_the_running_total_counts_every_device() -> None:
     flops = PretrainFlops()
     assert flops.add(module, views, world_size=2) == pytest.approx(2 * one_device, rel=1e-9)
     assert flops.add(module, views, world_size=2) == pytest.approx(4 * one_device, rel=1e-9)
+    # The same counter on another model of the same method (twice as deep) counts that one.
+    module = Supervised(num_classes=4, backbone="vit", backbone_kwargs={**vit, "depth": 2})
+    deeper = torch_flops(step)
+    assert deeper > 1.5 * one_device
+    assert flops.add(module, views, world_size=2) == pytest.approx(4 * one_device + 2 * deeper, rel=1e-9)
 
 
 def test_a_checkpoint_with_only_the_ssl_vit_record_has_its_flops_read() -> None:

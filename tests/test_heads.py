@@ -262,6 +262,12 @@ def test_mpp_head_downsized_reshape_is_cell_major() -> None:
     assert torch.equal(head(tok), flat.reshape(3, 16, 8))
 
 
+def test_mpp_head_init_is_trunc_normal_002_with_zero_bias() -> None:
+    head = MPPHead(384, in_chans=3, patch_size=16)  # 512 x 384 draws
+    assert torch.all(head.linear.bias == 0)
+    assert abs(head.linear.weight.std().item() - 0.02) < 0.001 and head.linear.weight.abs().max() <= 2.0
+
+
 def test_mpp_head_rejects_bad_target() -> None:
     with pytest.raises(ValueError, match="unknown MPP target"):
         MPPHead(8, in_chans=3, patch_size=4, target="rgb")  # type: ignore[arg-type]

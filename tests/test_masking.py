@@ -298,6 +298,18 @@ def test_mpp_targets_dispatch_and_shapes() -> None:
     assert target_shape("mean_color", 1, 7) == (8,)
 
 
+def test_targets_of_half_precision_images_are_those_of_their_float32_values() -> None:
+    # bf16 / fp16 images (a half-precision loader, autocast) are averaged in float32: summed in
+    # their own precision, the means cross the 3-bit level boundaries.
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.rand(8, 3, 32, 32, generator=g).to(dtype)
+        assert torch.equal(mean_color_targets(x, 16), mean_color_targets(x.float(), 16))
+        assert torch.equal(downsized_color_targets(x, 16), downsized_color_targets(x.float(), 16))
+        pixels = pixel_targets(x, 16)
+        assert pixels.dtype == torch.float32 and torch.equal(pixels, pixel_targets(x.float(), 16))
+
+
 def test_target_bad_arguments() -> None:
     img = torch.rand(1, 3, 12, 12)
     with pytest.raises(ValueError, match="not divisible by the patch size"):

@@ -187,7 +187,7 @@ def matmul_rate(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 10, min_utilization: float = 0.75
 ) -> dict[str, Any]:
     """Dense ``[m, k] @ [k, n]`` FLOP/s (2·m·k·n per product): the best of ``repeats`` products
-    that kept all threads busy (see :func:`time_steps`; up to ``4 * repeats`` are tried). The
+    that kept all threads busy (see :func:`time_interleaved`; up to ``4 * repeats`` are tried). The
     best, because it is the rate the machine sustains, which other load only ever lowers."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)

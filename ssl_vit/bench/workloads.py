@@ -85,7 +85,11 @@ def our_module(row: str, cfg: BenchConfig) -> nn.Module:
         "fused_optimizer": cfg.fused_optimizer,
     }
     if row == "supervised":
-        return Supervised(num_classes=cfg.num_classes, label_smoothing=0.1, **common)  # as the peer (and the stored results)
+        module = Supervised(num_classes=cfg.num_classes, label_smoothing=0.1, **common)  # as the peer (and the stored results)
+        # The timed step (``step``, not Lightning's ``training_step``) never runs the online
+        # probe, and the peer has none: without it both hold the same parameters.
+        module.probe = None
+        return module
     if row == "mpp":
         return MPP(mean=peers.NORM_MEAN, std=peers.NORM_STD, **common)
     if row == "mocov3":
