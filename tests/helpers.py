@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -190,3 +193,20 @@ def registered_backbones(**builds: Any) -> Iterator[None]:
     finally:
         for name in builds:
             _REGISTRY.pop(name, None)
+
+
+def _idx(array: np.ndarray) -> bytes:
+    return bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+
+
+def write_fake_fashion_mnist(root: Path, n_train: int = 12, n_test: int = 6) -> np.ndarray:
+    """Fashion-MNIST's four gzipped IDX files in ``root`` with random 28x28 images (labels 0..9
+    in turn); returns the training images."""
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    train = rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8)
+    for prefix, images in (("train", train), ("t10k", rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8))):
+        labels = (np.arange(len(images)) % 10).astype(np.uint8)
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(_idx(images)))
+        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(labels)))
+    return train

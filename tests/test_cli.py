@@ -61,6 +61,23 @@ def test_fit_help_names_the_command():
     assert out.startswith("usage: ssl-vit fit ")
 
 
+def test_a_records_data_names_the_dataset_not_where_it_lies(tmp_path, capsys):
+    from helpers import write_fake_fashion_mnist
+
+    write_fake_fashion_mnist(tmp_path / "fm", n_train=30, n_test=10)
+    vit = '{"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 16, "depth": 1, "num_heads": 2}'
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", vit, "--data", "fashion_mnist",
+                     "--data-arg", f"root={tmp_path / 'fm'}", "--k", "3", "--num-workers", "0", "--out", str(tmp_path / "r.json")]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())["data"]
+    assert data == {"name": "fashion_mnist", "test_size": 10, "train_size": 30}  # a local folder: no part of the record
+
+
+def test_a_warm_up_as_long_as_the_run_is_noted(tmp_path, capsys):
+    args = ["eval", "linear", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "2", "--out", str(tmp_path)]
+    assert cli_main([*args, "--warmup-epochs", "2"]) == 0
+    assert "the linear probe's 2 warm-up epochs cover its whole run of 2: its LR only rises" in capsys.readouterr().err
+
+
 def test_unknown_command_is_an_error(capsys):
     assert cli_main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err

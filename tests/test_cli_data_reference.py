@@ -470,21 +470,27 @@ def test_a_probes_own_representation_wins_over_the_callers(tmp_path, monkeypatch
     result, path = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(features="avg"), features="cls", **common)
     assert calls["features"] == "avg" and result.protocol_args["features"] == "avg" and path.name.endswith("linear_aug-avg.json")
     assert result.protocol_args["devices"] == 1  # [1]: one GPU, the second
-    result, _ = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(), features="last4", **common)
+    result, _ = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(), features="last4", **{**common, "pretrain": {"steps": 3}})
     assert calls["features"] == "last4" == result.protocol_args["features"]
+    assert calls["origin"] == {"pretrain_steps": 3}  # (as fine-tuning: not resumed on another step's weights)
 
 
 def test_a_fine_tuning_on_a_chosen_gpu_records_one_device(tmp_path, monkeypatch):
     from ssl_vit import create_backbone
     from ssl_vit.eval.image_runs import FineTuneSettings, finetune_and_record
 
-    _spy_image_run(monkeypatch, "run_finetune")
+    calls = _spy_image_run(monkeypatch, "run_finetune")
     ds = SimpleNamespace(transform=None)
     result, _ = finetune_and_record(create_backbone("vit", **TINY), ds, ds, 4, FineTuneSettings(), img_size=16, new_img_size=None, method="m",
-                                    data_record={"name": "synthetic"}, normalization={}, source="random", pretrain={}, backbone_record={"name": "vit"},
-                                    out=tmp_path, accelerator="gpu", devices=[1], num_nodes=1, precision="32-true", seed=0, num_workers=0,
-                                    run_dir=None, resume=False)
+                                    data_record={"name": "synthetic"}, normalization={}, source="random", pretrain={"steps": 7},
+                                    backbone_record={"name": "vit"}, out=tmp_path, accelerator="gpu", devices=[1], num_nodes=1,
+                                    precision="32-true", seed=0, num_workers=0, run_dir=None, resume=False)
     assert result.protocol_args["devices"] == 1 and result.protocol_args["img_size"] is None
+    assert result.protocol_args["max_steps"] is None  # -1, no cap, is recorded as none
+    # The run keeps the backbone's pretraining step: not resumed on the weights of another one.
+    assert calls["origin"] == {"pretrain_steps": 7}
+    with pytest.raises(ValueError, match="max_steps -1 \\(no cap\\) or >= 1; got 10, 256, 500 and 0"):
+        FineTuneSettings(max_steps=0)
 
 
 # -- eval/run.py ------------------------------------------------------------------------------------

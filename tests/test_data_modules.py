@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import gzip
 import pickle
-import struct
 import urllib.error
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import write_fake_fashion_mnist
 from PIL import Image
 
 from ssl_vit import create_backbone
@@ -103,7 +102,7 @@ def test_channel_conversion_both_ways(tmp_path):
     for c, m in enumerate((0.1, 0.2, 0.3)):
         assert image[c].allclose(torch.tensor((60 / 255 - m) / 0.5))
     # ... also for augmented training views (grey Fashion-MNIST-like data, 3 channels asked for).
-    _write_fake_fmnist(tmp_path / "fmnist")
+    write_fake_fashion_mnist(tmp_path / "fmnist")
     dm = FashionMNISTDataModule(root=str(tmp_path / "fmnist"), download=False, views=TwoViews(), in_chans=3,
                                 num_workers=0)
     views, _ = dm.train_dataset[0]
@@ -126,7 +125,7 @@ def test_channel_conversion_both_ways(tmp_path):
 
 
 def test_subset_size_and_determinism(tmp_path):
-    train = torch.from_numpy(_write_fake_fmnist(tmp_path, n_train=40))
+    train = torch.from_numpy(write_fake_fashion_mnist(tmp_path, n_train=40))
 
     def subset_images(seed: int, size: int = 10) -> torch.Tensor:
         dm = FashionMNISTDataModule(root=str(tmp_path), download=False, subset=size, seed=seed, num_workers=0)
@@ -288,23 +287,8 @@ def test_image_folder_errors(tmp_path):
 # -- Fashion-MNIST ----------------------------------------------------------------------------
 
 
-def _idx(array: np.ndarray) -> bytes:
-    return bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
-
-
-def _write_fake_fmnist(root: Path, n_train: int = 12, n_test: int = 6) -> np.ndarray:
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True, exist_ok=True)
-    train = rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8)
-    for prefix, images in (("train", train), ("t10k", rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8))):
-        labels = (np.arange(len(images)) % 10).astype(np.uint8)
-        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(_idx(images)))
-        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(labels)))
-    return train
-
-
 def test_fashion_mnist_from_root(tmp_path):
-    train = _write_fake_fmnist(tmp_path / "FashionMNIST" / "raw")  # torchvision's layout
+    train = write_fake_fashion_mnist(tmp_path / "FashionMNIST" / "raw")  # torchvision's layout
     dm = FashionMNISTDataModule(root=str(tmp_path), download=False, views=SingleView(augment=False),
                                 batch_size=4, num_workers=0)
     train_eval, test = dm.eval_datasets()
