@@ -40,17 +40,40 @@ def test_demo_settings_are_the_fashion_mnist_recipe(method):
     assert cfg["evaluate"] == {"protocols": ["linear", "knn"], "train_subset": budget.eval_train, "batch_size": 512, **unseeded}
 
 
-def test_demo_quick_runs_end_to_end(tmp_path, capsys):
+def test_demo_quick_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    import ssl_vit.demo
+
+    models, evaluated = {}, {}
+    real_pretrain, real_evaluate = ssl_vit.demo.pretrain, ssl_vit.demo.evaluate
+
+    def pretrain(recipe, *args, **kwargs):
+        model, record = real_pretrain(recipe, *args, **kwargs)
+        models[recipe.method] = model
+        return model, record
+
+    def evaluate(label, backbone, *args, **kwargs):
+        evaluated[label] = backbone
+        return real_evaluate(label, backbone, *args, **kwargs)
+
+    monkeypatch.setattr(ssl_vit.demo, "pretrain", pretrain)
+    monkeypatch.setattr(ssl_vit.demo, "evaluate", evaluate)
     out = tmp_path / "demo"
     args = ["demo", "--quick", "--subset", "256", "--epochs", "0.5", "--eval-train", "512", "--eval-test", "256", "--out", str(out), "--no-progress"]
     assert cli_main(args) == 0
+    # DINO is evaluated on its teacher (DINO §3.1 / the paper's tables), the others on their backbone
+    assert evaluated["dino"] is models["dino"].teacher_backbone
+    assert all(evaluated[m] is models[m].backbone for m in ("mpp", "mocov3", "supervised"))
     printed = capsys.readouterr().out
     for method in ("mpp", "mocov3", "dino", "supervised", "random"):
         assert method in printed
     results = json.loads((out / "results.json").read_text())
     assert {(r["method"], r["protocol"]) for r in results} == {(m, p) for m in ("mpp", "mocov3", "dino", "supervised", "random") for p in ("linear", "knn")}
     assert all(0.0 <= r["metrics"]["top1"] <= 1.0 for r in results)
+    assert all(r["data"]["test_size"] == 256 and r["data"]["train_size"] == 512 for r in results)  # --eval-test / --eval-train
+    # each pretraining's compute is recorded: the report's accuracy-vs-compute plot (ViT Fig. 5)
+    assert all(r["pretrain"]["flops"] > 0 for r in results if r["method"] != "random")
     assert (out / "report.md").is_file() and (out / "report_bars.png").stat().st_size > 1000
+    assert (out / "report_compute.png").stat().st_size > 1000
     assert "**Note:** --quick is a smoke run" in (out / "report.md").read_text()  # the report read alone says so too
     assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert (out / "runs" / "dino" / "checkpoints" / "last.ckpt").is_file()
