@@ -351,6 +351,37 @@ def test_drawings_write_pngs(tmp_path: Path) -> None:
     assert pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[-1] == 3
 
 
+def test_drawings_show_what_they_are_given() -> None:
+    def unit(x):  # each map rescaled to [0, 1] for display
+        x = np.asarray(x, dtype=np.float64)
+        return (x - x.min()) / (x.max() - x.min())
+
+    torch.manual_seed(0)
+    pca = embedding_filters(torch.randn(12, 1, 2, 2), k=3)
+    title = plot_filters(pca).get_suptitle()
+    assert title.endswith(f"{100 * float(pca.explained_variance_ratio.sum()):.1f}% of the variance")  # all k shown, not the first
+    # DINO Fig. 3: in row i, the panel of head j overlays that image's map of head j
+    images = torch.rand(2, 1, 8, 8)
+    dino = dino_attention(torch.softmax(torch.randn(2, 3, 5, 5), -1), (2, 2))
+    fig = plot_dino_attention(images, dino)
+    panels = fig.axes
+    for i in range(2):
+        for j in range(3):
+            shown = panels[i * 4 + j + 1].get_images()
+            np.testing.assert_allclose(shown[1].get_array(), unit(dino.maps[i, j].numpy()), rtol=1e-6)
+    # ViT Fig. 6: under each image (axes made in pairs), the image weighted by its normalised rollout map
+    maps = torch.rand(2, 8, 8)
+    fig = plot_rollout(images, maps)
+    for i in range(2):
+        np.testing.assert_allclose(fig.axes[2 * i + 1].get_images()[0].get_array(), images[i, 0].numpy() * unit(maps[i].numpy()), rtol=1e-6)
+    # the similarity mosaic: tile (r, c) is position (r, c)'s similarity with every position
+    sim = torch.rand(2, 3, 2, 3)
+    mosaic = plot_position_similarity(sim).axes[0].get_images()[0].get_array()
+    for r in range(2):
+        for c in range(3):
+            np.testing.assert_allclose(mosaic[r * 3 : r * 3 + 2, c * 4 : c * 4 + 3], sim[r, c].numpy())
+
+
 def test_distance_csv(tmp_path: Path) -> None:
     path = write_attention_distance_csv(torch.tensor([[1.0, 2.0], [3.0, 4.5]]), tmp_path / "d.csv")
     lines = path.read_text().splitlines()
@@ -426,8 +457,9 @@ def test_callback_logs_figures_at_its_interval(tmp_path: Path) -> None:
     module.backbone = tiny_vit(in_chans=1).train()
     cb = AnalysisCallback(every_n_epochs=2, num_images=2, save_dir=tmp_path)
     cb.on_train_batch_start(None, module, [torch.randn(4, 1, 16, 16), torch.randn(4, 1, 8, 8)], 0)
-    cb.on_validation_batch_end(None, module, None, (torch.randn(5, 1, 16, 16), torch.zeros(5)), 0)
-    assert cb.kept_images().shape == (2, 1, 16, 16)  # the validation batch wins
+    val = torch.randn(5, 1, 16, 16)
+    cb.on_validation_batch_end(None, module, None, (val, torch.zeros(5)), 0)
+    assert torch.equal(cb.kept_images(), val[:2])  # the validation batch wins
     skipped = FakeTrainer(epoch=0)
     cb.on_train_epoch_end(skipped, module)
     assert skipped.loggers[0].experiment.images == {}
