@@ -586,6 +586,7 @@ def test_a_method_the_backbone_contradicts_is_refused(tmp_path, capsys):
         ("finetune", ["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1"),
         ("finetune", ["--lr", "0"], "--lr must be > 0, got 0"),
         ("finetune", ["--lr", "nan"], "--lr must be > 0, got nan"),
+        ("finetune", ["--lr", "inf"], "--lr must be > 0, got inf"),  # > 0, but no LR
         ("finetune", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
         ("finetune", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         ("finetune", ["--max-steps", "0"], "--max-steps must be -1 (no cap) or >= 1, got 0"),

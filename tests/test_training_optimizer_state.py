@@ -51,6 +51,14 @@ def test_a_parameter_without_gradients_is_left_alone_but_has_state() -> None:
     assert torch.equal(p, torch.ones(3)) and float(opt.state[p]["step"]) == 0.0
 
 
+def test_an_empty_state_entry_is_filled() -> None:
+    # optimizer.state is a defaultdict: merely reading state[p] (a logger, a user's code) leaves {}
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    assert opt.state[p] == {}
+    assert materialize_adam_state(opt) == 1 and set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 def test_other_optimizers_are_not_touched() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)

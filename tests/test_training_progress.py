@@ -36,6 +36,8 @@ def test_a_line_says_the_step_the_epoch_the_loss_and_the_time_left():
     assert log.line(_trainer(50, 100, batches=20), now=60.0).endswith("epoch 2.50, 1.0 min, about 5.0 min left")
     # epochs are counted in optimiser steps (20 batches, 4 per step: 5 steps an epoch)
     assert "epoch 10.00" in log.line(_trainer(50, 100, batches=20, accumulate=4), now=60.0)
+    # an epoch's last, partial accumulation is a step too: 10 batches, 4 per step: 3 steps
+    assert "epoch 1.00" in log.line(_trainer(3, 100, batches=10, accumulate=4), now=60.0)
     # no known length: no share and no estimate; no step yet: no estimate either
     assert log.line(_trainer(50, float("inf"), batches=float("inf")), now=60.0) == "[ssl_vit] mocov3: step 50, 1.0 min"
     assert log.line(_trainer(40, 100, batches=20), now=1.0) == "[ssl_vit] mocov3: step 40/100 (40 %), epoch 2.00, 0.0 min"
@@ -86,3 +88,12 @@ def test_a_run_stopped_before_its_end_says_so(printed):
     trainer.fit(_Logged(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=2))
     ours = [line for line in printed if line.startswith("[ssl_vit] tiny:")]
     assert len(ours) == 1 and ours[0].startswith("[ssl_vit] tiny: step 2/6 (33 %)") and ours[0].endswith("(stopped)")
+
+
+def test_the_interval_counts_from_the_start_of_training_and_a_line_is_due_at_exactly_one_interval(printed):
+    ticks = iter(range(10**6, 10**6 + 1000, 30))  # a monotonic clock far from 0; 30 s per call
+    _fit(ProgressLog(name="tiny", every_n_seconds=60, clock=lambda: float(next(ticks))), max_steps=4)
+    ours = [line for line in printed if line.startswith("[ssl_vit] tiny:")]
+    # start at 0 (relative); batch ends at 30, 60 (line), 90, 120 (line); the end at 150
+    assert [line.split(",")[0] for line in ours] == ["[ssl_vit] tiny: step 2/4 (50 %)", "[ssl_vit] tiny: step 4/4 (100 %)",
+                                                      "[ssl_vit] tiny: step 4/4 (100 %)"]
