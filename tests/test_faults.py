@@ -189,6 +189,10 @@ def test_a_checkpoint_write_that_dies_leaves_the_previous_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"step": 2, "blob": torch.zeros(1000), "dies": Dies()}, path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # as Lightning's TorchCheckpointIO: storage options are refused, not silently dropped
+    with pytest.raises(TypeError, match=r"AtomicCheckpointIO takes no storage_options, got \{'compress': True\}"):
+        io.save_checkpoint({"step": 3}, path, storage_options={"compress": True})
+    assert path.read_bytes() == before
 
 
 # ----------------------------------------------------------------------------- exact resume

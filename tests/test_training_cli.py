@@ -6,7 +6,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import re
+import shutil
 import subprocess
 import sys
 import weakref
@@ -120,6 +122,11 @@ def test_a_strategy_with_its_own_checkpoint_io_keeps_it(tmp_path):
         "init_args": {"device": "cpu", "checkpoint_io": {"class_path": "lightning.pytorch.plugins.io.TorchCheckpointIO"}}}}}))
     assert cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--trainer.max_steps", "1"]) == 0
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    # nor beside one the recipe lists as a plugin
+    overlay.write_text(yaml.safe_dump({"trainer": {"default_root_dir": str(tmp_path / "plugin"),
+                                                   "plugins": [{"class_path": "lightning.pytorch.plugins.io.TorchCheckpointIO"}]}}))
+    assert cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--trainer.max_steps", "1"]) == 0
+    assert (tmp_path / "plugin" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_resume_with_a_logger_and_a_relative_run_directory(tmp_path, monkeypatch):
@@ -145,6 +152,18 @@ def test_resume_after_the_run_directory_moved(tmp_path):
     # The recorded checkpoint paths follow the directory: step 2 (in the new place) is pruned.
     assert torch.load(tmp_path / "moved" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
     assert checkpoint_names(tmp_path / "moved") == ["last.ckpt", "step00000004.ckpt"]
+
+
+def test_a_step_file_deleted_from_a_moved_run_no_longer_counts_towards_keep_last(tmp_path):
+    cfg = tiny_config(tmp_path)
+    keep = ["--checkpoint.keep_last", "2"]
+    assert cli_main(["fit", "--config", str(cfg), *keep, "--trainer.max_steps", "4"]) == 0
+    (tmp_path / "run").rename(tmp_path / "moved")
+    (tmp_path / "moved" / "checkpoints" / "step00000004.ckpt").unlink()  # (last.ckpt holds step 4 too)
+    resume = ["fit", "--config", str(cfg), "--trainer.default_root_dir", str(tmp_path / "moved"), *keep]
+    assert cli_main([*resume, "--trainer.max_steps", "6", "--trainer.max_epochs", "2", "--resume"]) == 0
+    # two files kept: step 2 and the new step 6 (the missing step 4 took no place of step 2's)
+    assert checkpoint_names(tmp_path / "moved") == ["last.ckpt", "step00000002.ckpt", "step00000006.ckpt"]
 
 
 def test_continuing_from_another_runs_checkpoint_leaves_this_directory_s_files_alone(tmp_path):
@@ -189,7 +208,7 @@ def test_resume_picks_the_newest_checkpoint_a_slurm_requeue_one_included(tmp_pat
     assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
 
 
-def test_a_rerun_without_resume_does_not_overwrite_the_run(tmp_path, capsys):
+def test_a_rerun_without_resume_does_not_overwrite_the_run(tmp_path, capsys, monkeypatch):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg)]) == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()}
@@ -197,6 +216,13 @@ def test_a_rerun_without_resume_does_not_overwrite_the_run(tmp_path, capsys):
     assert cli_main(["fit", "--config", str(cfg)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert "already holds a run's checkpoints (newest: last.ckpt): continue it with --resume" in err[-1]  # one line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()} == before
+    # a SLURM requeue file outside a SLURM job (a copied folder) does not lift the guard
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    shutil.copy(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "run" / "hpc_ckpt_1.ckpt")
+    assert cli_main(["fit", "--config", str(cfg)]) == 1
+    assert "already holds a run's checkpoints" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoints").iterdir()} == before
 
 

@@ -84,6 +84,9 @@ def test_newest_checkpoint_is_the_furthest_trained_then_the_latest_written(tmp_p
     # The same step: the later written wins (not the name: "a" sorts before "z").
     _checkpoint(ckpts / "a_same.ckpt", step=9, mtime_s=2_000)
     assert newest_checkpoint(ckpts) == ckpts / "a_same.ckpt"
+    # a folder named like a checkpoint is none
+    (tmp_path / "only_a_folder" / "x.ckpt").mkdir(parents=True)
+    assert newest_checkpoint(tmp_path / "only_a_folder") is None
 
 
 # ---------------------------------------------------------------- preemption before the first step
