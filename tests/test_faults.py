@@ -127,6 +127,17 @@ class SignalAtBatch(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.how))
 
 
+class StopAt(L.Callback):
+    """Ask the run to stop at the end of step ``step``, as an early-stopping or timer callback does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
 class SignalDuringValidation(L.Callback):
     """Send this process ``how`` at the first validation batch of epoch ``epoch``."""
 
@@ -355,6 +366,14 @@ def test_a_finished_run_continued_with_a_larger_budget_takes_every_remaining_bat
     assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 5
     assert fit("--config", str(recipe(tmp_path)), "--resume") == 0  # on to the end of epoch 3
     assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 3 * STEPS_PER_EPOCH  # no batch skipped
+
+
+def test_a_run_another_callback_stopped_continues_with_every_remaining_batch(tmp_path, uninterrupted):
+    stop = [{"class_path": "test_faults.StopAt", "init_args": {"step": 5}}]  # mid-epoch, off the checkpoint interval
+    assert fit("--config", str(recipe(tmp_path, callbacks=stop))) == 0
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 5  # saved at that batch's end, not after the loop
+    assert fit("--config", str(recipe(tmp_path)), "--resume") == 0
+    assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 
 def test_a_signal_between_accumulated_batches_waits_for_the_optimiser_step(tmp_path):
