@@ -590,6 +590,17 @@ def test_multi_crop_sizes_are_checked_as_it_resolves_them():
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(global_size=24, local_size=8)), _trainer(), None)
 
 
+def test_non_square_data_is_checked_on_each_side_against_the_backbone(capsys):
+    from ssl_vit.training.recipe_checks import ConfigError, validate_run
+
+    for img in ((16, 24), (24, 16)):  # wider or taller than the backbone's 16x16: refused
+        with pytest.raises(ConfigError, match=rf"built for 16x16 images .* but the data gives {img[0]}x{img[1]} crops .*; set them to match$"):
+            validate_run(_vit_model(), SimpleNamespace(img_size=img, in_chans=3), _trainer(), None)
+    capsys.readouterr()
+    validate_run(_vit_model(img_size=(16, 24)), SimpleNamespace(img_size=(16, 20), in_chans=3), _trainer(), None)  # narrower: resampled
+    assert "built for 16x24 images (model backbone_kwargs.img_size) but the data gives 16x20 crops" in capsys.readouterr().err
+
+
 def test_zero_epochs_is_refused_by_name():
     from ssl_vit.training.recipe_checks import ConfigError, validate_run
 
@@ -619,7 +630,7 @@ class DINO:
     """A model as check_continuable reads it: its class name is the method."""
 
     backbone_name = "vit"
-    backbone_kwargs = {**TINY, "drop_path_rate": 0.1, "drop_rate": 0.1, "attn_drop_rate": 0.1}
+    backbone_kwargs = {**TINY, "drop_path_rate": 0.1, "drop_rate": 0.1, "attn_drop_rate": 0.1, "lean_backward": False}
 
 
 def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_change(tmp_path):
@@ -630,7 +641,9 @@ def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_chang
     with pytest.raises(ConfigError, match=rf"^--ckpt_path {path} holds a vit_small backbone; this recipe builds vit$"):
         check_continuable(DINO(), str(path))
     torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit", "backbone_kwargs": TINY}}, path)
-    check_continuable(DINO(), str(path))  # dropout and drop path change no shape
+    check_continuable(DINO(), str(path))  # dropout, drop path and the backward's memory plan change no shape
+    torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit"}}, path)  # a record without the arguments
+    check_continuable(DINO(), str(path))  # (Lightning then compares the weights' shapes)
 
 
 # -- cli.py -------------------------------------------------------------------------------------------

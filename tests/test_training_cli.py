@@ -267,7 +267,8 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--model.init_args.backbone_kwargs.embed_dim", "abc"], "backbone 'vit': embed_dim must be an integer, got 'abc'"),
         (["--model.init_args.backbone_kwargs.img_size", "8"], "the backbone was built for 8x8 images (model backbone_kwargs.img_size) but the data gives 16x16 crops"),
         (["--model", "Dino"], "(methods: MPP, MoCoV3, DINO, Supervised, or the dotted path of a PretextModule of your own)"),
-        (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR100DataModule, CIFAR10DataModule, FashionMNISTDataModule,"),
+        (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR100DataModule, CIFAR10DataModule, FashionMNISTDataModule, ImageFolderDataModule, "
+                                               "STL10DataModule, SyntheticDataModule, or the dotted path of a LightningDataModule of your own)"),
         (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
         (["--trainer.max_steps", "0"], "trainer.max_steps 0 trains nothing"),
         (["--resume", "--ckpt_path", "x.ckpt"], "--resume and --ckpt_path both say where to continue from"),
@@ -397,6 +398,12 @@ def test_a_later_config_that_replaces_a_dict_setting_says_what_it_drops(tmp_path
     assert f"{overlay} sets model.init_args.backbone_kwargs again and replaces the whole value from {cfg}" in err
     assert "depth, embed_dim, img_size, in_chans, num_heads, patch_size no longer set" in err
     assert "--model.init_args.backbone_kwargs.depth VALUE" in err
+    # each file against the one before it: a third file's drop is said too
+    third = tmp_path / "depth.yaml"
+    third.write_text(yaml.safe_dump({"model": {"init_args": {"backbone_kwargs": {"depth": 2}}}}))
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--config", str(third), "--print_config"])
+    assert f"{third} sets model.init_args.backbone_kwargs again and replaces the whole value from {overlay}: drop_path_rate no longer set" in capsys.readouterr().err
 
 
 def test_print_config_resolves_the_recipe(tmp_path, capsys):
