@@ -134,9 +134,32 @@ def test_a_signal_before_the_first_step_writes_nothing_and_one_after_it_saves_la
         cb._handler(signal.SIGUSR1, None)
         cb.on_train_batch_end(trainer, None, None, None, 0)
         assert trainer.checkpoint_callback.saved_at == [start_step + 1] and trainer.should_stop
+        cb.on_train_batch_end(trainer, None, None, None, 1)  # (a batch end after it: the signal is spent)
+        assert trainer.checkpoint_callback.saved_at == [start_step + 1]
     finally:
         cb.teardown(trainer, None, "fit")
     assert signal.getsignal(signal.SIGTERM) == sigterm
+
+
+def test_a_signal_waits_for_an_optimiser_step_the_epochs_last_partial_one_included_and_not_in_the_sanity_check():
+    trainer = _fake_trainer(0)
+    trainer.accumulate_grad_batches = 2
+    cb = PreemptionCheckpoint()
+    try:
+        cb.on_train_start(trainer, None)
+        trainer.sanity_checking = True  # validation before training: not acted on there
+        cb._handler(signal.SIGUSR1, None)
+        cb.on_validation_batch_end(trainer, None)
+        trainer.sanity_checking = False
+        trainer.global_step = 3
+        cb.on_train_batch_end(trainer, None, None, None, 6)  # between two accumulated micro-batches
+        assert trainer.checkpoint_callback.saved_at == [] and not trainer.should_stop
+        trainer.is_last_batch = True  # the epoch's last batch steps the optimiser with what it has
+        trainer.global_step = 4
+        cb.on_train_batch_end(trainer, None, None, None, 8)
+        assert trainer.checkpoint_callback.saved_at == [4] and trainer.should_stop
+    finally:
+        cb.teardown(trainer, None, "fit")
 
 
 # ---------------------------------------------------------------- the online probe's learning rate
