@@ -473,6 +473,16 @@ def test_dino_and_mocov3_default_to_their_papers_optimisation():
     assert (moco.base_lr, moco.weight_decay, moco.warmup_epochs, moco.weight_decay_exempt) == (1.5e-4, 0.1, 40.0, "none")
 
 
+def test_mpp_and_the_supervised_baseline_default_to_the_vit_papers_optimisation():
+    # The ViT paper's LRs are at batch 4096; ours are per 256 images (the linear scaling rule).
+    # MPP, Appendix B.1.2: Adam, base LR 2e-4 (its weight decay is Table 3's JFT value, 0.1).
+    mpp = MPP(**TINY_BACKBONE, mean=[0.5], std=[0.5]).hparams
+    assert (mpp.base_lr * 4096 / 256, mpp.weight_decay) == (pytest.approx(2e-4), 0.1)
+    # Supervised ViT-B/16 on ImageNet, Table 3: LR 3e-3, weight decay 0.3, global-norm clipping at 1.
+    sup = Supervised(**TINY_BACKBONE, num_classes=4).hparams
+    assert (sup.base_lr * 4096 / 256, sup.weight_decay, sup.grad_clip, sup.grad_clip_mode) == (pytest.approx(3e-3), 0.3, 1.0, "global")
+
+
 @pytest.mark.parametrize("mode", ["global", "per_param"])
 def test_gradient_clipping_leaves_the_online_probe_out(mode):
     torch.manual_seed(0)

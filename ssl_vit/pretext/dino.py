@@ -6,7 +6,8 @@ backbone pass per resolution. Loss: cross-entropy between the centred, sharpened
 the student softmax over pairs of different views; centre EMA with the all-reduced batch mean.
 Teacher momentum cosine 0.996 -> 1, teacher temperature warm-up 0.04 -> 0.07 over 30 epochs,
 weight decay cosine 0.04 -> 0.4, gradient clipping 3.0 (per parameter), last layer frozen in the
-first epoch, drop path 0.1 (§3.1, Appendix; reference main_dino.py).
+first epoch (§3.1, Appendix; reference main_dino.py); the paper's drop path 0.1 is the backbone's
+``drop_path_rate``, set with the backbone's arguments (``recipes/imagenet/dino_vit_small16.yaml``).
 The local crops' position embeddings are resampled as timm resamples them (bicubic, antialiased
 when shrinking); the reference's ``interpolate_pos_encoding`` interpolates without antialiasing.
 """

@@ -33,7 +33,11 @@ class MPP(PretextModule):
         mask_prob, random_prob: BERT's 80/10/10 split among corrupted patches.
         mean, std: the normalisation of the input views, to recover raw pixels for the targets;
             ``None`` takes them from the datamodule (its ``mean``/``std``) when training starts.
+        base_lr: LR per 256 images; Appendix B.1.2's 2e-4 at batch 4096 (Adam, cosine decay).
+        weight_decay: Appendix B.1.2 gives none for MPP; 0.1 is Table 3's JFT pre-training value.
         **kwargs: the shared arguments of :class:`PretextModule` (backbone, optimiser, schedule).
+            The paper warms up for 10k of its 1M steps: ``warmup_steps=10000`` in the recipe
+            (``recipes/imagenet/mpp_vit_base16.yaml``); the default is the shared 10 epochs.
     """
 
     def __init__(
@@ -44,9 +48,11 @@ class MPP(PretextModule):
         random_prob: float = 0.1,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        base_lr: float = 2e-4 * 256 / 4096,
+        weight_decay: float = 0.1,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(base_lr=base_lr, weight_decay=weight_decay, **kwargs)
         if not is_vit(self.backbone):
             raise ValueError(f"masked patch prediction needs a ViT or hybrid backbone, got {self.backbone_name!r}")
         if hasattr(self.backbone.patch_embed, "backbone"):  # a hybrid's ResNet stem makes the tokens

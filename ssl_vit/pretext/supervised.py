@@ -22,11 +22,21 @@ class Supervised(PretextModule):
         head_hidden_dim: the ViT paper's pre-training head, "a MLP with one hidden layer" (§3.1):
             a hidden layer of this width with tanh before the classifier (the reference code's
             ``representation_size``); None: a single linear layer (the paper's fine-tuning head).
+        base_lr, weight_decay, grad_clip: the ViT paper's ImageNet setting (Table 3, ViT-B/16: LR
+            3e-3 at batch 4096, i.e. 1.875e-4 per 256; weight decay 0.3; global-norm clipping at 1).
         **kwargs: the shared arguments of :class:`PretextModule`; ``num_classes`` is required.
     """
 
-    def __init__(self, label_smoothing: float = 0.0, head_hidden_dim: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        head_hidden_dim: int | None = None,
+        base_lr: float = 3e-3 * 256 / 4096,
+        weight_decay: float = 0.3,
+        grad_clip: float | None = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(base_lr=base_lr, weight_decay=weight_decay, grad_clip=grad_clip, **kwargs)
         num_classes = self.hparams.num_classes
         if not num_classes:
             raise ValueError("the supervised baseline needs num_classes (labelled data)")
