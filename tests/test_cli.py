@@ -580,6 +580,8 @@ def test_a_method_the_backbone_contradicts_is_refused(tmp_path, capsys):
     [
         ("finetune", ["--mixup", "-1"], "--mixup must be >= 0 (0: off), got -1"),
         ("finetune", ["--cutmix", "-0.5"], "--cutmix must be >= 0 (0: off), got -0.5"),
+        ("finetune", ["--rand-augment", "0", "9"], "--rand-augment must be OPS MAGNITUDE with OPS >= 1 and MAGNITUDE in 0..30, got 0 9"),
+        ("finetune", ["--random-erasing", "1.5"], "--random-erasing must be a probability in [0, 1] (0: off), got 1.5"),
         ("finetune", ["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1"),
         ("finetune", ["--drop-path", "-0.1"], "--drop-path must be in [0, 1), got -0.1"),
         ("finetune", ["--layer-decay", "-0.5"], "--layer-decay must be in (0, 1] (1: no decay), got -0.5"),

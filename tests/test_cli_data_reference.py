@@ -364,18 +364,20 @@ def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_pat
     calls = _spy_image_run(monkeypatch, "run_finetune")
     args = ["eval", "finetune", *TINY_ARGS, *SYNTH, "--epochs", "3", "--batch-size", "8", "--max-steps", "7", "--checkpoint-every", "11",
             "--lr", "0.002", "--layer-decay", "0.5", "--drop-path", "0.2", "--label-smoothing", "0.3", "--weight-decay", "0.01",
-            "--warmup-epochs", "1", "--mixup", "0.4", "--cutmix", "0.6", "--img-size", "24", "--crop-scale", "0.3", "0.9", "--seed", "5",
+            "--warmup-epochs", "1", "--mixup", "0.4", "--cutmix", "0.6", "--rand-augment", "3", "7", "--random-erasing", "0.2",
+            "--img-size", "24", "--crop-scale", "0.3", "0.9", "--seed", "5",
             "--run-dir", str(tmp_path / "ft"), "--resume", "--num-nodes", "2", "--out", str(tmp_path / "ft.json")]
     assert cli_main(args) == 0
     want = {"epochs": 3, "batch_size": 8, "max_steps": 7, "checkpoint_every": 11, "base_lr": 0.002, "layer_decay": 0.5, "drop_path_rate": 0.2,
-            "label_smoothing": 0.3, "weight_decay": 0.01, "warmup_epochs": 1.0, "mixup_alpha": 0.4, "cutmix_alpha": 0.6, "img_size": 24,
+            "label_smoothing": 0.3, "weight_decay": 0.01, "warmup_epochs": 1.0, "mixup_alpha": 0.4, "cutmix_alpha": 0.6, "random_erasing": 0.2, "img_size": 24,
             "seed": 5, "run_dir": str(tmp_path / "ft"), "resume": True, "num_nodes": 2, "devices": 1, "accelerator": "cpu", "num_workers": 0}
     assert {k: calls[k] for k in want} == want
     assert isinstance(calls["train_transform"], OneView) and calls["train_transform"].views.scale == (0.3, 0.9)
+    assert calls["train_transform"].views.rand_augment == (3, 7)
     record = json.loads((tmp_path / "ft.json").read_text())["protocol_args"]
     assert record == {"epochs": 3, "lr": 0.002, "layer_decay": 0.5, "drop_path": 0.2, "label_smoothing": 0.3, "weight_decay": 0.01, "img_size": 24,
-                      "batch_size": 8, "mixup": 0.4, "cutmix": 0.6, "precision": "32-true", "devices": 1, "num_nodes": 2, "warmup_epochs": 1.0,
-                      "crop_scale": [0.3, 0.9], "max_steps": 7, "seed": 5}
+                      "batch_size": 8, "mixup": 0.4, "cutmix": 0.6, "rand_augment": [3, 7], "random_erasing": 0.2, "precision": "32-true",
+                      "devices": 1, "num_nodes": 2, "warmup_epochs": 1.0, "crop_scale": [0.3, 0.9], "max_steps": 7, "seed": 5}
     # --no-augment: the evaluation transform (resize + centre crop), recorded without a crop.
     calls.clear()
     assert cli_main(["eval", "finetune", *TINY_ARGS, *SYNTH, "--no-augment", "--out", str(tmp_path / "plain.json")]) == 0

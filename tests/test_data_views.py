@@ -159,6 +159,39 @@ def test_single_view_without_augmentation_is_identity_at_size():
     torch.testing.assert_close(view, expected)
 
 
+def test_rand_augment_follows_the_crop_and_flip_with_its_own_draws():
+    # SingleView(rand_augment=(ops, magnitude)): crop + flip (Python's random), then RandAugment
+    # (torch's generator) on that crop, filling with mid-grey: written out with torchvision's op.
+    from torchvision.transforms import RandAugment
+
+    for img in (_rgb_image(40), _grey_image(40)):
+        view = SingleView(size=32, scale=(0.5, 1.0), rand_augment=(2, 9))
+        random.seed(3)
+        torch.manual_seed(3)
+        (got,) = view(img)
+        random.seed(3)
+        torch.manual_seed(3)
+        (recipe,) = SingleView(size=32, scale=(0.5, 1.0)).recipes()
+        cropped, _ = recipe(img)
+        want = TF.to_dtype(TF.pil_to_tensor(RandAugment(num_ops=2, magnitude=9, fill=128)(cropped)), torch.float32, scale=True)
+        torch.testing.assert_close(got, want)
+        random.seed(3)
+        (plain,) = SingleView(size=32, scale=(0.5, 1.0))(img)
+        assert got.shape == plain.shape
+    changed = 0
+    for seed in range(10):  # the ops change the crop (an identity op can be drawn, not ten times)
+        random.seed(seed)
+        torch.manual_seed(seed)
+        (a,) = SingleView(size=32, scale=(0.5, 1.0), rand_augment=(2, 9))(_rgb_image(40))
+        random.seed(seed)
+        (b,) = SingleView(size=32, scale=(0.5, 1.0))(_rgb_image(40))
+        changed += not torch.equal(a, b)
+    assert changed >= 5
+    for bad in ((0, 9), (2, 31), (2,), (2.5, 9)):
+        with pytest.raises(ValueError, match="rand_augment must be \\(ops, magnitude\\)"):
+            SingleView(rand_augment=bad)
+
+
 def test_views_on_grey_images_never_colourise():
     # Colour jitter and grayscale on grey input (both as "L" and as equal RGB channels).
     random.seed(0)

@@ -4,6 +4,7 @@ import signal
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.ops import StochasticDepth
 
@@ -78,6 +79,40 @@ def test_drop_path_increases_linearly():
 def _data(n: int = 16, size: int = 16):
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(n, 1, size, size, generator=g), torch.arange(n) % 3)
+
+
+@pytest.mark.filterwarnings("ignore:.*self.trainer.*")
+def test_random_erasing_replaces_one_box_of_each_image_with_noise_before_mixing():
+    module = FineTuneModule(tiny_vit(), 3, random_erasing=1.0, warmup_epochs=0)
+    seen = []
+    forward = module.forward
+    module.forward = lambda x: seen.append(x.clone()) or forward(x)
+    mixed = []
+    module.mix = lambda x, y: (mixed.append(x.clone()), (x, F.one_hot(y, 3).float()))[1]  # MixUp's place, spied on
+    x = torch.randn(6, 1, 16, 16)
+    torch.manual_seed(0)
+    module.training_step((x.clone(), torch.arange(6) % 3), 0)
+    (inp,) = seen
+    assert torch.equal(mixed[0], inp)  # erased before mixing
+    boxes = set()
+    for before, after in zip(x, inp):
+        rows, cols = torch.nonzero((before != after)[0], as_tuple=True)
+        top, bottom, left, right = int(rows.min()), int(rows.max()), int(cols.min()), int(cols.max())
+        area = (bottom - top + 1) * (right - left + 1)
+        assert len(rows) == area  # one whole box, the rest as it was
+        assert 0.02 * 256 <= area <= 256 / 3 + 1  # 2-33 % of the image (Zhong et al.; timm's defaults)
+        boxes.add((top, bottom, left, right))
+    assert len(boxes) > 1  # drawn per image
+    with pytest.raises(ValueError, match="random_erasing must be a probability in \\[0, 1\\] \\(0: off\\), got 1.5"):
+        FineTuneModule(tiny_vit(), 3, random_erasing=1.5)
+
+
+def test_fine_tuning_settings_refuse_rand_augment_without_augmentation():
+    from ssl_vit.eval.image_runs import FineTuneSettings
+
+    with pytest.raises(ValueError, match="rand_augment applies to the training crops, and augment is off"):
+        FineTuneSettings(rand_augment=[2, 9], augment=False)
+    assert FineTuneSettings(rand_augment=[2, 9]).train_views(32).rand_augment == (2, 9)
 
 
 def test_two_steps_change_weights_and_lr_groups_follow_the_decay():

@@ -21,6 +21,7 @@ import random
 
 import torch
 from PIL import Image
+from torchvision.transforms import RandAugment
 
 from ssl_vit.data.augment import (
     RESAMPLE,
@@ -197,6 +198,10 @@ class SingleView(ViewTransform):
         flip_p: probability of a horizontal flip.
         augment: False turns all augmentation off.
         interpolation: resampling filter of the crop resize.
+        rand_augment: ``(ops, magnitude)``: RandAugment (Cubuk et al. 2020; torchvision's, the
+            geometric ops filling with mid-grey) after the crop and flip, as DeiT / MAE fine-tune
+            (timm's ``rand-m9-mstd0.5-inc1``: 2 ops at magnitude 9 of 30, which timm also
+            jitters with std 0.5); None: off.
     """
 
     def __init__(
@@ -206,6 +211,7 @@ class SingleView(ViewTransform):
         flip_p: float = 0.5,
         augment: bool = True,
         interpolation: Interpolation = "bilinear",
+        rand_augment: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.size = size
@@ -215,6 +221,9 @@ class SingleView(ViewTransform):
         self.interpolation = interpolation
         _check_scale("scale", scale)
         _check_prob("flip_p", flip_p)
+        self.rand_augment = None if rand_augment is None else check_rand_augment(rand_augment)
+        ops = self.rand_augment
+        self._rand_augment = None if ops is None else RandAugment(num_ops=ops[0], magnitude=ops[1], fill=128)
 
     def with_img_size(self, img_size: int) -> SingleView:
         return self._resolved("size", img_size)  # type: ignore[return-value]
@@ -224,10 +233,21 @@ class SingleView(ViewTransform):
         return [ViewRecipe(size, self.scale, self.interpolation, self.flip_p)]
 
     def __call__(self, image: ImageLike) -> list[torch.Tensor]:
-        if self.augment:
+        if not self.augment:
+            size = self._require("SingleView.size", self.size)
+            return [EvalTransform(size, interpolation=self.interpolation)(image)]
+        if self._rand_augment is None:
             return super().__call__(image)
-        size = self._require("SingleView.size", self.size)
-        return [EvalTransform(size, interpolation=self.interpolation)(image)]
+        (recipe,) = self.recipes()
+        view, solarize = recipe(to_pil(image))
+        return to_float_tensors([self._rand_augment(view)], [solarize])
+
+
+def check_rand_augment(value: tuple[int, int]) -> tuple[int, int]:
+    values = list(value)  # (a recipe gives a list)
+    if len(values) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in values) or values[0] < 1 or not 0 <= values[1] <= 30:
+        raise ValueError(f"rand_augment must be (ops, magnitude), integers with ops >= 1 and magnitude in 0..30, got {values}")
+    return values[0], values[1]
 
 
 class TwoViews(ViewTransform):

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-augment", action="store_true", help="train on the evaluation transform (resize + centre crop) instead")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp alpha (MAE: 0.8; 0: off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (MAE: 1.0; 0: off); with both, one per batch")
+    p.add_argument("--rand-augment", type=int, nargs=2, default=None, metavar=("OPS", "MAGNITUDE"),
+                   help="RandAugment on the training crops: OPS ops per image at MAGNITUDE of 30 (MAE: 2 9); off when not given")
+    p.add_argument("--random-erasing", type=float, default=0.0,
+                   help="probability of erasing a random box of each training image with noise (MAE: 0.25; 0: off)")
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the fine-tuned model as an export folder: backbone + classifier in model.safetensors (timm names; "
                         "timm.create_model('local-dir:DIR', pretrained=True) builds the classifier), config.json with this result")
@@ -267,7 +271,7 @@ def main(argv: list[str]) -> int:
         settings = FineTuneSettings(
             epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path,
             label_smoothing=args.label_smoothing, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, mixup_alpha=args.mixup,
-            cutmix_alpha=args.cutmix, augment=not args.no_augment, crop_scale=args.crop_scale, max_steps=args.max_steps,
+            cutmix_alpha=args.cutmix, rand_augment=args.rand_augment, random_erasing=args.random_erasing, augment=not args.no_augment, crop_scale=args.crop_scale, max_steps=args.max_steps,
             checkpoint_every=args.checkpoint_every,
         )
     device = resolve_device(args.device)

@@ -153,7 +153,7 @@ def new_head(in_dim: int, num_classes: int, seed: int | None = None) -> nn.Linea
 
 def check_finetune_settings(
     base_lr: float, batch_size: int, weight_decay: float, layer_decay: float, drop_path_rate: float, label_smoothing: float,
-    warmup_epochs: float, mixup_alpha: float, cutmix_alpha: float,
+    warmup_epochs: float, mixup_alpha: float, cutmix_alpha: float, random_erasing: float = 0.0,
 ) -> None:
     """Refuse settings a fine-tuning cannot run, naming them (before any backbone is loaded)."""
     if not 0 < layer_decay <= 1:
@@ -167,6 +167,8 @@ def check_finetune_settings(
                          f"got {base_lr}, {batch_size}, {weight_decay} and {warmup_epochs}")
     if mixup_alpha < 0 or cutmix_alpha < 0:
         raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0 (0: off), got {mixup_alpha} and {cutmix_alpha}")
+    if not 0 <= random_erasing <= 1:
+        raise ValueError(f"random_erasing must be a probability in [0, 1] (0: off), got {random_erasing}")
 
 
 class FineTuneModule(L.LightningModule):
@@ -188,6 +190,10 @@ class FineTuneModule(L.LightningModule):
         warmup_epochs: linear warm-up (MAE: 5 of 100 epochs), then cosine decay to 0 per step.
         mixup_alpha, cutmix_alpha: Beta parameters of MixUp / CutMix (MAE: 0.8 / 1.0); 0 turns
             each off; with both on, one of the two is chosen per batch (timm's switch prob 0.5).
+        random_erasing: the probability that one random box of an image (2-33 % of its area,
+            aspect 0.3-3.3) is replaced by normal noise in the normalised pixel space, before
+            MixUp / CutMix (Zhong et al. 2020; MAE: 0.25, timm's ``--reprob`` in ``pixel`` mode);
+            0: off.
         img_size: fine-tune at this resolution (ViTs interpolate the position embedding).
         betas: AdamW betas (torch's fused AdamW kernel where the parameters allow it:
             ``ssl_vit.training.fused``).
@@ -217,6 +223,7 @@ class FineTuneModule(L.LightningModule):
         warmup_epochs: float = 5.0,
         mixup_alpha: float = 0.0,
         cutmix_alpha: float = 0.0,
+        random_erasing: float = 0.0,
         img_size: int | tuple[int, int] | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         seed: int = 0,
@@ -229,7 +236,7 @@ class FineTuneModule(L.LightningModule):
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         check_finetune_settings(base_lr, batch_size, weight_decay, layer_decay, drop_path_rate, label_smoothing, warmup_epochs,
-                                mixup_alpha, cutmix_alpha)
+                                mixup_alpha, cutmix_alpha, random_erasing)
         self.save_hyperparameters(ignore=["backbone", "head", "record"])
         self.record = dict(record or {})
         self.backbone = backbone
@@ -248,6 +255,8 @@ class FineTuneModule(L.LightningModule):
         self.lr = base_lr * batch_size / 256
         ops = [op(alpha=a, num_classes=num_classes) for op, a in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if a > 0]
         self.mix = v2.RandomChoice(ops) if len(ops) == 2 else (ops[0] if ops else None)
+        # value "random": per-pixel N(0, 1) noise, drawn per image (a batch given whole would share one box)
+        self.erase = v2.RandomErasing(p=random_erasing, value="random") if random_erasing > 0 else None
         self.test_acc = accuracy_metrics(num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -276,6 +285,8 @@ class FineTuneModule(L.LightningModule):
         x, y = batch
         if len(y) == 0:
             return nothing_to_learn(self)  # a batch of unreadable files only: skip the step
+        if self.erase is not None:
+            x = torch.stack([self.erase(image) for image in x])  # [B, C, H, W], normalised
         if self.mix is not None:
             x, y = self.mix(x, y)  # y: soft labels [B, K]
         loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ssl_vit.data import SingleView
+from ssl_vit.data.views import check_rand_augment
 from ssl_vit.eval.features import FEATURE_MODES, FeatureMode
 from ssl_vit.eval.finetune import check_finetune_settings, new_head, run_finetune
 from ssl_vit.eval.linear import check_probe_settings
@@ -58,6 +59,9 @@ class FineTuneSettings:
         weight_decay: AdamW weight decay (MAE: 0.05).
         warmup_epochs: linear LR warm-up before the cosine decay (MAE: 5 of 100 epochs).
         mixup_alpha, cutmix_alpha: MixUp / CutMix (MAE: 0.8 / 1.0; 0: off).
+        rand_augment: ``(ops, magnitude)`` of RandAugment on the training crops (MAE: 2 ops at
+            magnitude 9; None: off; ``SingleView``).
+        random_erasing: random erasing probability (MAE: 0.25; 0: off; ``FineTuneModule``).
         augment: train on a random resized crop + flip of each image (False: on the evaluation
             transform, resize + centre crop).
         crop_scale: that crop's area range; None: :func:`default_crop_scale`.
@@ -77,13 +81,19 @@ class FineTuneSettings:
         warmup_epochs: float = 5.0,
         mixup_alpha: float = 0.0,
         cutmix_alpha: float = 0.0,
+        rand_augment: tuple[int, int] | None = None,
+        random_erasing: float = 0.0,
         augment: bool = True,
         crop_scale: tuple[float, float] | None = None,
         max_steps: int = -1,
         checkpoint_every: int = 500,
     ) -> None:
         check_finetune_settings(base_lr, batch_size, weight_decay, layer_decay, drop_path_rate, label_smoothing, warmup_epochs,
-                                mixup_alpha, cutmix_alpha)
+                                mixup_alpha, cutmix_alpha, random_erasing)
+        if rand_augment is not None:
+            rand_augment = check_rand_augment(rand_augment)
+            if not augment:
+                raise ValueError("rand_augment applies to the training crops, and augment is off (the evaluation transform)")
         _check_run(epochs, batch_size, max_steps, checkpoint_every)
         crop_scale = _check_crop_scale(crop_scale)
         self.epochs = epochs
@@ -96,6 +106,8 @@ class FineTuneSettings:
         self.warmup_epochs = warmup_epochs
         self.mixup_alpha = mixup_alpha
         self.cutmix_alpha = cutmix_alpha
+        self.rand_augment = None if rand_augment is None else tuple(rand_augment)
+        self.random_erasing = random_erasing
         self.augment = augment
         self.crop_scale = crop_scale
         self.max_steps = max_steps
@@ -110,7 +122,7 @@ class FineTuneSettings:
     def train_views(self, img_size: int) -> SingleView | None:
         """The training images' transform (None: the evaluation transform)."""
         scale = self.scale_for(img_size)
-        return None if scale is None else SingleView(scale=scale)
+        return None if scale is None else SingleView(scale=scale, rand_augment=self.rand_augment)
 
     def protocol_args(self, img_size: int, new_img_size: int | None, precision: str, devices: int, num_nodes: int, seed: int) -> dict[str, Any]:
         """The record's ``protocol_args`` (the names of ``ssl-vit eval finetune``'s options)."""
@@ -118,7 +130,9 @@ class FineTuneSettings:
         return {"epochs": self.epochs, "max_steps": None if self.max_steps == -1 else self.max_steps, "seed": seed,
                 "lr": self.base_lr, "layer_decay": self.layer_decay, "drop_path": self.drop_path_rate,
                 "label_smoothing": self.label_smoothing, "weight_decay": self.weight_decay, "img_size": new_img_size,
-                "batch_size": self.batch_size, "mixup": self.mixup_alpha, "cutmix": self.cutmix_alpha, "precision": precision,
+                "batch_size": self.batch_size, "mixup": self.mixup_alpha, "cutmix": self.cutmix_alpha,
+                "rand_augment": None if self.rand_augment is None else list(self.rand_augment),
+                "random_erasing": self.random_erasing, "precision": precision,
                 "devices": devices, "num_nodes": num_nodes, "warmup_epochs": self.warmup_epochs,
                 "crop_scale": None if scale is None else list(scale)}
 
@@ -176,6 +190,7 @@ def finetune_and_record(
         run_dir=run_dir, resume=resume, checkpoint_every=settings.checkpoint_every, head=head, base_lr=settings.base_lr,
         layer_decay=settings.layer_decay, drop_path_rate=settings.drop_path_rate, label_smoothing=settings.label_smoothing,
         weight_decay=settings.weight_decay, img_size=new_img_size, mixup_alpha=settings.mixup_alpha, cutmix_alpha=settings.cutmix_alpha,
+        random_erasing=settings.random_erasing,
         warmup_epochs=settings.warmup_epochs, record=finetuned, origin=_origin(pretrain),
     )
     if metrics is None:

@@ -89,6 +89,8 @@ _OPTION_RULES: dict[str, OptionRule] = {
     "weight_decay": (lambda v: v >= 0, ">= 0"),
     "mixup": (lambda v: v >= 0, ">= 0 (0: off)"),
     "cutmix": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "rand_augment": (lambda v: v is None or (v[0] >= 1 and 0 <= v[1] <= 30), "OPS MAGNITUDE with OPS >= 1 and MAGNITUDE in 0..30"),
+    "random_erasing": (lambda v: 0 <= v <= 1, "a probability in [0, 1] (0: off)"),
     "img_size": (lambda v: v is None or v >= 1, ">= 1"),
     "crop_scale": (lambda v: v is None or 0 < v[0] <= v[1] <= 1, "LO HI with 0 < LO <= HI <= 1"),
     "max_steps": (lambda v: v == -1 or v >= 1, "-1 (no cap) or >= 1"),

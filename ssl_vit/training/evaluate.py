@@ -50,7 +50,7 @@ class RecipeEvaluation:
         fewshot: arguments of ``FewShotEvaluator``.
         finetune: arguments of ``ssl_vit.eval.image_runs.FineTuneSettings`` (epochs,
             batch_size per process, base_lr, layer_decay, drop_path_rate, label_smoothing,
-            weight_decay, warmup_epochs, mixup_alpha, cutmix_alpha, augment, crop_scale, max_steps,
+            weight_decay, warmup_epochs, mixup_alpha, cutmix_alpha, rand_augment, random_erasing, augment, crop_scale, max_steps,
             checkpoint_every); it fine-tunes at the run's resolution (another one:
             ``ssl-vit eval finetune --img-size``).
         linear_aug: arguments of ``ssl_vit.eval.image_runs.LinearAugSettings`` (epochs,
