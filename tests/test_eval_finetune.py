@@ -107,6 +107,15 @@ def test_random_erasing_replaces_one_box_of_each_image_with_noise_before_mixing(
         FineTuneModule(tiny_vit(), 3, random_erasing=1.5)
 
 
+def test_a_run_recorded_before_a_setting_existed_resumes_while_the_setting_is_off():
+    from ssl_vit.eval.train_run import settings_difference
+
+    older = {"base_lr": 5e-4, "epochs": 2}  # a checkpoint written before random_erasing existed
+    assert settings_difference(older, {"base_lr": 5e-4, "epochs": 2, "random_erasing": 0.0, "rand_augment": None}) is None
+    assert settings_difference(older, {"base_lr": 5e-4, "epochs": 2, "random_erasing": 0.25}) == "random_erasing: None there, 0.25 here"
+    assert settings_difference(older, {"base_lr": 5e-4, "epochs": 3}) == "epochs: 2 there, 3 here"
+
+
 def test_fine_tuning_settings_refuse_rand_augment_without_augmentation():
     from ssl_vit.eval.image_runs import FineTuneSettings
 

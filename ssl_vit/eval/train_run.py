@@ -301,10 +301,13 @@ class _RunSettings(L.Callback):
 
 def settings_difference(saved: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> str | None:
     """``"base_lr: 0.0005 there, 0.05 here; ..."`` for the settings a checkpoint's run was started
-    with and this one's; None when they agree (or the checkpoint predates the record)."""
+    with and this one's; None when they agree (or the checkpoint predates the record). A setting
+    the record lacks (one added in a later version) counts as agreed while it is off here (0,
+    None, False: the run was started without it)."""
     if not isinstance(saved, Mapping):
         return None
-    return "; ".join(kwargs_differences(saved, settings)) or None
+    here = {k: v for k, v in settings.items() if k in saved or v}
+    return "; ".join(kwargs_differences(saved, here)) or None
 
 
 def _first_device(trainer: L.Trainer) -> int | list[int]:
