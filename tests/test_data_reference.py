@@ -394,3 +394,19 @@ def test_hidden_folders_are_not_classes(tmp_path):
     Image.new("L", (8, 8), 2).save(tmp_path / "flat" / ".thumbnails" / "x.png")
     paths, labels, class_to_idx = scan_image_dir(tmp_path / "flat")
     assert labels is None and class_to_idx is None and paths == [str(tmp_path / "flat" / "x.png")]
+
+
+@pytest.mark.parametrize("size, processes", [(7, 2), (2, 8), (1, 3), (4, 4)])
+def test_even_shares_pad_to_a_multiple_of_the_processes_with_unlabelled_copies(size, processes):
+    from ssl_vit.data.datasets import EvenShares
+
+    source = [(f"img{i}", i) for i in range(size)]
+    shares = EvenShares(source, processes)
+    padded = -(-size // processes) * processes  # the next multiple of the process count
+    assert len(shares) == padded
+    items = [shares[i] for i in range(padded)]
+    assert items[:size] == source
+    # the padding: the images again from the first on (round again if the split is small), unlabelled
+    assert items[size:] == [(f"img{i % size}", -1) for i in range(padded - size)]
+    with pytest.raises(ValueError, match="num_processes must be >= 1, got 0"):
+        EvenShares(source, 0)

@@ -208,7 +208,7 @@ class TransformedDataset(Dataset):
 
 class EvenShares(Dataset):
     """An evaluation split padded to a multiple of ``num_processes`` with unlabelled (label -1)
-    copies of its first items.
+    copies of its items from the first on (round again when the split is smaller than the padding).
 
     ``DistributedSampler(shuffle=False)``, which Lightning puts under a validation loader, pads
     each process's share with repeats of the first images, which the metrics would then count
@@ -231,5 +231,5 @@ class EvenShares(Dataset):
     def __getitem__(self, index: int) -> tuple[Any, int]:
         if index < self.size:
             return self.source[index]
-        image, _ = self.source[index - self.size]
+        image, _ = self.source[(index - self.size) % self.size]
         return image, -1
