@@ -11,6 +11,7 @@ import copy
 import math
 import os
 import threading
+import warnings
 
 import lightning as L
 import numpy as np
@@ -186,7 +187,7 @@ def test_ema_updates_every_pair_with_dinos_cosine_momentum():
     targets = [copy.deepcopy(m).requires_grad_(False) for m in onlines]
     ema = EMAPairs(list(zip(onlines, targets)), start=0.9, end=1.0)
     total = 4
-    for step in (0, 1, 3, 5):
+    for step in (0, 1, 3, 5, 9):  # (past the end, well past it: lightly's cosine would turn back and warn)
         with torch.no_grad():
             for online in onlines:
                 for p in online.parameters():
@@ -194,7 +195,9 @@ def test_ema_updates_every_pair_with_dinos_cosine_momentum():
         m = 1.0 - (1.0 - 0.9) * (math.cos(math.pi * min(step, total) / total) + 1) / 2
         want = [[m * t + (1 - m) * o for o, t in zip(online.parameters(), target.parameters())]
                 for online, target in zip(onlines, targets)]
-        assert ema.update(step, total) == pytest.approx(m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert ema.update(step, total) == pytest.approx(m)
         for target, w in zip(targets, want):
             for p, q in zip(target.parameters(), w):
                 torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
@@ -204,6 +207,9 @@ def test_ema_updates_every_pair_with_dinos_cosine_momentum():
             EMAPairs(list(zip(onlines, targets)), start=start, end=end)
     with pytest.raises(ValueError, match="EMA pair has 2 online but 4 target parameter tensors"):
         EMAPairs([(onlines[0], targets[1])], start=0.9)
+    # pieces of other shapes (FSDP sharding the two modules differently) are refused, not zipped
+    with pytest.raises(RuntimeError, match=r"EMA: weight is \(2, 3\) here in the online module but \(3, 2\) in its target"):
+        EMAPairs([(nn.Linear(3, 2), nn.Linear(2, 3).requires_grad_(False))], start=0.9).update(0, 4)
 
 
 # ----------------------------------------------------------------------------- synchronised BatchNorm

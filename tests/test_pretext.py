@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -377,6 +378,15 @@ def test_lr_warmup_cosine_and_weight_decay_schedule():
     wds = [v["weight_decay"] for v in values]
     assert wds[0] == pytest.approx(0.04)
     assert wds[-1] == pytest.approx(0.4 + (0.04 - 0.4) * (1 + math.cos(math.pi * 99 / 100)) / 2)
+    # past the planned end (a run continued beyond it) both stay at their end values, quietly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (lightly's schedules warn past their max_steps)
+        assert model.schedule_values(130) == model.schedule_values(100) == pytest.approx({"lr": 0.001, "weight_decay": 0.4})
+    # a weight decay that decays to 0 does (0 is an end value, not "none")
+    to_zero = make("supervised", base_lr=0.1, warmup_epochs=0.0, weight_decay=0.04, weight_decay_end=0.0)
+    to_zero._total_steps, to_zero._steps_per_epoch = 100, 10
+    assert to_zero.schedule_values(100)["weight_decay"] == 0.0
+    assert to_zero.schedule_values(50)["weight_decay"] == pytest.approx(0.04 * (1 + math.cos(math.pi * 50 / 100)) / 2)
 
 
 def test_without_warmup_the_cosine_starts_at_the_peak_and_ends_above_min_lr():
