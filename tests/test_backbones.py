@@ -585,7 +585,13 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
     class Bare(torch.nn.Module):  # no embed_dim, an int img_size, no forward_features
         in_chans, img_size = 1, 16
 
-    with registered_backbones(vit_forwarding_test=vit_forwarding, bare_test=Bare):
+    class Flagged(torch.nn.Module):  # True is an int to Python, not a width
+        embed_dim, in_chans, img_size = 8, True, (16, 16)
+
+        def forward_features(self, x):
+            return x
+
+    with registered_backbones(vit_forwarding_test=vit_forwarding, bare_test=Bare, flagged_test=Flagged):
         model = create_backbone("vit_forwarding_test", img_size=16, patch_size=4, in_chans=1, drop_path_rate=0.1)
         assert model.img_size == (16, 16) and model.backbone_kwargs["drop_path_rate"] == 0.1
         from ssl_vit.pretext import Supervised
@@ -598,6 +604,8 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
         with pytest.raises(TypeError, match=r"backbone 'bare_test' \(Bare\) does not have the attributes every backbone has: embed_dim "
                                             r"\(an int\) is missing; img_size \(a \(height, width\) pair of ints\) is 16; forward_features"):
             create_backbone("bare_test")
+        with pytest.raises(TypeError, match=r"\(Flagged\) does not have the attributes every backbone has: in_chans \(an int\) is True \("):
+            create_backbone("flagged_test")
 
 
 @pytest.mark.parametrize("kwargs", [{"small_input": False, "num_stages": 1}, {"small_input": False, "num_stages": 3},

@@ -271,8 +271,8 @@ def test_the_temporary_file_is_beside_its_target_and_found_by_stale_temporaries(
 
 def test_atomic_json_writes_sets_sorted_and_tensors_as_lists(tmp_path):
     # Reference: json.loads of the file; sets are recorded sorted (a stable file), tensors as lists.
-    path = atomic_write_json(tmp_path / "r.json", {"s": {3, 1, 2}, "t": torch.tensor([1.5, 2.0]), "p": tmp_path})
-    assert json.loads(path.read_text()) == {"s": [1, 2, 3], "t": [1.5, 2.0], "p": str(tmp_path)}
+    path = atomic_write_json(tmp_path / "r.json", {"s": {"d", "a", "f", "c", "e", "b"}, "t": torch.tensor([1.5, 2.0]), "p": tmp_path})
+    assert json.loads(path.read_text()) == {"s": ["a", "b", "c", "d", "e", "f"], "t": [1.5, 2.0], "p": str(tmp_path)}
 
 
 # ------------------------------------------------------------------------ the export folder

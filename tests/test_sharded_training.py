@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,3 +177,19 @@ def test_ssl_vit_fit_under_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path)
     views = [(4, 1, 16, 16)] * 2 + [(4, 1, 8, 8)] * 2
     per_step = method_step_flops(model, views, world_size=WORLD) * 4 * WORLD
     assert got["ssl_vit"]["pretrain_flops"] == want["ssl_vit"]["pretrain_flops"] == pytest.approx(2 * STEPS_PER_EPOCH * per_step)
+
+
+@pytest.mark.parametrize("sharding, world, whole", [("FULL_SHARD", 2, False), ("SHARD_GRAD_OP", 2, False), ("NO_SHARD", 2, True),
+                                                    ("FULL_SHARD", 1, True)])
+def test_gradients_are_split_over_processes_only_where_fsdp_shards_them(monkeypatch, sharding, world, whole):
+    # Clipping sums the squared gradient norms over the group gradient_shard_group names: under
+    # NO_SHARD (or one process) every process holds whole gradients and there is nothing to sum.
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from ssl_vit.training.sharding import gradient_shard_group
+
+    strategy = FSDPStrategy(sharding_strategy=sharding)
+    monkeypatch.setattr(FSDPStrategy, "world_size", property(lambda self: world))
+    shards = object()  # the root FSDP module's process group
+    strategy._model = SimpleNamespace(process_group=shards)
+    assert gradient_shard_group(strategy) is (None if whole else shards)
