@@ -454,6 +454,17 @@ def test_weight_decay_groups_exclude_norms_biases_and_embeddings():
     assert "backbone.blocks.0.attn.qkv.weight" in decay and not any(n.startswith("probe.") for n in decay | no_decay)
 
 
+def test_a_mask_token_of_any_shape_is_a_token_the_rule_exempts():
+    from ssl_vit.pretext.optim import param_groups
+
+    params = {"head.mask_token": torch.nn.Parameter(torch.zeros(1, 1, 8)), "head.proj.weight": torch.nn.Parameter(torch.zeros(8, 8)),
+              "backbone.cls_token": torch.nn.Parameter(torch.zeros(1, 1, 8))}
+    for rule, exempt in (("bias_norm_tokens", {"head.mask_token", "backbone.cls_token"}), ("bias_norm", set())):
+        groups = param_groups(params.items(), rule, {"backbone.cls_token"}, 0.05, set(), 1e-3, lambda p: p.shape)
+        undecayed = {n for g in groups if g["weight_decay"] == 0.0 for p in g["params"] for n, q in params.items() if q is p}
+        assert undecayed == exempt, rule
+
+
 def test_each_method_decays_the_parameters_its_reference_decays():
     def groups(model):
         names = {id(p): n for n, p in model.named_parameters()}
