@@ -745,8 +745,8 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
     # ... as a recipe's evaluation and a checkpoint's pretraining data name it (compare pairs them)
     import my_data
 
+    from ssl_vit.eval.data_args import datamodule_name
     from ssl_vit.eval.results import pretraining_data
-    from ssl_vit.training.evaluate import datamodule_name
 
     assert datamodule_name(my_data.MySynth()) == "my_data.MySynth"
     assert pretraining_data({"name": "MySynth", "class": "my_data.MySynth"}) == "my_data.MySynth"

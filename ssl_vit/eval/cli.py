@@ -30,9 +30,8 @@ from ssl_vit.arguments import ArgumentParser
 from ssl_vit.eval.data_args import (
     DATASETS,
     build_datamodule,
-    class_path,
     datamodule_class,
-    dataset_name,
+    datamodule_name,
     key_value,
     labelled_classes,
     note_channel_conversion,
@@ -320,7 +319,7 @@ def main(argv: list[str]) -> int:
         short = KNNClassifier(**_protocol_kwargs(args, "knn")).bank_shortfall(len(train_ds))  # a sweep's held-out part
         if short is not None:
             raise ValueError(f"--k {' '.join(map(str, args.k))}: {short.replace('training examples', 'training images')}")
-    data_record = {"name": dataset_name(type(dm).__name__, class_path(type(dm))), "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
+    data_record = {"name": datamodule_name(dm), "test_size": len(test_ds), "train_size": len(train_ds), **{k: v for k, v in data_args.items() if k != "root"}}
     method = recorded or args.method or "unknown"
     check_out(args.out, create=True)
     if getattr(args, "export", None) is not None:

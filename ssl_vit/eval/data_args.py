@@ -36,6 +36,13 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def datamodule_name(datamodule: Any) -> str:
+    """A datamodule's name in result records: ``fashion_mnist`` (as ``ssl-vit eval --data`` names
+    it), or a datamodule of one's own by its import path, so that ``compare`` puts a recipe's
+    records beside those of ``ssl-vit eval``."""
+    return dataset_name(type(datamodule).__name__, class_path(type(datamodule)))
+
+
 def key_value(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")

@@ -247,6 +247,8 @@ class RecipeEvaluation:
         return subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed), int(num_classes)
 
     def _data_record(self, datamodule: L.LightningDataModule) -> dict[str, Any]:
+        from ssl_vit.eval.data_args import datamodule_name
+
         data = {"name": datamodule_name(datamodule), "subset": getattr(datamodule, "subset", None)}
         for key in ("train_dir", "val_dir"):  # an image folder's folders, as `ssl-vit eval --data-arg` records them
             if getattr(datamodule, key, None) is not None:
@@ -290,11 +292,3 @@ def _evaluator(protocol: str) -> Any:
     from ssl_vit.eval.run import FEATURE_PROTOCOLS
 
     return FEATURE_PROTOCOLS[protocol]
-
-
-def datamodule_name(datamodule: L.LightningDataModule) -> str:
-    """``FashionMNISTDataModule`` -> ``fashion_mnist``: the names ``ssl-vit eval --data`` uses, so
-    that ``compare`` puts a recipe's records beside those of ``ssl-vit eval``."""
-    from ssl_vit.eval.data_args import class_path, dataset_name
-
-    return dataset_name(type(datamodule).__name__, class_path(type(datamodule)))
