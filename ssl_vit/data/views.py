@@ -59,9 +59,11 @@ def _check_scale(name: str, scale: tuple[float, float]) -> None:
 
 
 class ViewRecipe:
-    """The augmentation chain of one view: random resized crop -> flip -> colour jitter ->
-    grayscale -> Gaussian blur -> solarise (DINO's order; MoCo v3 flips last, which gives the same
-    distribution since flipping commutes with the per-pixel and isotropic operations)."""
+    """The augmentation chain of one view: random resized crop -> flip -> (RandAugment) -> colour
+    jitter -> grayscale -> Gaussian blur -> solarise (DINO's order; MoCo v3 flips last, which gives
+    the same distribution since flipping commutes with the per-pixel and isotropic operations).
+    ``rand_augment``: ``(ops, magnitude)`` of torchvision's RandAugment after the flip, as DeiT /
+    MAE fine-tune (their timm transform's order), its geometric ops filling with mid-grey."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class ViewRecipe:
         blur_p: float = 0.0,
         blur_sigma: tuple[float, float] = _REF_SIGMA,
         solarize_p: float = 0.0,
+        rand_augment: tuple[int, int] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"crop size must be positive, got {size}")
@@ -88,6 +91,8 @@ class ViewRecipe:
         self.flip_p, self.jitter_p, self.jitter = flip_p, jitter_p, jitter
         self.grayscale_p, self.blur_p, self.blur_sigma = grayscale_p, blur_p, blur_sigma
         self.solarize_p = solarize_p
+        ops = None if rand_augment is None else check_rand_augment(rand_augment)
+        self.rand_augment = None if ops is None else RandAugment(num_ops=ops[0], magnitude=ops[1], fill=128)
 
     def __call__(self, img: Image.Image) -> tuple[Image.Image, bool]:
         box = random_resized_crop_box(img.width, img.height, self.scale)
@@ -96,6 +101,8 @@ class ViewRecipe:
         img = img.crop(box).resize((self.size, self.size), self.resample)
         if random.random() < self.flip_p:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if self.rand_augment is not None:  # (its draws come from torch's generator)
+            img = self.rand_augment(img)
         if self.jitter_p > 0 and random.random() < self.jitter_p:
             img = color_jitter(img, *self.jitter)
         if self.grayscale_p > 0 and img.mode == "RGB" and random.random() < self.grayscale_p:
@@ -198,10 +205,9 @@ class SingleView(ViewTransform):
         flip_p: probability of a horizontal flip.
         augment: False turns all augmentation off.
         interpolation: resampling filter of the crop resize.
-        rand_augment: ``(ops, magnitude)``: RandAugment (Cubuk et al. 2020; torchvision's, the
-            geometric ops filling with mid-grey) after the crop and flip, as DeiT / MAE fine-tune
-            (timm's ``rand-m9-mstd0.5-inc1``: 2 ops at magnitude 9 of 30, which timm also
-            jitters with std 0.5); None: off.
+        rand_augment: ``(ops, magnitude)``: RandAugment (Cubuk et al. 2020; :class:`ViewRecipe`)
+            after the crop and flip, as DeiT / MAE fine-tune (timm's ``rand-m9-mstd0.5-inc1``: 2
+            ops at magnitude 9 of 30, which timm also jitters with std 0.5); None: off.
     """
 
     def __init__(
@@ -222,25 +228,19 @@ class SingleView(ViewTransform):
         _check_scale("scale", scale)
         _check_prob("flip_p", flip_p)
         self.rand_augment = None if rand_augment is None else check_rand_augment(rand_augment)
-        ops = self.rand_augment
-        self._rand_augment = None if ops is None else RandAugment(num_ops=ops[0], magnitude=ops[1], fill=128)
 
     def with_img_size(self, img_size: int) -> SingleView:
         return self._resolved("size", img_size)  # type: ignore[return-value]
 
     def build_views(self) -> list[ViewRecipe]:
         size = self._require("SingleView.size", self.size)
-        return [ViewRecipe(size, self.scale, self.interpolation, self.flip_p)]
+        return [ViewRecipe(size, self.scale, self.interpolation, self.flip_p, rand_augment=self.rand_augment)]
 
     def __call__(self, image: ImageLike) -> list[torch.Tensor]:
-        if not self.augment:
-            size = self._require("SingleView.size", self.size)
-            return [EvalTransform(size, interpolation=self.interpolation)(image)]
-        if self._rand_augment is None:
+        if self.augment:
             return super().__call__(image)
-        (recipe,) = self.recipes()
-        view, solarize = recipe(to_pil(image))
-        return to_float_tensors([self._rand_augment(view)], [solarize])
+        size = self._require("SingleView.size", self.size)
+        return [EvalTransform(size, interpolation=self.interpolation)(image)]
 
 
 def check_rand_augment(value: tuple[int, int]) -> tuple[int, int]:

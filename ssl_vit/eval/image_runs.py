@@ -106,7 +106,7 @@ class FineTuneSettings:
         self.warmup_epochs = warmup_epochs
         self.mixup_alpha = mixup_alpha
         self.cutmix_alpha = cutmix_alpha
-        self.rand_augment = None if rand_augment is None else tuple(rand_augment)
+        self.rand_augment = rand_augment
         self.random_erasing = random_erasing
         self.augment = augment
         self.crop_scale = crop_scale
