@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from ssl_vit.training.progress import ProgressLog
+from ssl_vit.training.progress import CountProgress, ProgressLog
 
 
 @pytest.fixture
@@ -97,3 +97,54 @@ def test_the_interval_counts_from_the_start_of_training_and_a_line_is_due_at_exa
     # start at 0 (relative); batch ends at 30, 60 (line), 90, 120 (line); the end at 150
     assert [line.split(",")[0] for line in ours] == ["[ssl_vit] tiny: step 2/4 (50 %)", "[ssl_vit] tiny: step 4/4 (100 %)",
                                                       "[ssl_vit] tiny: step 4/4 (100 %)"]
+
+
+def test_counted_work_reports_its_items_share_and_time_left(printed):
+    now = [0.0]
+    progress = CountProgress("features (train)", total=1000, every_n_seconds=60, clock=lambda: now[0])
+    progress.start()
+    now[0] = 30.0
+    progress.update(100)  # before the first interval: nothing
+    assert printed == []
+    now[0] = 120.0
+    progress.update(150)  # 250 of 1000 in 2 min: 750 more take 6
+    assert printed == ["[ssl_vit] features (train): 250/1000 images (25 %), 2.0 min, about 6.0 min left"]
+    now[0] = 150.0
+    progress.update(250)  # 30 s after the last line: none
+    now[0] = 480.0
+    progress.update(500)
+    progress.finish()
+    assert printed[1:] == ["[ssl_vit] features (train): 1000/1000 images (100 %), 8.0 min",
+                           "[ssl_vit] features (train): 1000/1000 images (100 %), 8.0 min (done)"]
+    # an unknown total: the count and the time only
+    unknown = CountProgress("features", total=None, unit="batches", every_n_seconds=0, clock=lambda: 60.0)
+    unknown.start()
+    unknown.update(3)
+    assert printed[-1] == "[ssl_vit] features: 3 batches, 0.0 min"
+    with pytest.raises(ValueError, match="every_n_seconds must be >= 0"):
+        CountProgress("x", total=1, every_n_seconds=-1)
+
+
+def test_short_counted_work_prints_nothing_at_all(printed):
+    progress = CountProgress("features (test)", total=10, every_n_seconds=60, clock=lambda: 5.0)
+    progress.start()
+    progress.update(10)
+    progress.finish()
+    assert printed == []
+
+
+def test_the_feature_pass_of_an_evaluation_reports_each_split(printed):
+    from ssl_vit.backbones import create_backbone
+    from ssl_vit.eval.run import evaluate_features
+
+    g = torch.Generator().manual_seed(0)
+    train = torch.utils.data.TensorDataset(torch.randn(12, 1, 8, 8, generator=g), torch.arange(12) % 2)
+    test = torch.utils.data.TensorDataset(torch.randn(6, 1, 8, 8, generator=g), torch.arange(6) % 2)
+    backbone = create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2)
+    evaluate_features(backbone, train, test, {"knn": {"k": 2}}, method="random", data={"name": "toy"}, num_classes=2,
+                      batch_size=5, progress_every_n_seconds=0)
+    # every batch a line (interval 0), then the last again as done: 5 + 5 + 2 train images, 5 + 1 test
+    counts = [line.split(": ", 1)[1].split(" images")[0] for line in printed]
+    assert [line.split(":")[0] for line in printed] == ["[ssl_vit] features (train)"] * 4 + ["[ssl_vit] features (test)"] * 3
+    assert counts == ["5/12", "10/12", "12/12", "12/12", "5/6", "6/6", "6/6"]
+    assert printed[3].endswith("(done)") and printed[-1].endswith("(done)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.backbones import eval_mode, is_vit
 from ssl_vit.runtime import world_info
+
+if TYPE_CHECKING:
+    from ssl_vit.training.progress import CountProgress
 
 FeatureMode = Literal["cls", "last4", "avg", "cls_avg"]
 FEATURE_MODES: tuple[str, ...] = ("cls", "last4", "avg", "cls_avg")
@@ -118,6 +121,7 @@ def extract_features(
     autocast_dtype: torch.dtype | None = None,
     out_device: torch.device | str = "cpu",
     gather: Gather | None = None,
+    progress: CountProgress | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Features of a frozen backbone over a labelled dataset, in batches, in ``eval()`` mode.
 
@@ -135,6 +139,8 @@ def extract_features(
         gather: applied once to the collected features and labels so every process gets the
             whole set; with a ``DistributedSampler(shuffle=False)`` loader use
             ``gather_in_sampler_order(len(dataset))``, which also drops the sampler's padding.
+        progress: told of every batch's images, to print a line of progress now and then
+            (``ssl_vit.training.progress.CountProgress``); None: silent.
 
     Returns:
         features ``[N, F]`` float32 and labels ``[N]`` int64, in dataset order.
@@ -155,6 +161,8 @@ def extract_features(
     labels: list[Tensor] = []
     # Dropout / drop path off, BatchNorm (ResNet) on running statistics; each submodule's own
     # mode comes back after.
+    if progress is not None:
+        progress.start()
     with eval_mode(backbone):
         for batch in data:
             if not isinstance(batch, (tuple, list)) or len(batch) < 2:
@@ -164,6 +172,10 @@ def extract_features(
                 f = embed(backbone, x.to(device, non_blocking=True), mode, n_last_blocks)  # [B, F]
             feats.append(f.float().to(out_device))
             labels.append(torch.as_tensor(y).long().reshape(-1).to(out_device))
+            if progress is not None:
+                progress.update(len(labels[-1]))
+    if progress is not None:
+        progress.finish()
     if not feats:
         raise ValueError("extract_features got an empty dataset")
     features, targets = torch.cat(feats), torch.cat(labels)  # [N, F], [N]

@@ -22,6 +22,7 @@ from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.knn import KNNClassifier
 from ssl_vit.eval.linear import LinearProbe
 from ssl_vit.eval.results import EvalResult, backbone_info
+from ssl_vit.training.progress import CountProgress
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,13 @@ def evaluate_features(
     pretrain: dict[str, Any] | None = None,
     backbone_record: dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
+    progress_every_n_seconds: float = 60.0,
 ) -> list[EvalResult]:
     """Run the feature-based ``protocols`` (name -> constructor kwargs) on one backbone.
 
     Features of both splits are extracted once and shared by every protocol; ``precision``
-    (Lightning's names: ``32-true``, ``bf16-mixed``, ``16-mixed``) is that of the extraction.
+    (Lightning's names: ``32-true``, ``bf16-mixed``, ``16-mixed``) is that of the extraction, which
+    prints a line of progress every ``progress_every_n_seconds`` while it runs.
     """
     unknown = sorted(set(protocols) - set(FEATURE_PROTOCOLS))
     if unknown:
@@ -140,7 +143,9 @@ def evaluate_features(
               "autocast_dtype": autocast_dtype(precision)}
 
     def features_of(dataset: Dataset, split: str) -> tuple[Tensor, Tensor]:
-        feats, labels = extract_features(backbone, dataset, **common)
+        # A line a minute while it runs (an hour over ImageNet on a small GPU); silent when short.
+        progress = CountProgress(f"features ({split})", total=len(dataset), every_n_seconds=progress_every_n_seconds)
+        feats, labels = extract_features(backbone, dataset, progress=progress, **common)
         check_finite(feats, split)
         return drop_unlabelled(feats, labels, split)
 
