@@ -351,6 +351,20 @@ def test_backbones_of_one_free_shape_name_and_other_sizes_are_rows_compared_with
     assert EvalResult("x", {"name": "vit", "kwargs": {"mlp_ratio": 2.0}}, DATA, "knn", {}).backbone_label == "vit-M2"
 
 
+def test_a_baseline_of_another_backbone_only_adds_no_delta_column():
+    # The random init of a ViT-Ti beside a DINO ViT-S: no row has that baseline on its backbone,
+    # so no "Δ rand" column (the random row alone would fill it with +0.00 against itself).
+    tiny, small = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}, {"name": "vit_small", "kwargs": {"patch_size": 4}}
+    records = [EvalResult("random", tiny, DATA, "fewshot", {"5shot": 0.4}, source="random"),
+               EvalResult("dino", small, DATA, "fewshot", {"5shot": 0.6}, source="dino.ckpt")]
+    assert build_comparison(records).columns == [("fewshot", "5shot")]
+    # with the random init of the ViT-S too, the column is there, the random rows' cells their own 0
+    cmp = build_comparison([*records, EvalResult("random", small, DATA, "fewshot", {"5shot": 0.5}, source="random")])
+    assert cmp.columns == [("fewshot", "5shot"), ("fewshot", "Δ rand")]
+    assert cmp.get(("dino", "vit_small/4", "fashion_mnist"), "fewshot", "Δ rand") == pytest.approx(0.1)
+    assert cmp.get(("random", "vit_small/4", "fashion_mnist"), "fewshot", "Δ rand") == pytest.approx(0.0)
+
+
 def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_legend_per_family(tmp_path, monkeypatch):
     """Supervised runs of a ViT, a ResNet and a hybrid (the ViT paper's Figure 5 setting): no
     Δ sup column (each row would be compared with itself: all zeros), one point per run in both

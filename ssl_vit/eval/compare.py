@@ -214,7 +214,9 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
             for row, r in sorted(here.items(), key=lambda item: item[1].created):
                 if row[0] == base:
                     refs[(r.comparable_label, row[2])] = r
-            if not refs or all(row[0] == base for row in here):  # (a baseline against itself: all zeros)
+            # No column where no other row has that baseline on its backbone (a baseline against
+            # itself: all zeros).
+            if not any(row[0] != base and (r.comparable_label, row[2]) in refs for row, r in here.items()):
                 continue
             columns.append((protocol, col))
             for row, r in here.items():
