@@ -148,3 +148,20 @@ def test_the_feature_pass_of_an_evaluation_reports_each_split(printed):
     assert [line.split(":")[0] for line in printed] == ["[ssl_vit] features (train)"] * 4 + ["[ssl_vit] features (test)"] * 3
     assert counts == ["5/12", "10/12", "12/12", "12/12", "5/6", "6/6", "6/6"]
     assert printed[3].endswith("(done)") and printed[-1].endswith("(done)")
+
+
+def test_the_linear_probe_reports_its_epochs_and_a_sweep_its_heads(printed):
+    from ssl_vit.eval.linear import LinearProbe
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 8, generator=g), torch.arange(40) % 2
+    LinearProbe(epochs=3, batch_size=8, base_lr=0.1, warmup_epochs=0, progress_every_n_seconds=0).fit(x, y, 2)
+    assert [line.split(", ")[0] for line in printed] == [f"[ssl_vit] linear probe: {e}/3 epochs ({p} %)" for e, p in ((1, 33), (2, 67), (3, 100), (3, 100))]
+    assert printed[-1].endswith("(done)")
+    printed.clear()
+    LinearProbe(epochs=2, batch_size=8, base_lr=[0.1, 1.0], warmup_epochs=0, progress_every_n_seconds=0).evaluate(x, y, x, y, 2)
+    # the sweep's two heads on the training part, then the one picked on all of it
+    assert [line.split(": ")[0] for line in printed] == ["[ssl_vit] linear probe, 2 LRs"] * 3 + ["[ssl_vit] linear probe"] * 3
+    printed.clear()
+    LinearProbe(epochs=2, batch_size=8, base_lr=0.1, warmup_epochs=0).fit(x, y, 2)  # a minute between lines: a short run prints none
+    assert printed == []

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ssl_vit.eval.metrics import topk_accuracy
 from ssl_vit.heads import LinearProbeHead
+from ssl_vit.training.progress import CountProgress
 
 
 class LARS(torch.optim.Optimizer):
@@ -123,6 +124,8 @@ class LinearProbe:
         warmup_epochs: linear warm-up before the per-step cosine decay to 0.
         seed: head initialisation and batch order; the same seed gives the same head.
         device: where to train (default: where the features are).
+        progress_every_n_seconds: a line of progress this often while the heads train (a
+            probe over ImageNet's features can take an hour on a CPU); short runs print none.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class LinearProbe:
         seed: int = 0,
         device: torch.device | str | None = None,
         select_fraction: float = 0.1,
+        progress_every_n_seconds: float = 60.0,
     ) -> None:
         given = list(base_lr) if isinstance(base_lr, Sequence) else [base_lr]
         if not given or len(set(given)) != len(given):
@@ -159,6 +163,7 @@ class LinearProbe:
         self.warmup_epochs = warmup_epochs
         self.seed = seed
         self.device = device
+        self.progress_every_n_seconds = progress_every_n_seconds
 
     def fit(self, features: Tensor, labels: Tensor, num_classes: int) -> LinearProbeHead:
         """Train a ``LinearProbeHead`` on pre-extracted features ``[N, F]`` at ``base_lr``.
@@ -196,6 +201,9 @@ class LinearProbe:
         gen = torch.Generator().manual_seed(self.seed)
         for head in heads:
             head.train()
+        what = f"linear probe, {len(heads)} LRs" if len(heads) > 1 else "linear probe"
+        progress = CountProgress(what, total=self.epochs, unit="epochs", every_n_seconds=self.progress_every_n_seconds)
+        progress.start()
         for _ in range(self.epochs):
             perm = torch.randperm(n, generator=gen).to(device)
             for i in range(steps_per_epoch):
@@ -206,6 +214,8 @@ class LinearProbe:
                 loss.backward()
                 opt.step()
                 sched.step()
+            progress.update(1)
+        progress.finish()
         return [head.eval() for head in heads]
 
     def select_base_lr(self, features: Tensor, labels: Tensor, num_classes: int) -> tuple[float, dict[float, float]]:
