@@ -283,6 +283,46 @@ def test_16_bit_grey_images_are_scaled_to_8_bits_not_clipped():
     np.testing.assert_array_equal(np.asarray(grey), (ramp >> 8).astype(np.uint8))  # not 255 above 255
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "PPM", "TIFF"])
+def test_16_bit_image_files_are_scaled_to_8_bits_in_every_mode_pillow_opens_them_in(fmt, tmp_path):
+    # Pillow opens a 16-bit PNG / TIFF as "I;16" and a 16-bit PGM as "I": both scaled, neither clipped
+    ramp = (np.arange(1024, dtype=np.uint32).reshape(32, 32) * 60).astype(np.uint16)  # 0 .. 61380
+    path = tmp_path / f"ramp.{fmt.lower()}"
+    Image.fromarray(ramp).save(path, fmt)
+    with Image.open(path) as opened:
+        grey = to_pil(opened)
+    assert grey.mode == "L"
+    np.testing.assert_array_equal(np.asarray(grey), (ramp >> 8).astype(np.uint8))
+    assert to_pil(Image.new("LA", (4, 4))).mode == "L"  # grey with alpha stays grey
+
+
+def test_crop_scales_jitter_rate_and_local_crop_sizes_are_checked_and_kept():
+    for bad in ((0.0, 1.0), (0.5, 1.5)):
+        with pytest.raises(ValueError, match="0 < min <= max <= 1"):
+            SingleView(scale=bad)
+    with pytest.raises(ValueError, match="must not exceed"):
+        MultiCrop(global_size=16, local_size=24).build_views()
+    # DINO's 96/224 of the global size, to the nearest multiple of 4 (64 px: 27.4 -> 28, 128 px: 54.9 -> 56)
+    assert [MultiCrop(global_size=g).resolved_local_size for g in (64, 128, 16)] == [28, 56, 8]
+    # colour jitter applied with the references' p = 0.8: counted over many views
+    import ssl_vit.data.views as views_module
+
+    calls = []
+    original = views_module.color_jitter
+    views_module.color_jitter = lambda img, *args: calls.append(1) or original(img, *args)
+    try:
+        random.seed(0)
+        recipe = TwoViews(size=8).recipes()[0]
+        for _ in range(2000):
+            recipe(_rgb_image(8))
+    finally:
+        views_module.color_jitter = original
+    assert len(calls) / 2000 == pytest.approx(0.8, abs=0.03)
+    # MoCo v3's crops resize bilinearly (torchvision's default), DINO's bicubically
+    assert TwoViews(size=8).recipes()[0].resample == Image.Resampling.BILINEAR
+    assert MultiCrop(global_size=8, local_size=8).recipes()[0].resample == Image.Resampling.BICUBIC
+
+
 def test_a_view_transform_of_ones_own_as_its_docstring_writes_it():
     from ssl_vit.data import ViewRecipe, ViewTransform
 

@@ -44,17 +44,21 @@ def to_pil(image: ImageLike) -> Image.Image:
     """Return an 8-bit "L" or "RGB" PIL image.
 
     Accepts a PIL image of any mode, a uint8 tensor ``[C, H, W]`` or ``[H, W]`` (C in {1, 3}),
-    or a uint8 numpy array ``[H, W]`` / ``[H, W, C]``.
+    or a uint8 numpy array ``[H, W]`` / ``[H, W, C]``.  16-bit grey images (modes ``I;16*`` and ``I``) are
+    scaled to 8 bits, not clipped.
     """
     if isinstance(image, Image.Image):
         if image.mode in ("L", "RGB"):
             return image
-        if image.mode.startswith("I;16"):
+        if image.mode == "I" or image.mode.startswith("I;16"):
             # 16-bit grey: scaled to 8 bits (PIL's convert("L") clips every value above 255).
-            array = np.asarray(image, dtype=np.uint16)
+            # Pillow opens 16-bit PNG and TIFF files as "I;16", 16-bit PGM / PPM files as "I"
+            # (32-bit integers holding 16-bit values); "I" is read as 16-bit too.
+            array = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
             return Image.fromarray((array >> 8).astype(np.uint8), mode="L")
-        # Modes without colour become grey, everything else (P, RGBA, CMYK, YCbCr, ...) RGB.
-        grey = image.mode in ("1", "I", "F", "LA", "La")
+        # Modes without colour become grey ("F": values taken on the 0-255 scale), everything
+        # else (P, RGBA, CMYK, YCbCr, ...) RGB.
+        grey = image.mode in ("1", "F", "LA", "La")
         return image.convert("L" if grey else "RGB")
     if isinstance(image, torch.Tensor):
         if image.dtype != torch.uint8:
