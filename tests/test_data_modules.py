@@ -384,3 +384,93 @@ def test_datamodule_is_configurable_by_class_path():
     dm = parser.instantiate(cfg).data
     assert isinstance(dm.views, MultiCrop) and dm.views.n_local == 10 and dm.views.global_size == 28
     assert dm.batch_size == 16 and dm.img_size == 28
+
+
+# -- what each datamodule reads, pinned -------------------------------------------------------
+
+
+class _FakeSTL10:
+    """torchvision's STL10 on its splits: data ``[N, 3, H, W]`` uint8 (H != W, so a transposed
+    read shows), labels -1 on 'unlabeled'; every split asked for is recorded."""
+
+    asked: list[str] = []
+    sizes = {"train": 4, "test": 3, "unlabeled": 5}
+
+    def __init__(self, root, split, download=False, **kwargs):
+        type(self).asked.append(split)
+        parts = split.split("+")
+        n = sum(self.sizes[p] for p in parts)
+        self.data = np.arange(n * 3 * 6 * 4, dtype=np.int64).reshape(n, 3, 6, 4).astype(np.uint8)
+        self.labels = np.concatenate([np.full(self.sizes[p], -1) if p == "unlabeled" else np.arange(self.sizes[p]) % 2 for p in parts])
+        self.classes = ["a", "b"]
+
+
+def test_stl10_reads_its_splits_channels_last_and_evaluates_on_labelled_images(monkeypatch):
+    import torchvision.datasets
+
+    monkeypatch.setattr(torchvision.datasets, "STL10", _FakeSTL10)
+    _FakeSTL10.asked = []
+    dm = STL10DataModule(train_split="train+unlabeled", download=False, num_workers=0, img_size=4)
+    test = dm._load_split(False)
+    assert _FakeSTL10.asked == ["test"] and len(test.labels) == 3
+    raw = _FakeSTL10("", "test").data
+    assert tuple(test.images.shape) == (3, 6, 4, 3)
+    assert torch.equal(test.images, torch.from_numpy(raw).permute(0, 2, 3, 1))  # images[n, h, w, c] = data[n, c, h, w]
+    dm.setup()
+    assert dm.unlabelled_train_images == 5
+    train_eval, _ = dm.eval_datasets()
+    assert len(train_eval) == 4 and all(train_eval[i][1] >= 0 for i in range(4))  # the labelled 'train' split only
+    labelled = STL10DataModule(train_split="train", download=False, num_workers=0, img_size=4)
+    labelled.setup()
+    assert labelled.unlabelled_train_images == 0  # label 0 is a label
+
+
+def test_fashion_mnist_without_download_never_downloads_and_finds_plain_idx_files(tmp_path, monkeypatch):
+    import gzip
+
+    import torchvision.datasets
+
+    called = []
+    monkeypatch.setattr(torchvision.datasets, "FashionMNIST", lambda *a, **k: called.append(a))
+    with pytest.raises(FileNotFoundError, match=r"\(download=False\)"):
+        FashionMNISTDataModule(root=str(tmp_path / "none"), download=False, num_workers=0).prepare_data()
+    assert called == []
+    # the four files uncompressed, as some mirrors ship them
+    write_fake_fashion_mnist(tmp_path / "gz")
+    for path in (tmp_path / "gz").iterdir():
+        (tmp_path / "plain").mkdir(exist_ok=True)
+        (tmp_path / "plain" / path.name.removesuffix(".gz")).write_bytes(gzip.decompress(path.read_bytes()))
+    plain = FashionMNISTDataModule(root=str(tmp_path / "plain"), download=False, num_workers=0)
+    zipped = FashionMNISTDataModule(root=str(tmp_path / "gz"), download=False, num_workers=0)
+    assert torch.equal(plain._load_split(True).images, zipped._load_split(True).images)
+    assert called == []
+
+
+def test_image_folder_splits_must_agree_on_labels(tmp_path):
+    _write_pngs(tmp_path / "classes" / "a", [10, 20])
+    _write_pngs(tmp_path / "classes" / "b", [30])
+    _write_pngs(tmp_path / "flat", [40, 50])
+    # a flat training folder has no classes, so a validation folder gives no labelled test split
+    assert not ImageFolderDataModule(str(tmp_path / "flat"), val_dir=str(tmp_path / "classes"), num_workers=0).has_labelled_test_split()
+    with pytest.raises(ValueError, match="has class folders but .*flat does not"):
+        ImageFolderDataModule(str(tmp_path / "classes"), val_dir=str(tmp_path / "flat"), img_size=16, num_workers=0).setup()
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        ImageFolderDataModule(str(tmp_path / "flat" / "img0.png"), num_workers=0).setup()
+
+
+def test_synthetic_splits_differ_and_labels_are_shuffled_and_balanced():
+    from ssl_vit.data.synthetic import make_synthetic_images
+
+    dm = _synthetic(num_samples=16, num_test_samples=16)
+    train, test = dm._load_split(True), dm._load_split(False)
+    assert not torch.equal(train.images, test.images)  # another stream of the seed: no leak
+    _, labels = make_synthetic_images(60, 8, 1, 6, seed=0)
+    assert not torch.equal(labels, torch.arange(60) % 6)
+    assert torch.bincount(labels).tolist() == [10] * 6
+    # class k's stripes: 2 + k % 3 cycles per image, at angle pi k / K (near vertical for K = 30)
+    images, labels = make_synthetic_images(90, 64, 1, 30, seed=0)
+    peaks = []
+    for k in (0, 1, 2):
+        profile = images[labels == k].double().mean(dim=(0, 1))  # [64]: the classes' mean row
+        peaks.append(int(torch.fft.rfft(profile - profile.mean()).abs().argmax()))
+    assert peaks == [2, 3, 4]

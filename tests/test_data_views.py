@@ -66,6 +66,9 @@ def test_idx_reader_rejects_bad_files(tmp_path):
     (tmp_path / "bad_magic").write_bytes(b"\x12\x34" + good[2:])
     with pytest.raises(ValueError, match="magic"):
         read_idx(tmp_path / "bad_magic")
+    (tmp_path / "no_dims").write_bytes(b"\x00\x00\x08\x00\x05")  # zero dimensions: no IDX file either
+    with pytest.raises(ValueError, match="magic"):
+        read_idx(tmp_path / "no_dims")
     (tmp_path / "truncated").write_bytes(good[:-4])
     with pytest.raises(ValueError, match="truncated"):
         read_idx(tmp_path / "truncated")
