@@ -161,6 +161,17 @@ def test_streamed_distance_truncates_chunks_and_restores_mode() -> None:
     assert model.training
 
 
+def test_compute_all_streams_the_distance_in_its_chunks() -> None:
+    from ssl_vit.analysis.render import compute_all
+
+    vit = tiny_vit()
+    seen: list[int] = []
+    maps = vit.get_attention_maps
+    vit.get_attention_maps = lambda x: seen.append(x.shape[0]) or maps(x)
+    compute_all(vit, torch.randn(5, 3, 16, 16), figures=["attention_distance"], chunk_size=2)
+    assert seen == [2, 2, 1]
+
+
 def test_streamed_distance_on_a_real_vit_matches_one_batch() -> None:
     vit = tiny_vit()
     x = torch.randn(5, 3, 16, 16)
@@ -313,6 +324,9 @@ def test_pca_variances_match_the_covariance_eigenvalues() -> None:
     np.testing.assert_allclose(pca.explained_variance.numpy(), eig, rtol=1e-4)
     flat = pca.components.reshape(9, 9)
     torch.testing.assert_close(flat @ flat.T, torch.eye(9), atol=1e-5, rtol=0)
+    # 4 filters span 3 directions once centred: a 4th component would be noise of no variance
+    few = embedding_filters(torch.randn(4, 1, 3, 3), k=28)
+    assert few.components.shape == (3, 1, 3, 3) and bool((few.explained_variance > 1e-3).all())
 
 
 def test_filter_weight_picks_e_or_the_resnet_stem() -> None:
@@ -395,6 +409,21 @@ def test_denormalize_undoes_normalisation() -> None:
     torch.testing.assert_close(denormalize(normed, mean, std), x)
     scaled = denormalize(normed)
     assert scaled.amin().item() == pytest.approx(0.0) and scaled.amax().item() == pytest.approx(1.0)
+    # without the statistics, each image is scaled by its own range
+    two = denormalize(torch.stack([torch.linspace(0, 1, 16).view(1, 4, 4), torch.linspace(5, 6, 16).view(1, 4, 4)]))
+    assert two.amin(dim=(1, 2, 3)).tolist() == [0.0, 0.0] and two.amax(dim=(1, 2, 3)).tolist() == [1.0, 1.0]
+
+
+def test_the_images_of_a_batch_and_their_token_grid() -> None:
+    from ssl_vit.analysis.inputs import batch_images, image_grid
+
+    x = torch.zeros(2, 3, 16, 16)
+    assert batch_images({"label": torch.zeros(2), "image": x}) is x  # labels are no images
+    assert batch_images((torch.zeros(2), [x, torch.ones(2, 3, 8, 8)])) is x
+    assert image_grid(tiny_vit(), torch.zeros(1, 3, 16, 8)) == (4, 2)
+    for shape in ((1, 3, 16, 18), (1, 3, 18, 16)):
+        with pytest.raises(ValueError, match="not divisible by the backbone's patch size 4"):
+            image_grid(tiny_vit(), torch.zeros(shape))
 
 
 # ------------------------------------------------------------------------------ render_all

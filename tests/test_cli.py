@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -289,6 +290,22 @@ def test_visualize_writes_every_figure(tmp_path):
     assert {"filters.png", "pos_embed.png", "attention_distance.png", "attention_distance.csv", "attention_rollout.png", "attention_dino.png"} <= names
     rows = (tmp_path / "attention_distance.csv").read_text().splitlines()
     assert rows[0].startswith("layer,head") and len(rows) == 1 + 2 * 2  # depth 2 x 2 heads
+
+
+def test_visualize_hands_its_options_to_the_figures(tmp_path, monkeypatch):
+    # --show images drawn (the pool holds at least that many), --num-images averaged for the
+    # distance, the dataset's normalisation undone for display
+    import ssl_vit.analysis.render as render
+
+    calls = []
+    monkeypatch.setattr(render, "render_all", lambda backbone, shown, out, **kw: calls.append((shown, kw)) or SimpleNamespace(paths={}))
+    for num_images, show in ((3, 5), (6, 2)):
+        assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "synthetic", "--data-arg", "num_test_samples=16",
+                         "--out", str(tmp_path / f"{num_images}_{show}"), "--num-images", str(num_images), "--show", str(show)]) == 0
+        shown, kw = calls[-1]
+        assert shown.shape[0] == show and kw["max_images"] == show
+        assert kw["num_distance_images"] == num_images and len(kw["distance_images"].dataset) == max(num_images, show)
+        assert (tuple(kw["mean"]), tuple(kw["std"])) == ((0.5,) * 3, (0.25,) * 3)
 
 
 def test_visualize_draws_what_applies_to_a_resnet(tmp_path, capsys):

@@ -111,3 +111,21 @@ def test_a_backbone_with_broken_weights_is_an_error_not_a_score(data):
     images = TensorDataset(*data)
     with pytest.raises(ValueError, match=r"non-finite \(NaN/Inf\) features for 11 of 11 train images"):
         evaluate_features(broken, images, images, {"knn": {"k": 3}}, method="dino", data={"name": "synthetic"}, num_classes=3, batch_size=8)
+
+
+def test_gathered_shares_come_back_in_dataset_order_without_the_padding(monkeypatch):
+    # DistributedSampler(shuffle=False) on 5 items over 2 processes: process 0 reads 0, 2, 4 and
+    # process 1 reads 1, 3 and item 0 again as padding; the gather interleaves and cuts it off
+    import ssl_vit.eval.features as features
+
+    monkeypatch.setattr(features, "world_info", lambda: (0, 2))
+    monkeypatch.setattr(features.dist, "get_backend", lambda: "gloo")
+
+    def all_gather(shares, local):
+        shares[0].copy_(torch.tensor([0, 2, 4]))
+        shares[1].copy_(torch.tensor([1, 3, 0]))
+
+    monkeypatch.setattr(features.dist, "all_gather", all_gather)
+    assert features.gather_in_sampler_order(5)(torch.tensor([0, 2, 4])).tolist() == [0, 1, 2, 3, 4]
+    monkeypatch.setattr(features, "world_info", lambda: (0, 1))
+    assert features.gather_in_sampler_order(3)(torch.arange(5)).tolist() == [0, 1, 2]  # one process: the first num_samples

@@ -185,3 +185,11 @@ def test_a_k_sweep_scores_its_held_out_part_against_the_rest_only():
         want[str(k)] = (votes.argmax(1) == y[val]).float().mean().item()
     assert knn.record_args["select_top1"] == pytest.approx(want)
     assert want["1"] < 1.0
+
+
+def test_a_k_sweep_holds_out_one_example_at_least():
+    # 10 % of 4 rounds to 0; one is held out all the same, so k = 4 no longer fits the 3 left
+    knn = KNNClassifier(k=(1, 4), select_fraction=0.1)
+    assert knn.bank_shortfall(4) == ("k=4 neighbours, but the k sweep holds out 1 of the 4 training examples "
+                                     "(select_fraction 0.1) and leaves 3 to vote")
+    assert KNNClassifier(k=(1, 3), select_fraction=0.1).bank_shortfall(4) is None

@@ -152,3 +152,29 @@ def test_a_run_dir_of_another_run_or_probe_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^--run-dir .*probe is a linear probe run of another backbone or setting: 3 weights of other shapes "
                                          r"\(e.g. head.norm.running_mean: \[32\] there, \[64\] here\); resume it"):
         run_linear_augmented(tiny_vit(), _data(), _data(12), run_dir=tmp_path / "probe", features="cls_avg", **common)
+
+
+@pytest.mark.parametrize("protocol", ["linear_aug", "finetune"])
+def test_the_lr_scales_with_the_global_batch_of_every_process(protocol, monkeypatch):
+    # MAE's rule: lr = base_lr x (batch per process x processes) / 256; here 2 processes of 32
+    import ssl_vit.eval.finetune as finetune
+    import ssl_vit.eval.linear_augmented as linear_augmented
+
+    module = {"linear_aug": linear_augmented, "finetune": finetune}[protocol]
+    run = {"linear_aug": linear_augmented.run_linear_augmented, "finetune": finetune.run_finetune}[protocol]
+    built = []
+    monkeypatch.setattr(module, "train_and_test", lambda make_module, *a, **k: built.append(make_module(10, 5, 2)) or {})
+    backbone = create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2)
+    run(backbone, None, None, 3, epochs=2, batch_size=32, base_lr=0.1)
+    assert built[0].lr == pytest.approx(0.1 * 64 / 256)
+
+
+def test_the_frozen_backbone_runs_without_building_a_graph():
+    # one backbone pass per image, kept out of autograd (no activations held for a backward)
+    from ssl_vit.eval.linear_augmented import AugmentedLinearProbe
+
+    backbone = create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2)
+    grad_on = []
+    backbone.register_forward_hook(lambda module, args, out: grad_on.append(torch.is_grad_enabled()))
+    logits = AugmentedLinearProbe(backbone, 3)(torch.randn(2, 1, 8, 8))
+    assert grad_on == [False] and logits.requires_grad  # the head still learns

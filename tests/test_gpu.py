@@ -217,3 +217,15 @@ def test_sharded_clipping_of_a_skipped_step_reduces_on_the_gpu_for_nccl() -> Non
     finally:
         if group is dist.group.WORLD:
             dist.destroy_process_group()
+
+
+def test_sweeps_take_features_on_the_gpu_with_labels_on_the_cpu() -> None:
+    # the single-setting paths accept that mix; the sweeps index the labels with a permutation
+    # made on the features' device
+    from ssl_vit.eval.knn import KNNClassifier
+    from ssl_vit.eval.linear import LinearProbe
+
+    g = torch.Generator().manual_seed(0)
+    feats, labels = torch.randn(40, 8, generator=g).cuda(), torch.arange(40) % 2
+    assert KNNClassifier(k=(1, 3)).select_k(feats, labels, 2)[0] in (1, 3)
+    assert LinearProbe(epochs=1, batch_size=8, base_lr=[0.1, 1.0], warmup_epochs=0).select_base_lr(feats, labels, 2)[0] in (0.1, 1.0)

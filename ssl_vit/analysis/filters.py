@@ -67,12 +67,12 @@ def embedding_filters(weight: Tensor, k: int = PAPER_NUM_FILTERS, source: str = 
 
     Args:
         weight: ``[D, C, P, P]`` (a conv weight; each of the D rows is one filter).
-        k: how many components (the paper shows 28). Capped at the rank bound min(D, C·P·P),
-            beyond which components carry no variance.
+        k: how many components (the paper shows 28). Capped at the rank of the centred rows,
+            at most min(D - 1, C·P·P): components beyond it carry no variance.
         source: a description carried into the result.
 
     Returns:
-        A :class:`FilterPCA` with ``components`` ``[k', C, P, P]`` (``k' = min(k, D, C·P·P)``).
+        A :class:`FilterPCA` with ``components`` ``[k', C, P, P]`` (``k' = min(k, D - 1, C·P·P)``).
     """
     if weight.ndim != 4:
         raise ValueError(f"expected a conv weight [D, C, P, P], got shape {tuple(weight.shape)}")
@@ -85,7 +85,7 @@ def embedding_filters(weight: Tensor, k: int = PAPER_NUM_FILTERS, source: str = 
     rows = rows - rows.mean(dim=0, keepdim=True)  # PCA centres the rows first
     # Rows of Vh are the principal directions, singular values sorted descending.
     _, s, vh = torch.linalg.svd(rows, full_matrices=False)  # s [r], vh [r, C·P·P]
-    k = min(k, s.numel())
+    k = min(k, s.numel(), d - 1)  # centring takes a dimension: D rows span D - 1 at most
     comps = vh[:k]  # [k, C·P·P]
     # Deterministic sign: the largest-magnitude entry of each component is positive.
     pivot = comps.gather(1, comps.abs().argmax(dim=1, keepdim=True))  # [k, 1]

@@ -158,6 +158,7 @@ class KNNClassifier:
         short = self.bank_shortfall(n)
         if short is not None:
             raise ValueError(short)
+        labels = labels.to(features.device)  # (indexed by the permutation, on the features' device)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).to(features.device)
         val, fit = perm[: self._held_out(n)], perm[self._held_out(n) :]
         votes = self.votes(features[fit], labels[fit], features[val], num_classes)

@@ -225,6 +225,7 @@ class LinearProbe:
         held = max(1, round(self.select_fraction * n))
         if n - held < 2:
             raise ValueError(f"an LR sweep holds out {held} of {n} training examples and needs 2 more to train on")
+        labels = labels.to(features.device)  # (indexed by the permutation, on the features' device)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).to(features.device)
         val, fit = perm[:held], perm[held:]
         heads = self.fit_heads(features[fit], labels[fit], num_classes, self.base_lrs)
