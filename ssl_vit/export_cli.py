@@ -34,6 +34,8 @@ def _earlier_export(out: str) -> str | None:
         info = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))["ssl_vit"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if not isinstance(info, dict):  # a config.json of something else
+        return None
     what = " ".join(str(x) for x in (info.get("method"), info.get("backbone")) if x) or "a backbone"
     return f"{what} from {info.get('source', 'an unrecorded source')}"
 

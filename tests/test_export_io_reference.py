@@ -363,7 +363,8 @@ def test_check_parity_refuses_nan_outputs_and_another_shape():
 
 def test_a_non_square_export_records_and_traces_its_own_height_and_width(tmp_path):
     # Reference: the eager backbone on an image [B, 1, 16, 24]; the traced copy refuses any other
-    # size (traced.py _SizeChecked), also one with the right height and another width.
+    # size (traced.py _SizeChecked), also one with the right height and another width, or the
+    # right width and another height.
     vit = _vit(0, img_size=[16, 24])
     out = save_backbone(vit, tmp_path / "exp", formats=["torchscript"]).out_dir
     cfg = _config(out)  # timm's input_size is (C, H, W)
@@ -372,7 +373,7 @@ def test_a_non_square_export_records_and_traces_its_own_height_and_width(tmp_pat
     x = _x(1, 16, 24, b=2)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x), vit(x), atol=1e-5, rtol=0)
-        for bad in (_x(1, 16, 28, b=2), _x(1, 24, 16, b=2)):
+        for bad in (_x(1, 16, 28, b=2), _x(1, 24, 16, b=2), _x(1, 20, 24, b=2)):
             with pytest.raises(torch.jit.Error, match=r"takes images \[batch, 1, 16, 24\]"):
                 scripted(bad)
 
@@ -746,3 +747,115 @@ def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
         config = json.loads((out / "config.json").read_text())
         assert "architecture" not in config and config["ssl_vit"]["weights_format"] == "ssl_vit"
         torch.testing.assert_close(load_backbone(out)(_x()), model(_x()), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------ mended from a mutation round
+
+
+def test_a_bad_head_is_refused_before_an_earlier_export_is_touched_and_one_without_bias_stores_zeros(tmp_path):
+    # Reference: timm's ViT classifier has a bias; a Linear without one is that classifier at bias 0.
+    vit = _vit(3)
+    out = save_backbone(vit, tmp_path / "exp").out_dir
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match="the head takes 33 features; the backbone gives 32"):
+        save_backbone(vit, out, head=torch.nn.Linear(TINY_VIT["embed_dim"] + 1, 5))
+    assert sorted(p.name for p in out.iterdir()) == before and load_backbone(out) is not None
+    head = torch.nn.Linear(TINY_VIT["embed_dim"], 5, bias=False)
+    save_backbone(vit, tmp_path / "nobias", head=head)
+    ref = timm.create_model(f"local-dir:{tmp_path / 'nobias'}", pretrained=True).eval()
+    x = _x()
+    with torch.no_grad():
+        torch.testing.assert_close(ref(x), head(vit(x)))
+
+
+def test_results_given_explicitly_in_a_hidden_folder_are_recorded(tmp_path):
+    # The hidden-file rule is for what a folder scan finds below the folder (.ipynb_checkpoints),
+    # not for a file or folder the user names.
+    (tmp_path / ".eval" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / ".eval" / "linear.json").write_text(json.dumps({"metrics": {"top1": 0.5}}))
+    (tmp_path / ".eval" / ".ipynb_checkpoints" / "linear.json").write_text(json.dumps({"metrics": {"top1": 0.4}}))
+    for given in (tmp_path / ".eval" / "linear.json", tmp_path / ".eval"):
+        results = save_backbone(_vit(0), tmp_path / "exp", results=[given]).config["ssl_vit"]["results"]
+        assert [r["metrics"]["top1"] for r in results] == [0.5], given
+
+
+def test_the_strict_loader_names_missing_and_unexpected_keys_and_takes_old_batchnorm_files(tmp_path):
+    sd = _vit(0).state_dict()
+    missing = {k: v for k, v in sd.items() if k != "blocks.1.mlp.fc2.weight"}
+    torch.save(missing, tmp_path / "missing.pt")
+    with pytest.raises(ValueError, match="missing blocks.1.mlp.fc2.weight"):
+        load_backbone(tmp_path / "missing.pt", backbone="vit", backbone_kwargs=TINY_VIT)
+    deeper = _vit(0, depth=3).state_dict()
+    torch.save(deeper, tmp_path / "deeper.pt")
+    with pytest.raises(ValueError, match=r"unexpected blocks\.2\."):
+        load_backbone(tmp_path / "deeper.pt", backbone="vit", backbone_kwargs=TINY_VIT)
+    torch.save({"epoch": 3}, tmp_path / "empty.pt")
+    with pytest.raises(ValueError, match="a dict without any weights"):
+        load_backbone(tmp_path / "empty.pt", backbone="vit", backbone_kwargs=TINY_VIT)
+    # Reference: torchvision's resnet18 state dict as written before BatchNorm counted its batches
+    kwargs = {"in_chans": 3, "small_input": False}
+    old = {k: v for k, v in torchvision.models.resnet18().state_dict().items() if not k.endswith("num_batches_tracked") and not k.startswith("fc.")}
+    torch.save(old, tmp_path / "old_resnet.pt")
+    model = load_backbone(tmp_path / "old_resnet.pt", backbone="resnet18", backbone_kwargs=kwargs)
+    assert torch.equal(model.state_dict()["conv1.weight"], old["conv1.weight"])
+
+
+def test_an_official_dino_file_of_the_teacher_alone_and_an_older_dino_checkpoint_give_the_teacher(tmp_path):
+    teacher, student = _vit(1), _vit(2)
+    picked = filter_foreign_state_dict({"teacher": {f"backbone.{k}": v for k, v in teacher.state_dict().items()}}, _vit(), which="teacher")
+    assert all(torch.equal(picked[k], v) for k, v in teacher.state_dict().items())
+    # a DINO checkpoint whose record predates default_encoder: DINO's default is its teacher (§3.1)
+    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    state = {**{f"backbone.{k}": v for k, v in student.state_dict().items()}, **{f"teacher_backbone.{k}": v for k, v in teacher.state_dict().items()}}
+    torch.save({"pytorch-lightning_version": "2.6.0", "global_step": 3, "epoch": 0, "state_dict": state,
+                "ssl_vit": {"method": "DINO", "backbone": "vit", "backbone_kwargs": dict(TINY_VIT)}}, path)
+    model, info = load_any_backbone(path)
+    assert info["which"] == "teacher" and torch.equal(model.state_dict()["cls_token"], teacher.state_dict()["cls_token"])
+
+
+def test_a_re_export_keeps_the_results_and_a_relative_source_is_recorded_absolute(tmp_path, monkeypatch):
+    first = save_backbone(_vit(0), tmp_path / "a", results=[_result_file(tmp_path / "r.json", 0.5)])
+    again = export_backbone(tmp_path / "a", tmp_path / "b").config["ssl_vit"]["results"]
+    assert again == first.config["ssl_vit"]["results"] and [r["metrics"]["top1"] for r in again] == [0.5]
+    monkeypatch.chdir(tmp_path)
+    assert load_any_backbone("a")[1]["source"] == str((tmp_path / "a").resolve())
+
+
+def _result_file(path, top1: float):
+    path.write_text(json.dumps({"metrics": {"top1": top1}}))
+    return path
+
+
+def test_traced_files_are_staged_inside_the_export_folder_and_take_any_batch(tmp_path, monkeypatch):
+    # os.replace is an atomic rename only on one file system: the staging folder is in the export's
+    import ssl_vit.export.save as save
+
+    staged = []
+    publish = save.publish
+    monkeypatch.setattr(save, "publish", lambda stage, out_dir: staged.append(stage) or publish(stage, out_dir))
+    vit = _vit(0)
+    out = save_backbone(vit, tmp_path / "exp", formats=["torchscript", "export"]).out_dir
+    assert [s.parent for s in staged] == [out]
+    program = torch.export.load(str(out / "model.pt2")).module()
+    x = _x(b=5)
+    with torch.no_grad():
+        torch.testing.assert_close(program(x), vit(x), atol=1e-5, rtol=0)
+
+
+def test_the_export_cli_checks_its_kwargs_and_honours_weights_only(tmp_path, capsys):
+    from ssl_vit.export_cli import _earlier_export, build_parser
+
+    assert build_parser().parse_args(["x", "--out", "y"]).tolerance == 1e-4
+    torch.save(_vit(0).state_dict(), tmp_path / "sd.pt")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["export", str(tmp_path / "sd.pt"), "--out", str(tmp_path / "o"), "--arch", "vit", "--backbone-kwargs", "[4]"])
+    assert stop.value.code == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+    torch.save({"model": _vit(0).state_dict(), "args": argparse.Namespace(lr=0.1)}, tmp_path / "pickled.pt")
+    assert cli.main(["export", str(tmp_path / "pickled.pt"), "--out", str(tmp_path / "o"), "--arch", "vit", "--backbone-kwargs",
+                     json.dumps(TINY_VIT), "--weights-only"]) == 1
+    assert "weights_only=True refuses" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"ssl_vit": None}))
+    assert _earlier_export(str(tmp_path / "other")) is None

@@ -179,6 +179,12 @@ def read_result(path: Path, strict: bool = True) -> dict[str, Any] | None:
     return {"metrics": d["metrics"], "file": str(path)}
 
 
+def _visible_json(folder: Path) -> list[Path]:
+    """The ``*.json`` files under ``folder``, less those in hidden folders or hidden themselves
+    below it (an export's staging folder, ``.ipynb_checkpoints``); the folder itself may be hidden."""
+    return [p for p in sorted(folder.rglob("*.json")) if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+
+
 def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> list[dict[str, Any]]:
     """Results already recorded with the source (an export), those in a checkpoint's run
     directory that evaluated these weights, and those passed explicitly (files or folders).
@@ -196,19 +202,19 @@ def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> lis
     found: list[tuple[Path, bool]] = []
     run_dir = run_directory(Path(source.path)) if source.kind == "lightning" else None
     if run_dir is not None:
-        found += [(p, False) for p in sorted(run_dir.rglob("*.json")) if "checkpoints" not in p.relative_to(run_dir).parts]
+        found += [(p, False) for p in _visible_json(run_dir) if "checkpoints" not in p.relative_to(run_dir).parts]
     step = source.training.get("global_step")
     own_run = {p for p, _ in found}
     for item in map(Path, extra):
         if item.is_dir():
-            found += [(p, False) for p in sorted(item.rglob("*.json"))]
+            found += [(p, False) for p in _visible_json(item)]
         elif item.is_file():
             found.append((item, True))
         else:
             raise FileNotFoundError(f"{item}: no such result file or folder")
     seen = {r.get("file") for r in results}
     for path, strict in found:
-        if str(path) in seen or any(part.startswith(".") for part in path.parts[-2:]):
+        if str(path) in seen:
             continue
         record = read_result(path, strict=strict)
         steps = ((record or {}).get("pretrain") or {}).get("steps")

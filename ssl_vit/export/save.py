@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ssl_vit.export.config import (
@@ -106,6 +107,8 @@ def save_backbone(
         missing = [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"ONNX export needs {', '.join(missing)}: pip install 'ssl_vit[onnx]'")
+    if head is not None and head.in_features != int(model.embed_dim):  # before an earlier export is touched
+        raise ValueError(f"the head takes {head.in_features} features; the backbone gives {int(model.embed_dim)}")
     source = source or _source_of(model)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -138,10 +141,10 @@ def _write(
     # 1. weights, then proof that they rebuild the same function from name + kwargs alone
     state = dict(model.state_dict())
     if head is not None:
-        if head.in_features != int(model.embed_dim):
-            raise ValueError(f"the head takes {head.in_features} features; the backbone gives {int(model.embed_dim)}")
         name = classifier_name(model)
-        state.update({f"{name}.weight": head.weight.detach().cpu(), f"{name}.bias": head.bias.detach().cpu()})
+        # timm's and torchvision's classifiers have a bias: a head without one stores zeros
+        bias = head.bias.detach().cpu() if head.bias is not None else torch.zeros(head.out_features, dtype=head.weight.dtype)
+        state.update({f"{name}.weight": head.weight.detach().cpu(), f"{name}.bias": bias})
     weights = save_safetensors(out_dir / WEIGHTS_FILE, state)
     # (fit_state_dict leaves the classifier out, as the backbone loaders do)
     rebuilt = instantiate(source.backbone, source.backbone_kwargs, str(weights), lambda m: fit_state_dict(read_safetensors(weights), m)).eval()
