@@ -859,3 +859,17 @@ def test_the_export_cli_checks_its_kwargs_and_honours_weights_only(tmp_path, cap
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"ssl_vit": None}))
     assert _earlier_export(str(tmp_path / "other")) is None
+
+
+def test_timm_names_a_non_square_vit_by_its_sizes_first_entry_point_and_a_safetensors_file_records_its_encoder(tmp_path):
+    from ssl_vit.export.config import timm_vit_name
+    from ssl_vit.export.files import save_safetensors
+
+    # timm has vit_small_patch8_224 and vit_small_patch16_224; no entry point is of 224x160 images
+    assert timm_vit_name(384, 12, 6, 8, (224, 224)) == "vit_small_patch8_224"
+    assert timm_vit_name(384, 12, 6, 8, (224, 160)) == "vit_small_patch16_224"
+    teacher, student = _vit(1), _vit(2)
+    state = {**{f"backbone.{k}": v for k, v in student.state_dict().items()}, **{f"teacher_backbone.{k}": v for k, v in teacher.state_dict().items()}}
+    save_safetensors(tmp_path / "dino.safetensors", state)
+    model, info = load_any_backbone(tmp_path / "dino.safetensors", backbone="vit", backbone_kwargs=TINY_VIT)
+    assert info["which"] == "teacher" and torch.equal(model.state_dict()["cls_token"], teacher.state_dict()["cls_token"])
