@@ -544,6 +544,17 @@ def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(c
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows["vit_tiny"][4] == "17" and float(rows["resnet18"][2]) > 0.5  # stride-1 stem, no max-pool: 0.91 (0.07 without)
 
+    # at 224 px, params and forward FLOPs order resnet50 and vit_small differently; training ~3x forward
+    orders = []
+    for sort, column in (("params", 1), ("flops", 2)):
+        assert main(["resnet50", "vit_small", "--sort", sort, "--no-kwargs"]) == 0
+        table = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+        values = [float(row[column].rstrip("M")) for row in table]
+        assert values == sorted(values), (sort, table)
+        assert all(2.9 * float(row[2]) < float(row[3]) < 3 * float(row[2]) for row in table)
+        orders.append([row[0] for row in table])
+    assert orders == [["vit_small", "resnet50"], ["resnet50", "vit_small"]]
+
 
 def test_backbones_command_errors_name_the_problem(capsys):
     from ssl_vit.backbones.cli import main
@@ -558,6 +569,13 @@ def test_backbones_command_errors_name_the_problem(capsys):
         main(["vit_smal"])
     with pytest.raises(ValueError, match="must be positive"):
         main(["--img-size", "0"])
+    with pytest.raises(ValueError, match="must be positive"):
+        main(["--in-chans", "0"])
+    # the header and the FLOPs read the options: the same setting through --arg would contradict them
+    with pytest.raises(ValueError, match=r"give img_size, in_chans with its own option \(--img-size, --in-chans\), not --arg"):
+        main(["vit_tiny", "--arg", "img_size=32", "--arg", "in_chans=1"])
+    with pytest.raises(ValueError, match=r"\(--patch-size\), not --arg"):
+        main(["vit_tiny", "--arg", "patch_size=8"])
     # a named `vit` takes its shape from --arg; values are read as YAML (numbers are numbers)
     assert main(["vit", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4", "--img-size", "28", "--patch-size", "7", "--no-kwargs"]) == 0
     row = capsys.readouterr().out.splitlines()[2].split()

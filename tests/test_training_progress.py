@@ -165,3 +165,19 @@ def test_the_linear_probe_reports_its_epochs_and_a_sweep_its_heads(printed):
     printed.clear()
     LinearProbe(epochs=2, batch_size=8, base_lr=0.1, warmup_epochs=0).fit(x, y, 2)  # a minute between lines: a short run prints none
     assert printed == []
+
+
+def test_progress_refuses_a_nan_interval_and_says_no_share_of_nothing(printed):
+    for make in (lambda: ProgressLog(every_n_seconds=float("nan")), lambda: CountProgress("x", total=1, every_n_seconds=float("nan"))):
+        with pytest.raises(ValueError, match="every_n_seconds must be >= 0"):
+            make()
+    log = ProgressLog(name="x")
+    log._start, log._first_step = 0.0, 0
+    assert log.line(_trainer(0, 0, batches=0), now=60.0) == "[ssl_vit] x: step 0/0, 1.0 min"  # no share, no epoch of 0 steps
+    # a restarted count starts from 0
+    progress = CountProgress("features", total=10, every_n_seconds=0, clock=lambda: 0.0)
+    progress.start()
+    progress.update(5)
+    progress.start()
+    progress.update(2)
+    assert printed[-1].startswith("[ssl_vit] features: 2/10 images (20 %)")
