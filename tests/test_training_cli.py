@@ -529,9 +529,12 @@ def test_an_evaluation_that_fails_after_training_says_how_to_evaluate_the_kept_b
     err = capsys.readouterr().err
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert f"evaluate: k=40 must be in 1..32 (the bank size) (the trained backbone is kept in {last}" in err and "--resume" in err
-    assert cli_main(["fit", "--config", str(cfg), "--resume", "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 3}"]) == 0
+    assert cli_main(["fit", "--config", str(cfg), "--resume", "--evaluate.protocols", "[knn]", "--evaluate.knn", "{k: 3}",
+                     "--evaluate.out", str(tmp_path / "records"), "--evaluate.test_subset", "4"]) == 0
     assert "knn       dino  vit-D32-L1-H2/4  synthetic" in capsys.readouterr().out
     assert torch.load(last, weights_only=False)["ssl_vit"]["global_step"] == 3  # evaluated, not trained further
+    (record,) = (tmp_path / "records").glob("*.json")  # evaluate.out, not <run>/results
+    assert json.loads(record.read_text())["data"]["test_size"] == 4 and not (tmp_path / "run" / "results").exists()
 
 
 def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
@@ -725,3 +728,33 @@ def test_a_finished_fit_leaves_no_trainer_behind(tmp_path):
     assert len(RememberTrainer.seen) == 1
     gc.collect()  # (a trainer and its parts are reference cycles)
     assert RememberTrainer.seen[0]() is None
+
+
+def test_the_evaluate_sections_checks_read_the_smaller_subset_and_its_own_settings(capsys):
+    from types import SimpleNamespace
+
+    from ssl_vit.backbones import create_backbone
+    from ssl_vit.training.evaluate import RecipeEvaluation
+
+    def data(subset):
+        return SimpleNamespace(has_labelled_test_split=lambda: True, num_classes=10, subset=subset)
+
+    # the run trained on 16 images: the bank holds 16 whatever train_subset says
+    with pytest.raises(ValueError, match="the kNN bank holds the 16 training images of data.subset; set evaluate.knn {k: 16} or fewer, or a larger data.subset"):
+        RecipeEvaluation(protocols=["knn"], knn={"k": 20}, train_subset=100).check_data(data(16))
+    RecipeEvaluation(protocols=["fewshot"], fewshot={"shots": [2]}, train_subset=20).check_data(data(None))  # 2 x 10 = 20: enough
+    with pytest.raises(ValueError, match=r"more than the 5 of evaluate.train_subset; a larger evaluate.train_subset$"):  # not "at most 0 shots"
+        RecipeEvaluation(protocols=["fewshot"], fewshot={"shots": [1]}, train_subset=5).check_data(data(None))
+    # a protocol's own seed wins over the section's
+    assert RecipeEvaluation(linear={"seed": 5}, seed=1).protocol_kwargs("linear")["seed"] == 5
+    assert RecipeEvaluation(seed=1).protocol_kwargs("knn")["seed"] == 1
+    # settings of a protocol not run: a note; of one that runs: none
+    RecipeEvaluation(protocols=["knn"], linear={"epochs": 3})
+    assert "evaluate has settings for linear, which evaluate.protocols (knn) does not run" in capsys.readouterr().err
+    RecipeEvaluation(protocols=["linear"], linear={"epochs": 3})
+    assert "note" not in capsys.readouterr().err
+    # fine-tuning alone reads no frozen features: a one-block backbone with features last4 is fine
+    model = SimpleNamespace(backbone=create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2))
+    RecipeEvaluation(protocols=["finetune"], features="last4").check_model(model)
+    with pytest.raises(ValueError, match="evaluate.features: feature mode 'last4'"):
+        RecipeEvaluation(protocols=["knn"], features="last4").check_model(model)
