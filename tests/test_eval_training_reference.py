@@ -255,11 +255,12 @@ def _train_step(rank, bn, x, w):
     return y.detach(), x.grad, bn.weight.grad.clone()
 
 
-@pytest.mark.parametrize("shape, momentum", [((8, 3, 2, 2), None), ((8, 3), 0.1)])
-def test_allreduce_batchnorm_over_a_split_batch_is_torchs_batchnorm_over_the_whole(monkeypatch, shape, momentum):
+@pytest.mark.parametrize("shape, momentum, scale", [((8, 3, 2, 2), None, 3.0), ((8, 3), 0.1, 3.0), ((8, 3), 0.1, 1e-3)])
+def test_allreduce_batchnorm_over_a_split_batch_is_torchs_batchnorm_over_the_whole(monkeypatch, shape, momentum, scale):
     """Two ranks (threads; all_reduce = sum) holding 3 and 5 samples against one torch
     BatchNorm over all 8: outputs, input and weight gradients, running statistics (momentum
-    0.1 and None, the cumulative average) after two steps, and eval mode on running statistics."""
+    0.1 and None, the cumulative average) after two steps, and eval mode on running statistics;
+    inputs of a variance near eps too (1e-6: eps counts)."""
     world = _ThreadWorld(2)
     monkeypatch.setattr(sync_batchnorm.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(sync_batchnorm.dist, "get_world_size", lambda group=None: 2)
@@ -274,7 +275,7 @@ def test_allreduce_batchnorm_over_a_split_batch_is_torchs_batchnorm_over_the_who
         bn.load_state_dict(ref.state_dict())
     parts = (slice(0, 3), slice(3, 8))
     for _ in range(2):
-        x, w = torch.randn(shape) * 3 + 1, torch.randn(shape)
+        x, w = torch.randn(shape) * scale + (1 if scale > 1 else 0), torch.randn(shape)  # (small: no offset for float32 to cancel)
         x_ref = x.clone().requires_grad_(True)
         y_ref = ref(x_ref)
         (y_ref * w).sum().backward()
@@ -321,6 +322,11 @@ def test_converting_to_allreduce_batchnorm_keeps_what_torchs_converter_keeps():
         assert torch.equal(ours.state_dict()[key], value), key
     after = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    # layers already synchronised stay as they are (with their process group)
+    for synced in (AllReduceBatchNorm(3, process_group=object()), nn.SyncBatchNorm(3)):
+        assert convert_sync_batchnorm(synced, "cpu") is synced
+    with pytest.raises(ValueError, match="expected at least 2-D input"):
+        AllReduceBatchNorm(3)(torch.randn(3))
 
 
 # ----------------------------------------------------------------------------- step checkpoints
