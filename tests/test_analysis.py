@@ -503,6 +503,25 @@ def test_callback_logs_figures_at_its_interval(tmp_path: Path) -> None:
     assert (tmp_path / "epoch_0001" / "attention_distance.csv").exists()
 
 
+def test_callback_keeps_its_first_training_batch_warns_once_and_takes_a_lone_mean_as_none(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_images must be >= 1"):
+        AnalysisCallback(num_images=0)
+    module = nn.Module()
+    module.backbone = tiny_vit(in_chans=1)
+    cb = AnalysisCallback(num_images=2, mean=(0.5,), figures=("attention_rollout",))  # a mean without a std: neither used
+    trainer = FakeTrainer(epoch=0)
+    with pytest.warns(UserWarning, match="no batch seen yet"):
+        assert cb.log_figures(trainer, module) == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        cb.log_figures(trainer, module)
+    first = torch.randn(4, 1, 16, 16)
+    cb.on_train_batch_start(None, module, [first], 0)
+    cb.on_train_batch_start(None, module, [torch.randn(4, 1, 16, 16)], 1)
+    assert torch.equal(cb.kept_images(), first[:2])  # the same images every epoch: comparable figures
+    assert set(cb.log_figures(trainer, module)) == {"attention_rollout"}
+
+
 def test_callback_draws_nothing_under_a_sharding_strategy() -> None:
     # Under FSDP one process drawing alone would read parameter shards and wait in the forward
     # pass's collectives for processes that never join: warn once and draw nothing.
