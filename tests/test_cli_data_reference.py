@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -590,6 +591,17 @@ def test_multi_crop_sizes_are_checked_as_it_resolves_them():
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(local_size=10)), _trainer(), None)
     with pytest.raises(ConfigError, match=r"the backbone was built for 16x16 images .* but the data gives 24x24 crops .*; set them to match$"):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(global_size=24, local_size=8)), _trainer(), None)
+    from ssl_vit.data import TwoViews
+
+    with pytest.raises(ConfigError, match=r"the backbone was built for 16x16 images .* but the data gives 24x24 crops"):  # one size of all views
+        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=TwoViews(size=24)), _trainer(), None)
+
+
+def test_a_trainer_without_any_length_is_refused_by_the_run_checks():
+    from ssl_vit.training.recipe_checks import NO_LENGTH, ConfigError, validate_run
+
+    with pytest.raises(ConfigError, match=re.escape(NO_LENGTH)):
+        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=-1), None)
 
 
 def test_non_square_data_is_checked_on_each_side_against_the_backbone(capsys):
