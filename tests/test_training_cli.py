@@ -556,6 +556,17 @@ def test_a_recipe_evaluates_its_final_backbone(tmp_path, capsys):
     assert not (tmp_path / "plain" / "run" / "results").exists()
 
 
+def test_a_finished_run_resumed_to_fine_tune_starts_the_fine_tuning_it_never_began(tmp_path, capsys):
+    # pretrained without an evaluation, then --resume with one: the fine-tuning has no checkpoint
+    # to continue, so it starts (not "resume a run that is not there")
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    assert cli_main(["fit", "--config", str(cfg), "--resume", "--evaluate.protocols", "[finetune]",
+                     "--evaluate.finetune", "{epochs: 1, batch_size: 16}"]) == 0
+    assert "finetune  dino  vit-D32-L1-H2/4  synthetic" in capsys.readouterr().out
+    assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["global_step"] == 2
+
+
 def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes_them(tmp_path, capsys):
     # protocols: [finetune, linear_aug]: every weight trained with a new classifier, and the papers'
     # linear probe on augmented images, after the pretraining, on the run's processes, each
