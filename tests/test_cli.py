@@ -768,6 +768,13 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
     assert datamodule_name(my_data.MySynth()) == "my_data.MySynth"
     assert pretraining_data({"name": "MySynth", "class": "my_data.MySynth"}) == "my_data.MySynth"
     assert datamodule_name(__import__("ssl_vit.data").data.SyntheticDataModule()) == "synthetic"
+    # one of the user's named like a built-in keeps its import path (its records are not the built-in's)
+    (tmp_path / "my_named.py").write_text("from ssl_vit.data import SyntheticDataModule as Base\n\n\nclass SyntheticDataModule(Base):\n    pass\n")
+    import my_named
+
+    assert datamodule_name(my_named.SyntheticDataModule()) == "my_named.SyntheticDataModule"
+    assert pretraining_data({"name": "SyntheticDataModule", "class": "my_named.SyntheticDataModule"}) == "my_named.SyntheticDataModule"
+    assert pretraining_data({"name": "SyntheticDataModule", "class": "ssl_vit.data.synthetic.SyntheticDataModule"}) == "synthetic"
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "my_data.MySynth", *SYNTH[2:8], "--figures", "filters",
                      "--out", str(tmp_path / "figs")]) == 0
     capsys.readouterr()

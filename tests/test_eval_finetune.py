@@ -122,6 +122,18 @@ def test_fine_tuning_settings_refuse_rand_augment_without_augmentation():
     with pytest.raises(ValueError, match="rand_augment applies to the training crops, and augment is off"):
         FineTuneSettings(rand_augment=[2, 9], augment=False)
     assert FineTuneSettings(rand_augment=[2, 9]).train_views(32).rand_augment == (2, 9)
+    with pytest.raises(ValueError, match="crop_scale applies to the training crops, and augment is off"):  # not silently dropped
+        FineTuneSettings(crop_scale=(0.5, 1.0), augment=False)
+
+
+def test_image_run_settings_are_checked_when_built_not_after_the_pretraining():
+    from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings
+
+    for settings in (FineTuneSettings, LinearAugSettings):
+        with pytest.raises(ValueError, match="checkpoint_every >= 1"):
+            settings(checkpoint_every=0)
+    with pytest.raises(ValueError, match="features must be cls, last4, avg or cls_avg, got 'mean'"):
+        LinearAugSettings(features="mean")
 
 
 def test_two_steps_change_weights_and_lr_groups_follow_the_decay():

@@ -27,8 +27,10 @@ DATASETS = {
 def dataset_name(class_name: str, path: str | None = None) -> str:
     """``FashionMNISTDataModule`` -> ``fashion_mnist``: a datamodule as ``--data`` names it (and
     result records do); one of the user's by its import path (``mypkg.data.Flowers``, as
-    ``--data`` takes it) when known, else its class name."""
-    return next((name for name, cls in DATASETS.items() if cls == class_name), path or class_name)
+    ``--data`` takes it) when known, else its class name. A class of the user's named like a
+    built-in one (``mypkg.CIFAR10DataModule``) keeps its import path: its records are not CIFAR-10's."""
+    builtin = path is None or path.startswith("ssl_vit.data.")
+    return next((name for name, cls in DATASETS.items() if cls == class_name and builtin), path or class_name)
 
 
 def class_path(cls: type) -> str:

@@ -96,6 +96,8 @@ class FineTuneSettings:
                 raise ValueError("rand_augment applies to the training crops, and augment is off (the evaluation transform)")
         _check_run(epochs, batch_size, max_steps, checkpoint_every)
         crop_scale = _check_crop_scale(crop_scale)
+        if crop_scale is not None and not augment:
+            raise ValueError("crop_scale applies to the training crops, and augment is off (the evaluation transform)")
         self.epochs = epochs
         self.batch_size = batch_size
         self.base_lr = base_lr
