@@ -339,3 +339,33 @@ def test_each_process_gets_a_batch_when_its_share_is_smaller_than_one(replicas, 
     data = TensorDataset(torch.zeros(64, 1), torch.zeros(64, dtype=torch.long))
     loader = training_loader(data, ResumableSampler(data, num_replicas=replicas, rank=0, seed=0), batch, num_workers=0)
     assert len(loader) == want and len(list(loader)) == want
+
+
+def test_train_and_test_checks_its_arguments_and_sizes_the_schedule_to_its_steps():
+    from types import SimpleNamespace
+
+    from ssl_vit.eval.train_run import accuracy_metrics, nothing_to_learn, train_and_test
+
+    data = TensorDataset(torch.randn(16, 1, 8, 8), torch.arange(16) % 2)
+    with pytest.raises(ValueError, match="need epochs >= 1"):
+        train_and_test(lambda *a: None, data, data, what="x", epochs=0, batch_size=4)
+    with pytest.raises(ValueError, match="resume needs the run_dir"):
+        train_and_test(lambda *a: None, data, data, what="x", epochs=1, batch_size=4, resume=True)
+
+    class Built(Exception):
+        pass
+
+    def record(total_steps, steps_per_epoch, world_size):
+        raise Built(total_steps, steps_per_epoch, world_size)
+
+    for epochs, batch, max_steps, expected in ((5, 4, 3, (3, 4, 1)), (5, 4, -1, (20, 4, 1)), (3, 16, -1, (3, 1, 1))):
+        with pytest.raises(Built) as built:
+            train_and_test(record, data, data, what="x", epochs=epochs, batch_size=batch, max_steps=max_steps, accelerator="cpu")
+        assert built.value.args == expected  # the LR schedule's length: the steps the run takes
+    assert set(accuracy_metrics(5)) == {"top1", "top5"} and set(accuracy_metrics(4)) == {"top1"}
+    # one process skips a batch with nothing to learn (None); under DDP every process joins with a zero
+    module = torch.nn.Linear(2, 1)
+    module._trainer = SimpleNamespace(world_size=1)
+    assert nothing_to_learn(module) is None
+    module._trainer = SimpleNamespace(world_size=2)
+    assert float(nothing_to_learn(module).detach()) == 0.0
