@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Literal  # (resolved from this module by the annotation tests)
 
 import pytest
 
@@ -717,6 +718,27 @@ def test_the_types_a_data_argument_is_checked_against():
     assert parse_data_args("synthetic", {"subset": ArgText("null")}) == {"subset": None}
     with pytest.raises(ValueError, match="--data-arg img_size must be an integer, got True"):
         parse_data_args("synthetic", {"img_size": ArgText("true")})
+    # a text argument that is not optional keeps "None" as the text it is
+    assert parse_data_args("imagefolder", {"train_dir": ArgText("None")}) == {"train_dir": "None"}
+
+
+def test_annotations_are_read_as_python_does_with_none_only_where_allowed():
+    from ssl_vit.arguments import annotations_of, check_argument_types, literal_choices
+    from ssl_vit.eval.data_args import note_channel_conversion
+
+    class A:
+        def __init__(self, x: int, y: float = 1.0) -> None: ...
+
+    class B(A):
+        def __init__(self, x: str, **kwargs) -> None: ...
+
+    assert annotations_of(B)["x"] is str and annotations_of(B)["y"] is float  # the subclass's own wins
+    def f(x: int, mode: Literal["a", "b"] | None = None) -> None: ...
+    with pytest.raises(TypeError, match="x must be an integer, got None"):
+        check_argument_types(f, {"x": None}, "")
+    assert literal_choices(Literal["a", "b"] | None) == ("a", "b", None)
+    check_argument_types(f, {"mode": None}, "")
+    note_channel_conversion(SimpleNamespace(source=[]), 1, "ssl-vit eval", "--data x")  # an empty split: nothing to say
 
 
 @pytest.mark.parametrize(

@@ -369,3 +369,18 @@ def test_train_and_test_checks_its_arguments_and_sizes_the_schedule_to_its_steps
     assert nothing_to_learn(module) is None
     module._trainer = SimpleNamespace(world_size=2)
     assert float(nothing_to_learn(module).detach()) == 0.0
+
+
+def test_the_eval_option_rules_take_their_documented_bounds(tmp_path):
+    from ssl_vit.eval.options import _OPTION_RULES, check_out
+
+    def ok(name, value):
+        check, _ = _OPTION_RULES[name]
+        return check(value)
+
+    assert ok("layer_decay", 1.0) and not ok("layer_decay", 1.01)  # 1: no decay
+    assert ok("rand_augment", [2, 30]) and not ok("rand_augment", [2, 31])  # torchvision's magnitude bins
+    assert ok("random_erasing", 1.0) and not ok("random_erasing", 1.01)
+    (tmp_path / "dir.JSON").mkdir()
+    with pytest.raises(ValueError, match="is a folder; a name ending in .json names the record file itself"):
+        check_out(str(tmp_path / "dir.JSON"))
