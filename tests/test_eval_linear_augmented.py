@@ -110,6 +110,9 @@ def test_an_interrupted_probe_resumes_to_the_uninterrupted_head(tmp_path, monkey
     with pytest.raises(EvalRunInterrupted, match="linear probe stopped by SIGUSR1 at step 2"):
         run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
     monkeypatch.setattr(AugmentedLinearProbe, "training_step", step)
+    # another seed would change the data order and crops the checkpoint's position counts in
+    with pytest.raises(ValueError, match=r"started with other settings: .*seed: 0 there, 1 here"):
+        run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "seed": 1})
     got = run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **common)
     assert got == want
     cut_head = torch.load(tmp_path / "cut" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
