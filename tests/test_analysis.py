@@ -522,6 +522,24 @@ def test_callback_keeps_its_first_training_batch_warns_once_and_takes_a_lone_mea
     assert set(cb.log_figures(trainer, module)) == {"attention_rollout"}
 
 
+
+def test_callback_figures_in_the_papers_order_from_the_first_loaders_batch(monkeypatch) -> None:
+    import ssl_vit.analysis.callback as callback_module
+
+    assert AnalysisCallback(figures=tuple(reversed(FIGURES))).figures == tuple(FIGURES)
+    module = nn.Module()
+    module.backbone = tiny_vit(in_chans=1)
+    cb = AnalysisCallback(num_images=2, dino_max_images=1, figures=("attention_dino",))
+    other, first = torch.randn(3, 1, 16, 16), torch.randn(3, 1, 16, 16)
+    cb.on_validation_batch_end(None, module, None, (other, torch.zeros(3)), 0, dataloader_idx=1)  # a second loader's batch: not kept
+    cb.on_validation_batch_end(None, module, None, (first, torch.zeros(3)), 0, dataloader_idx=0)
+    assert torch.equal(cb.kept_images(), first[:2])
+    calls = []
+    monkeypatch.setattr(callback_module, "plot_all", lambda arrays, n, dino_n: calls.append((n, dino_n)) or {})
+    cb.log_figures(FakeTrainer(epoch=0), module)
+    assert calls == [(2, 1)]
+
+
 def test_callback_draws_nothing_under_a_sharding_strategy() -> None:
     # Under FSDP one process drawing alone would read parameter shards and wait in the forward
     # pass's collectives for processes that never join: warn once and draw nothing.
