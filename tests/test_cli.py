@@ -162,6 +162,11 @@ def test_fine_tuning_does_not_export_over_the_export_it_reads(tmp_path, capsys):
         assert capsys.readouterr().err == (f"ssl-vit eval: error: --export {tmp_path / 'exp'}: is the export --backbone reads; "
                                            "the fine-tuned model would replace the pretrained one: name another folder\n")
     assert (out / "model.safetensors").read_bytes() == before
+    # a run folder holding the checkpoint read (no export there) may take the export
+    from ssl_vit.eval.options import check_export
+
+    (tmp_path / "run").mkdir()
+    check_export(str(tmp_path / "run"), backbone=str(tmp_path / "run" / "last.ckpt"))
 
 
 def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monkeypatch):
