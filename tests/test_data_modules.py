@@ -344,6 +344,20 @@ def test_cifar_and_stl_missing_data_errors(tmp_path):
         STL10DataModule(train_split="everything")
 
 
+
+def test_a_failed_download_says_so_without_asking_to_turn_download_on(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
+    with pytest.raises(FileNotFoundError, match=r"the download failed \(URLError: <urlopen error no network>\)\. "
+                                                r"Run once with internet access, or pass root=<dir>") as err:
+        CIFAR10DataModule(root=str(tmp_path), num_workers=0).prepare_data()
+    assert "download=true" not in str(err.value)
+
+
 def test_cifar10_from_fake_batches(tmp_path, monkeypatch):
     # torchvision's on-disk format: pickled dicts with 'data' [n, 3072] (R plane, G plane, B plane)
     # and 'labels'; md5 checks are bypassed for the fake files.

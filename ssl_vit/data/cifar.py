@@ -39,7 +39,7 @@ class _TorchvisionCIFAR(ImageDataModule):
     def _not_found(self, detail: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"{self._name} not found under {self.data_root} (expected {self._folder}/ there): "
-            f"{detail}. Run once with internet access and {option_hint('download', 'true')}, or pass {option_hint('root', '<dir>')} "
+            f"{detail}. Run once with internet access{'' if self.download else ' and ' + option_hint('download', 'true')}, or pass {option_hint('root', '<dir>')} "
             f"containing torchvision's {self._folder}/ folder."
         )
 

@@ -56,7 +56,7 @@ class STL10DataModule(ImageDataModule):
     def _not_found(self, detail: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"STL-10 not found under {self.data_root} (expected stl10_binary/ there): {detail}. "
-            f"Run once with internet access and {option_hint('download', 'true')}, or pass {option_hint('root', '<dir>')} containing "
+            f"Run once with internet access{'' if self.download else ' and ' + option_hint('download', 'true')}, or pass {option_hint('root', '<dir>')} containing "
             "torchvision's stl10_binary/ folder."
         )
 
