@@ -384,3 +384,12 @@ def test_the_eval_option_rules_take_their_documented_bounds(tmp_path):
     (tmp_path / "dir.JSON").mkdir()
     with pytest.raises(ValueError, match="is a folder; a name ending in .json names the record file itself"):
         check_out(str(tmp_path / "dir.JSON"))
+
+
+def test_an_image_run_keeps_its_newest_step_checkpoint_at_its_interval(tmp_path):
+    from ssl_vit.eval.finetune import run_finetune
+
+    train, test = _data(n=24), _data(n=6)
+    run_finetune(tiny_vit(), train, test, 3, epochs=2, batch_size=8, max_steps=5, accelerator="cpu", run_dir=tmp_path, checkpoint_every=2)
+    # steps 2 and 4 written, the newer kept; last.ckpt at the end (step 5)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step00000004.ckpt"]
