@@ -393,3 +393,16 @@ def test_an_image_run_keeps_its_newest_step_checkpoint_at_its_interval(tmp_path)
     run_finetune(tiny_vit(), train, test, 3, epochs=2, batch_size=8, max_steps=5, accelerator="cpu", run_dir=tmp_path, checkpoint_every=2)
     # steps 2 and 4 written, the newer kept; last.ckpt at the end (step 5)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step00000004.ckpt"]
+
+
+def test_the_record_counts_the_devices_of_a_device_list(tmp_path, monkeypatch):
+    import ssl_vit.eval.image_runs as image_runs
+    from ssl_vit.eval.image_runs import FineTuneSettings, finetune_and_record
+
+    monkeypatch.setattr(image_runs, "run_finetune", lambda *a, **k: {"top1": 0.5})
+    result, path = finetune_and_record(
+        tiny_vit(), None, None, 3, FineTuneSettings(epochs=1), img_size=16, new_img_size=None, method="dino",
+        data_record={"name": "synthetic"}, normalization={"name": "synthetic", "mean": [0.5], "std": [0.25]}, source="run/last.ckpt",
+        pretrain={"steps": 2}, backbone_record={"name": "vit"}, out=tmp_path, accelerator="cpu", devices=[0, 1], num_nodes=1,
+        precision="32-true", seed=0, num_workers=0, run_dir=None, resume=False)
+    assert result.protocol_args["devices"] == 2 and path.exists()
