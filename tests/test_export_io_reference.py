@@ -530,6 +530,10 @@ def test_weights_of_another_width_are_a_one_line_error_naming_the_shapes(tmp_pat
     with pytest.raises(ValueError, match=r"shape mismatch cls_token \(1, 1, 64\) vs \(1, 1, 32\), pos_embed \(1, 17, 64\) vs \(1, 17, 32\) \(\+28 more\)$") as info:
         load_backbone(tmp_path / "wide.pth", backbone="vit", backbone_kwargs=TINY_VIT)
     assert "\n" not in str(info.value)
+    # of another width and another grid too (16x24 images: 1 + 24 tokens): the same one line
+    torch.save(_vit(0, embed_dim=64, img_size=[16, 24]).state_dict(), tmp_path / "wide_grid.pth")
+    with pytest.raises(ValueError, match=r"shape mismatch cls_token \(1, 1, 64\) vs \(1, 1, 32\), pos_embed \(1, 25, 64\) vs \(1, 17, 32\)"):
+        load_backbone(tmp_path / "wide_grid.pth", backbone="vit", backbone_kwargs=TINY_VIT)
 
 
 # ------------------------------------------------------------------------ loading
