@@ -77,10 +77,9 @@ def main(argv: list[str]) -> int:
         get_spec(name)  # an unknown name lists the known ones
     settings = {"img_size": args.img_size, "in_chans": args.in_chans, **({"patch_size": args.patch_size} if args.patch_size else {})}
     extra = {k: yaml.safe_load(v) for k, v in args.args}  # 128 a number, true a flag, sincos text
-    flagged = [k for k in settings.keys() | {"patch_size"} if k in extra]
+    flagged = sorted({"img_size", "in_chans", "patch_size"} & extra.keys())
     if flagged:  # the header and the FLOPs read the flags: an --arg of the same would contradict them
-        raise ValueError(f"give {', '.join(sorted(flagged))} with its own option (" +
-                         ", ".join(f"--{k.replace('_', '-')}" for k in sorted(flagged)) + "), not --arg")
+        raise ValueError(f"give {', '.join(flagged)} with its own option ({', '.join('--' + k.replace('_', '-') for k in flagged)}), not --arg")
     taken = {k for name in names for k in get_spec(name).allowed_kwargs()}
     unused = sorted(set(extra) - taken)
     if unused:  # a misspelt --arg would change nothing: say so

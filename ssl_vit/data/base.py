@@ -60,6 +60,13 @@ def option_hint(key: str, value: str) -> str:
     return f"{key}={value} (`--data-arg {key}={value}` to ssl-vit eval, `data.init_args.{key}` in a recipe)"
 
 
+def torchvision_fetch_advice(download: bool, folder: str) -> str:
+    """How to get a torchvision dataset that is not on disk (``folder``: its extracted folder),
+    for error messages: turning ``download`` on is advised only when it was off."""
+    turn_on = "" if download else f" and {option_hint('download', 'true')}"
+    return f"Run once with internet access{turn_on}, or pass {option_hint('root', '<dir>')} containing torchvision's {folder}/ folder."
+
+
 def default_root() -> Path:
     """Where downloaded datasets go: ``$XDG_CACHE_HOME/ssl_vit`` or ``~/.cache/ssl_vit``."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

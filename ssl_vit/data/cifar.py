@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ssl_vit.data.base import ImageDataModule, default_root, option_hint
+from ssl_vit.data.base import ImageDataModule, default_root, torchvision_fetch_advice
 from ssl_vit.data.datasets import InMemoryImages
 
 
@@ -39,8 +39,7 @@ class _TorchvisionCIFAR(ImageDataModule):
     def _not_found(self, detail: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"{self._name} not found under {self.data_root} (expected {self._folder}/ there): "
-            f"{detail}. Run once with internet access{'' if self.download else ' and ' + option_hint('download', 'true')}, or pass {option_hint('root', '<dir>')} "
-            f"containing torchvision's {self._folder}/ folder."
+            f"{detail}. {torchvision_fetch_advice(self.download, self._folder)}"
         )
 
     def prepare_data(self) -> None:

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from ssl_vit.data.base import ImageDataModule, default_root, option_hint
+from ssl_vit.data.base import ImageDataModule, default_root, torchvision_fetch_advice
 from ssl_vit.data.datasets import InMemoryImages
 
 
@@ -56,8 +56,7 @@ class STL10DataModule(ImageDataModule):
     def _not_found(self, detail: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"STL-10 not found under {self.data_root} (expected stl10_binary/ there): {detail}. "
-            f"Run once with internet access{'' if self.download else ' and ' + option_hint('download', 'true')}, or pass {option_hint('root', '<dir>')} containing "
-            "torchvision's stl10_binary/ folder."
+            f"{torchvision_fetch_advice(self.download, 'stl10_binary')}"
         )
 
     def prepare_data(self) -> None:
