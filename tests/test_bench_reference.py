@@ -711,6 +711,11 @@ def test_step_table_columns_by_hand() -> None:
 def test_report_text_by_hand() -> None:
     text = report.format_report(_report_result())
     assert "* other load took cores away" in text
+    quiet = _report_result()
+    quiet["rows"][0]["ours"]["disturbed"] = False
+    assert "other load took cores away" not in report.format_report(quiet)
+    quiet["rows"][0]["peer"]["disturbed"] = True  # the peer's timing alone: the same footnote
+    assert "* other load took cores away" in report.format_report(quiet)
     assert "mpp (ours): RuntimeError: boom" in text
     assert "[MISSED]" in text and "dino >= 1.00x peer speed at <= its memory: 2.000x speed, 1.500x memory [MISSED]" in text
     assert "of the matmul rate: ours 80%, timm 60% [ok]" in text

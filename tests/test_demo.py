@@ -72,6 +72,8 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert all(r["data"]["test_size"] == 256 and r["data"]["train_size"] == 512 for r in results)  # --eval-test / --eval-train
     # each pretraining's compute is recorded: the report's accuracy-vs-compute plot (ViT Fig. 5)
     assert all(r["pretrain"]["flops"] > 0 for r in results if r["method"] != "random")
+    # --subset 256 at batch 128: 2 steps per epoch, so --epochs 0.5 is one step of each method
+    assert all((r["pretrain"]["steps"], r["pretrain"]["epochs"]) == (1, 0.5) for r in results if r["method"] != "random")
     assert (out / "report.md").is_file() and (out / "report_bars.png").stat().st_size > 1000
     assert (out / "report_compute.png").stat().st_size > 1000
     assert "**Note:** --quick is a smoke run" in (out / "report.md").read_text()  # the report read alone says so too
@@ -83,6 +85,14 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys, monkeypatch):
     exported = export_backbone(out / "runs" / "dino" / "checkpoints" / "last.ckpt", tmp_path / "exp").config["ssl_vit"]["results"]
     assert sorted((r["method"], r["protocol"]) for r in exported) == [("dino", "knn"), ("dino", "linear")]
     assert out / "results.json" in earlier_run(out)  # a second run into `out` is refused
+
+
+def test_a_short_probe_warms_up_over_a_fifth_of_its_epochs():
+    from dataclasses import replace
+
+    assert Budget.default().protocols(seed=0)["linear"]["warmup_epochs"] == 10  # MAE's linear probe: 10 of 90-100
+    assert replace(Budget.quick(), probe_epochs=20).protocols(seed=3)["linear"] == {
+        "epochs": 20, "base_lr": list(Budget.quick().probe_lrs), "warmup_epochs": 4, "select_fraction": 0.1, "seed": 3}
 
 
 @pytest.fixture()

@@ -186,6 +186,52 @@ def test_method_step_flops_rejects_bad_input() -> None:
         method_step_flops(torch.nn.Linear(2, 2), [(4, 1, 16, 16)])
     with pytest.raises(ValueError, match="divisible"):
         vit_forward_flops(10, 1, 3, 4.0, 4, 2, 1)
+    with pytest.raises(ValueError, match=r"world_size must be >= 1, got 0"):
+        method_step_flops(module, [v.shape for v in views], world_size=0)
+    for zero in range(6):  # a ViT without blocks, tokens, ... has no FLOP count
+        args = [8, 1, 2, 4, 2, 1]
+        args[zero] = 0
+        dim, depth, heads, tokens, patch, chans = args
+        with pytest.raises(ValueError, match="must be >= 1"):
+            vit_forward_flops(dim, depth, heads, 4.0, tokens, patch, chans)
+    # DINO with one global crop still needs a second view to have a loss
+    dino = DINO(out_dim=64, hidden_dim=32, bottleneck_dim=8, n_global_crops=1, **TINY_BACKBONE)
+    with pytest.raises(ValueError, match=r"at least 2 views \(1 global first\), got 1"):
+        method_step_flops(dino, [(4, 1, 16, 16)])
+    assert method_step_flops(dino, [(4, 1, 16, 16), (4, 1, 8, 8)]) > 0
+
+
+def test_a_backbone_without_a_first_conv_is_trained_at_three_times_its_forward() -> None:
+    class PixelMLP(torch.nn.Module):  # a plugin backbone that sees the image through a Linear
+        in_chans = 1
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16 * 16, 8)
+
+        def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.flatten(1))
+
+        forward = forward_features
+
+    model = PixelMLP()
+    forward = backbone_forward_flops(model, 16)
+    assert forward == pytest.approx(2 * 256 * 8)
+    # (the image's gradient is not needed, but nothing says which layer is the first: 3x)
+    assert backbone_train_flops(model, 16) == pytest.approx(3 * forward)
+
+
+def test_the_per_image_count_is_kept_per_device_count() -> None:
+    from ssl_vit.flops import PretrainFlops
+
+    module, views = _tiny_method("mocov3")
+    shapes = [v.shape for v in views]
+    flops = PretrainFlops()
+    one, two = flops.per_image(module, shapes, 1), flops.per_image(module, shapes, 2)
+    assert one == pytest.approx(method_step_flops(module, shapes, world_size=1))
+    assert two == pytest.approx(method_step_flops(module, shapes, world_size=2)) and two > one
+    b = shapes[0][0]
+    assert flops.add(module, views, world_size=2) == pytest.approx(two * b * 2)
 
 
 # ---------------------------------------------------------------------------------------------

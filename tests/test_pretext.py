@@ -387,6 +387,10 @@ def test_lr_warmup_cosine_and_weight_decay_schedule():
     to_zero._total_steps, to_zero._steps_per_epoch = 100, 10
     assert to_zero.schedule_values(100)["weight_decay"] == 0.0
     assert to_zero.schedule_values(50)["weight_decay"] == pytest.approx(0.04 * (1 + math.cos(math.pi * 50 / 100)) / 2)
+    # no end value: the weight decay stays where it started for the whole run (MoCo v3's 0.1)
+    constant = make("supervised", base_lr=0.1, warmup_epochs=0.0, weight_decay=0.1, weight_decay_end=None)
+    constant._total_steps, constant._steps_per_epoch = 100, 10
+    assert [constant.schedule_values(s)["weight_decay"] for s in (0, 50, 99, 100, 130)] == pytest.approx([0.1] * 5)
 
 
 def test_without_warmup_the_cosine_starts_at_the_peak_and_ends_above_min_lr():
@@ -585,6 +589,27 @@ def test_the_skip_policy_raises_once_its_budget_is_spent():
     assert model.nonfinite.skipped == 2
     with pytest.raises(ValueError, match="max_skipped_batches must be >= 0"):
         Supervised(**TINY_BACKBONE, num_classes=4, max_skipped_batches=-1)
+    # a budget of 0 is a valid one: skip nothing, stop at the first non-finite loss
+    none = AlwaysNaN(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, nonfinite_policy="skip", max_skipped_batches=0)
+    with pytest.raises(NonFiniteLossError, match=r"at step 1 .*\(0 batch\(es\) already skipped, the limit\)"):
+        fit_steps(none, views, labels, steps=6)
+    assert none.nonfinite.skipped == 0
+
+
+@pytest.mark.parametrize("warmup, note", [
+    (99, None),
+    (100, "the LR warm-up, warmup_epochs 10 = {w} steps, spans the whole run of 100 steps: its LR rises"),
+    (101, "the LR warm-up, warmup_epochs 10 = {w} steps, is longer than the run of 100 steps and is cut to it: its LR rises"),
+])
+def test_the_start_note_on_a_warmup_as_long_as_the_run_or_longer(warmup, note):
+    from ssl_vit.pretext.start_notes import start_notes
+
+    lines = start_notes("DINO", "vit_small", 8, 2, 1, 5e-4, 5e-4 * 16 / 256, 100, 10, warmup, f"warmup_epochs 10 = {warmup} steps",
+                        global_step=0, resumed_total_steps=None, resumed_global_batch=None)
+    assert lines[0].startswith("[ssl_vit] DINO on vit_small: effective batch size 16 = 8 per device x 2 device(s) x 1 accumulation")
+    notes = [ln for ln in lines if "warm-up" in ln]
+    assert notes == ([] if note is None else [f"[ssl_vit] note: {note.format(w=warmup)} to the peak at the last step and the "
+                                               "cosine never starts (set a shorter warm-up)"])
 
 
 def test_a_checkpoint_carries_the_step_seed_and_the_spent_skip_budget_to_the_resumed_run():
@@ -831,3 +856,27 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it():
     model._total_steps, model.peak_lr = 12, 0.1
     lrs = [model.schedule_values(s)["lr"] for s in range(12)]
     assert lrs == pytest.approx([0.1 * (t + 1) / 12 for t in range(12)])  # peak·(t + 1)/W with W = 12, not 120
+
+
+def test_a_checkpoints_record_restores_what_the_run_did_not_give_again():
+    """The recipe of the resumed invocation (its new length or batch) wins over the checkpoint's;
+    a module loaded from Python takes the checkpoint's. The epochs trained come from the loader's
+    position, else from optimiser steps over steps per epoch (to 4 decimals)."""
+    from types import SimpleNamespace
+
+    from ssl_vit.pretext.record import epochs_done, restore_record
+
+    record = {"recipe": "model: {old: 1}", "seed": 7, "skipped_batches": 2, "global_batch_size": 64, "total_steps": 100}
+    resumed = Supervised(**TINY_BACKBONE, num_classes=4)
+    resumed.recipe = "model: {new: 2}"
+    restore_record(resumed, record)
+    assert resumed.recipe == "model: {new: 2}"
+    assert (resumed._seed, resumed.nonfinite.skipped, resumed._resumed_global_batch, resumed._resumed_total_steps) == (7, 2, 64, 100)
+    loaded = Supervised(**TINY_BACKBONE, num_classes=4)
+    restore_record(loaded, record)
+    assert loaded.recipe == "model: {old: 1}"
+
+    assert epochs_done(None, 7, 3) is None
+    assert epochs_done(SimpleNamespace(train_dataloader=[]), 7, 3) == 2.3333
+    assert epochs_done(SimpleNamespace(train_dataloader=[]), 7, None) is None
+    assert epochs_done(SimpleNamespace(train_dataloader=SimpleNamespace(epochs_done=lambda: 1.234567)), 7, 3) == 1.2346
