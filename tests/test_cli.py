@@ -455,11 +455,11 @@ def test_an_unwritable_output_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "file" in err[0], err
 
 
-def _heap_setting(value: str | None) -> str:
+def _heap_setting(value: str | None, **glibc: str) -> str:
     """What keep_freed_memory reports in a fresh interpreter (mallopt changes the whole process)."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "SSL_VIT_MALLOC"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "SSL_VIT_MALLOC"} | glibc
     if value is not None:
         env["SSL_VIT_MALLOC"] = value
     code = "from ssl_vit.runtime import keep_freed_memory, allocator_note; keep_freed_memory(); print(allocator_note())"
@@ -476,6 +476,9 @@ def test_the_c_heap_is_left_alone_unless_asked():
     if platform.libc_ver()[0] == "glibc":
         assert kept.startswith("glibc, freed memory kept for reuse")
     assert "SSL_VIT_MALLOC must be 'system' or 'keep', got 'fast'" in _heap_setting("fast")
+    # glibc's own settings, given by the user, win over the opt-in
+    for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"):
+        assert _heap_setting("keep", **{name: "65536"}) == "as set by MALLOC_* in the environment"
 
 
 def test_a_bad_heap_setting_is_one_line(monkeypatch, capsys):

@@ -386,6 +386,8 @@ def test_clipping_matches_torch_clip_grad_norm_and_never_scales_up(monkeypatch, 
     assert clip_gradients([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))], 1.0, "per_param").tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="max_norm must be > 0, got 0"):  # (0 would zero every gradient)
         clip_gradients(_grads([1.0]), 0.0, "global", shard_group=group)
+    with pytest.raises(ValueError, match="mode must be 'global' or 'per_param', got 'per-param'"):
+        clip_gradients(_grads([1.0]), 1.0, "per-param", shard_group=group)
     if sharded:  # a skipped step (no gradients) still joins the all-reduce, with the parameters' device
         reduced = []
         monkeypatch.setattr(grad_clip.dist, "all_reduce", lambda tensor, group=None: reduced.append(tensor.device))

@@ -368,6 +368,21 @@ def test_a_finished_run_continued_with_a_larger_budget_takes_every_remaining_bat
     assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 3 * STEPS_PER_EPOCH  # no batch skipped
 
 
+def test_a_run_finished_by_its_epochs_continued_with_more_takes_every_remaining_batch(tmp_path):
+    assert fit("--config", str(recipe(tmp_path, max_epochs=1))) == 0  # step 3: off the checkpoint interval
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == STEPS_PER_EPOCH
+    assert fit("--config", str(recipe(tmp_path)), "--resume") == 0
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == 3 * STEPS_PER_EPOCH  # no batch skipped
+
+
+def test_checkpoints_go_where_checkpoint_dirpath_says_and_the_run_resumes_from_there(tmp_path):
+    mine = tmp_path / "mine"
+    assert fit("--config", str(recipe(tmp_path, max_steps=2)), "--checkpoint.dirpath", str(mine)) == 0
+    assert load(mine / "last.ckpt")["global_step"] == 2 and not ckpt_dir(tmp_path).exists()
+    assert fit("--config", str(recipe(tmp_path, max_steps=4)), "--checkpoint.dirpath", str(mine), "--resume") == 0
+    assert load(mine / "last.ckpt")["global_step"] == 4 and not ckpt_dir(tmp_path).exists()
+
+
 def test_a_run_another_callback_stopped_continues_with_every_remaining_batch(tmp_path, uninterrupted):
     stop = [{"class_path": "test_faults.StopAt", "init_args": {"step": 5}}]  # mid-epoch, off the checkpoint interval
     assert fit("--config", str(recipe(tmp_path, callbacks=stop))) == 0

@@ -193,3 +193,21 @@ def test_gradients_are_split_over_processes_only_where_fsdp_shards_them(monkeypa
     shards = object()  # the root FSDP module's process group
     strategy._model = SimpleNamespace(process_group=shards)
     assert gradient_shard_group(strategy) is (None if whole else shards)
+
+
+def test_the_names_and_module_inside_activation_checkpointing_and_torch_compile_are_the_originals():
+    """recipes/trainer/fsdp.yaml checkpoints the blocks' activations and a user may compile the
+    model: the weight-decay rules and the FLOP count read through both wrappers, whose name
+    parts are torch's own."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from ssl_vit.training.sharding import unwrap_module
+
+    model = create_backbone("vit", **TINY_VIT)
+    original = [n for n, _ in model.named_parameters()]
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    compiled = torch.compile(model)  # (nothing is compiled before a forward)
+    wrapped = [n for n, _ in compiled.named_parameters()]
+    assert any("_checkpoint_wrapped_module." in n for n in wrapped) and all(n.startswith("_orig_mod.") for n in wrapped)
+    assert [unwrapped_name(n) for n in wrapped] == original
+    assert unwrap_module(compiled) is model and unwrap_module(compiled.blocks[0]) is compiled.blocks[0]._checkpoint_wrapped_module

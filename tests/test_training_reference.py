@@ -76,6 +76,10 @@ def test_newest_checkpoint_is_the_furthest_trained_then_the_latest_written(tmp_p
     _checkpoint(ckpts / "a_near.ckpt", step=4, mtime_s=3_000)         # nearer step, newer time
     (ckpts / "b_broken.ckpt").write_bytes(b"not a checkpoint")        # no step: -1, newest time
     os.utime(ckpts / "b_broken.ckpt", ns=(5_000 * 10**9,) * 2)
+    torch.save({"state_dict": {}}, ckpts / "c_weights.ckpt")         # a torch file without a step: -1 too
+    os.utime(ckpts / "c_weights.ckpt", ns=(6_000 * 10**9,) * 2)
+    torch.save([1, 2], ckpts / "d_list.ckpt")                         # not even a mapping
+    os.utime(ckpts / "d_list.ckpt", ns=(7_000 * 10**9,) * 2)
     _checkpoint(tmp_path / "hpc_ckpt_1.ckpt", step=7, mtime_s=4_000)  # SLURM requeue file, newer but behind
     assert newest_checkpoint(ckpts) == ckpts / "z_far.ckpt"
     assert newest_checkpoint(ckpts, tmp_path) == ckpts / "z_far.ckpt"
