@@ -4,6 +4,7 @@ allow it, and update to the same parameters as torch's per-tensor loop (up to fl
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ def test_fused_support_follows_device_and_dtype() -> None:
     assert not fused_supported([torch.zeros(3, dtype=torch.long)])
     assert not fused_supported([f32, torch.zeros(3, device="meta")])  # one device type only
     assert not fused_supported([torch.zeros(3, device="meta")])
+    # CPU and CUDA each have the kernels, but one optimizer over both cannot fuse (a stand-in for
+    # a CUDA tensor: only its device type and dtype are read)
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0), is_floating_point=lambda: True)
+    assert fused_supported([on_cuda]) and not fused_supported([f32, on_cuda])
     assert fused_kwargs([{"params": [f32]}]) == {"fused": True}
     assert fused_kwargs([{"params": [f32]}], enabled=False) == {}
 

@@ -21,6 +21,21 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05, fused=True),
 ], ids=["adamw", "adamw-amsgrad", "adam-for-loop", "adamw-fused"])
 def test_state_made_ahead_gives_the_same_steps(make) -> None:
+    _same_steps(make)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_state_made_ahead_under_a_double_default_dtype(fused: bool) -> None:
+    # torch keeps the step counter in the default dtype, except a fused (or capturable) Adam's: float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _same_steps(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.05, fused=fused))
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _same_steps(make) -> None:
     lazy_params, eager_params = _params(), _params()
     lazy, eager = make(lazy_params), make(eager_params)
     g = torch.Generator().manual_seed(1)
