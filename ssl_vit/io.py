@@ -88,5 +88,32 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` through :func:`atomic_write`."""
-    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """``torch.save`` through :func:`atomic_write`.
+
+    Written through a Python file: a write that fails (a full disk, a quota) then raises the
+    ``OSError`` that says so, naming ``path``; ``torch.save`` to a file name reports only its C++
+    stream's ``basic_ios::clear: iostream error``."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            try:
+                torch.save(obj, f)
+            except RuntimeError as err:
+                cause = _os_error_behind(err)
+                if cause is None:
+                    raise
+                raise OSError(cause.errno, f"cannot write {path}: {cause.strerror}") from err
+
+    return atomic_write(path, write)
+
+
+def _os_error_behind(err: BaseException) -> OSError | None:
+    """The ``OSError`` of a failed ``write`` that torch's serializer turned into a RuntimeError."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -204,6 +205,28 @@ def test_a_checkpoint_write_that_dies_leaves_the_previous_file(tmp_path):
     with pytest.raises(TypeError, match=r"AtomicCheckpointIO takes no storage_options, got \{'compress': True\}"):
         io.save_checkpoint({"step": 3}, path, storage_options={"compress": True})
     assert path.read_bytes() == before
+
+
+def test_a_checkpoint_write_that_runs_out_of_space_leaves_the_previous_file(tmp_path):
+    """A disk that fills up mid-write, here a file-size limit (writes past 64 KiB fail with EFBIG):
+    writing the new file in place would leave its first 64 KiB instead of the old checkpoint."""
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
+    before = path.read_bytes()
+    code = (
+        "import resource, signal, sys, torch\n"
+        "from ssl_vit.training.checkpoint_io import AtomicCheckpointIO\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+        "try:\n"
+        "    AtomicCheckpointIO().save_checkpoint({'step': 2, 'blob': torch.zeros(100_000)}, sys.argv[1])\n"
+        "except OSError as err:\n"
+        "    print('refused', err.errno, err)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert f"refused {errno.EFBIG}" in run.stdout, run.stderr  # the disk's error, not torch's "iostream error"
+    assert f"cannot write {path}: File too large" in run.stdout
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 # ----------------------------------------------------------------------------- exact resume
