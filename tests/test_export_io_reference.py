@@ -650,6 +650,9 @@ def test_a_signal_is_acted_on_once_and_not_during_the_sanity_check():
         trainer.sanity_checking = True
         cb.on_validation_batch_end(trainer, None)  # no raise, nothing saved
         trainer.sanity_checking = False
+        trainer.state.fn = "validate"  # trainer.validate(...) on the same trainer: not a training run to stop
+        cb.on_validation_batch_end(trainer, None)
+        trainer.state.fn = "fit"
         assert trainer.checkpoint_callback.saved_at == []
         cb.on_train_batch_end(trainer, None, None, None, 0)
         assert trainer.checkpoint_callback.saved_at == [3] and trainer.should_stop and cb.stopped_by == "SIGUSR1"
