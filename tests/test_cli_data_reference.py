@@ -167,6 +167,18 @@ def test_each_process_draws_its_own_step_seed_from_numpys_seed_sequence():
     assert not torch.equal(first[1], other_rank[1])
 
 
+def test_the_runs_seed_is_the_one_lightnings_seed_everything_set(monkeypatch):
+    import lightning as L
+
+    from ssl_vit.runtime import global_seed
+
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert global_seed(5) == 5  # nothing seeded: the default
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # (restored after the test)
+    L.seed_everything(1234, verbose=False)
+    assert global_seed(5) == 1234
+
+
 # -- datasets.py ------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 import weakref
 from contextlib import nullcontext
 from pathlib import Path
@@ -113,9 +114,17 @@ def test_a_resumed_run_removes_the_unfinished_writes_of_a_killed_job(tmp_path, c
     assert not (ckpts / ".last.ckpt.k1ll3d.tmp").exists() and (ckpts / ".notes.txt.k1ll3d.tmp").exists()
 
 
-def test_a_strategy_with_its_own_checkpoint_io_keeps_it(tmp_path):
-    # Lightning refuses a CheckpointIO on both the strategy and the plugins: ours stays out then.
+def test_a_strategy_with_its_own_checkpoint_io_keeps_it(tmp_path, monkeypatch):
+    # Checkpoints are written atomically (ssl_vit.training.checkpoint_io) ...
+    import ssl_vit.training.checkpoint_io as checkpoint_io
+
+    atomic, real = [], checkpoint_io.atomic_torch_save
+    monkeypatch.setattr(checkpoint_io, "atomic_torch_save", lambda obj, path: atomic.append(Path(path).name) or real(obj, path))
     cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path / "plain")]) == 0
+    assert atomic == ["last.ckpt"]
+    atomic.clear()
+    # ... but Lightning refuses a CheckpointIO on both the strategy and the plugins: ours stays out then.
     overlay = tmp_path / "strategy.yaml"
     overlay.write_text(yaml.safe_dump({"trainer": {"strategy": {
         "class_path": "lightning.pytorch.strategies.SingleDeviceStrategy",
@@ -127,6 +136,7 @@ def test_a_strategy_with_its_own_checkpoint_io_keeps_it(tmp_path):
                                                    "plugins": [{"class_path": "lightning.pytorch.plugins.io.TorchCheckpointIO"}]}}))
     assert cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--trainer.max_steps", "1"]) == 0
     assert (tmp_path / "plugin" / "checkpoints" / "last.ckpt").is_file()
+    assert atomic == []
 
 
 def test_resume_with_a_logger_and_a_relative_run_directory(tmp_path, monkeypatch):
@@ -175,7 +185,10 @@ def test_continuing_from_another_runs_checkpoint_leaves_this_directory_s_files_a
     mine = ["fit", "--config", str(cfg), "--trainer.default_root_dir", str(tmp_path / "mine"), "--checkpoint.keep_last", "1"]
     assert cli_main(mine) == 0  # this folder's own run
     before = (tmp_path / "mine" / "checkpoints" / "step00000002.ckpt").read_bytes()
-    assert cli_main([*mine, "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--ckpt_path", str(other)]) == 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cli_main([*mine, "--trainer.max_steps", "5", "--trainer.max_epochs", "3", "--ckpt_path", str(other)]) == 0
+    assert not [w for w in seen if "dirpath has changed" in str(w.message)]  # (Lightning's, for bookkeeping it drops)
     assert torch.load(tmp_path / "mine" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
     assert checkpoint_names(tmp_path / "mine") == ["last.ckpt", "step00000002.ckpt", "step00000004.ckpt"]
     assert (tmp_path / "mine" / "checkpoints" / "step00000002.ckpt").read_bytes() == before
@@ -233,10 +246,26 @@ def test_ckpt_path_auto_starts_a_run_then_resumes_it(tmp_path):
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
 
 
+def test_resume_takes_a_slurm_requeue_checkpoint_that_is_further_and_warns_of_nothing(tmp_path, capsys):
+    """Lightning's requeue checkpoint (<default_root_dir>/hpc_ckpt_<n>.ckpt) counts for --resume
+    when it is further than the run's own; a resumed run's checkpoint folder is expected to hold files."""
+    cfg = tiny_config(tmp_path)
+    assert cli_main(["fit", "--config", str(cfg)]) == 0  # steps 2 and 3 (last.ckpt)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "last.ckpt").rename(run / "hpc_ckpt_1.ckpt")  # step 3; step00000002.ckpt stays
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cli_main(["fit", "--config", str(cfg), "--trainer.max_steps", "4", "--resume"]) == 0
+    assert f"resuming from {run / 'hpc_ckpt_1.ckpt'}" in capsys.readouterr().err
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert not [w for w in seen if "exists and is not empty" in str(w.message)]
+
+
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1
-    assert "no checkpoint to resume from" in capsys.readouterr().err
+    assert f"no checkpoint to resume from in {tmp_path / 'run' / 'checkpoints'}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
