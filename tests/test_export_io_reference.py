@@ -10,11 +10,14 @@ which signal handlers the preemption callback takes)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -880,3 +883,23 @@ def test_timm_names_a_non_square_vit_by_its_sizes_first_entry_point_and_a_safete
     save_safetensors(tmp_path / "dino.safetensors", state)
     model, info = load_any_backbone(tmp_path / "dino.safetensors", backbone="vit", backbone_kwargs=TINY_VIT)
     assert info["which"] == "teacher" and torch.equal(model.state_dict()["cls_token"], teacher.state_dict()["cls_token"])
+
+
+@pytest.mark.parametrize("writer", ["write_torchscript", "write_exported_program"])
+def test_a_traced_file_that_does_not_fit_on_the_disk_is_an_os_error(tmp_path, writer):
+    """A full disk (here a file-size limit of 8 KiB: writes past it fail with EFBIG) while writing
+    TorchScript or torch.export: torch's own writers abort the whole process from C++ there."""
+    code = (
+        "import pathlib, resource, signal, sys\n"
+        "from ssl_vit.backbones import create_backbone\n"
+        "from ssl_vit.export import traced\n"
+        "model = create_backbone('vit', img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2).eval()\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))\n"
+        "try:\n"
+        f"    traced.{writer}(model, pathlib.Path(sys.argv[1]), 1e-4)\n"
+        "except OSError as err:\n"
+        "    print('refused', err.errno)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and f"refused {errno.EFBIG}" in run.stdout, run.stderr[-2000:]

@@ -89,7 +89,8 @@ def write_torchscript(model: nn.Module, folder: Path, tolerance: float) -> tuple
         traced = torch.jit.trace(model, example_input(model, 2), check_trace=False)
         h, w = model.img_size
         traced = torch.jit.script(_SizeChecked(traced, int(model.in_chans), int(h), int(w)))
-        torch.jit.save(traced, str(path))
+        with open(path, "wb") as f:  # (through a Python file: a full disk is an OSError, not a C++ abort)
+            torch.jit.save(traced, f)
         loaded = torch.jit.load(str(path), map_location="cpu")
     diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"TorchScript {TORCHSCRIPT_FILE}", tolerance)
     return path, diff
@@ -102,7 +103,11 @@ def write_exported_program(model: nn.Module, folder: Path, tolerance: float) -> 
     batch = torch.export.Dim("batch", min=1)
     with _quiet(), torch.no_grad():
         program = torch.export.export(model, (example_input(model, 2),), dynamic_shapes=({0: batch},))
-        torch.export.save(program, str(path))
+        # Serialised in memory, then written by Python: torch.export.save into a file that cannot
+        # take it (a full disk, a quota) aborts the process from a C++ destructor.
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        path.write_bytes(buffer.getbuffer())
         loaded = torch.export.load(str(path)).module()
     diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"torch.export {EXPORTED_FILE}", tolerance)
     return path, diff
