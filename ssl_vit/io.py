@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        with writing(path):
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         _default_permissions(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -43,6 +45,18 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
         raise
     _fsync_dir(path.parent)  # the rename itself survives a power loss
     return path
+
+
+@contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Name ``path`` in an ``OSError`` of a write that names no file (a full disk, a quota: the
+    write to an open file fails), as ``[Errno 28] cannot write PATH: No space left on device``."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from err
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -102,7 +116,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
                 cause = _os_error_behind(err)
                 if cause is None:
                     raise
-                raise OSError(cause.errno, f"cannot write {path}: {cause.strerror}") from err
+                raise OSError(cause.errno, cause.strerror) from err  # (atomic_write names the file)
 
     return atomic_write(path, write)
 

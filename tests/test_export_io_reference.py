@@ -899,7 +899,9 @@ def test_a_traced_file_that_does_not_fit_on_the_disk_is_an_os_error(tmp_path, wr
         "try:\n"
         f"    traced.{writer}(model, pathlib.Path(sys.argv[1]), 1e-4)\n"
         "except OSError as err:\n"
-        "    print('refused', err.errno)\n"
+        "    print('refused', err.errno, err)\n"
     )
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and f"refused {errno.EFBIG}" in run.stdout, run.stderr[-2000:]
+    name = "model.torchscript.pt" if writer == "write_torchscript" else "model.pt2"
+    assert f"cannot write {tmp_path / name}: File too large" in run.stdout

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssl_vit.io import writing
+
 TORCHSCRIPT_FILE = "model.torchscript.pt"
 EXPORTED_FILE = "model.pt2"
 ONNX_FILE = "model.onnx"
@@ -89,7 +91,7 @@ def write_torchscript(model: nn.Module, folder: Path, tolerance: float) -> tuple
         traced = torch.jit.trace(model, example_input(model, 2), check_trace=False)
         h, w = model.img_size
         traced = torch.jit.script(_SizeChecked(traced, int(model.in_chans), int(h), int(w)))
-        with open(path, "wb") as f:  # (through a Python file: a full disk is an OSError, not a C++ abort)
+        with writing(path), open(path, "wb") as f:  # (a Python file: a full disk is an OSError, not a C++ abort)
             torch.jit.save(traced, f)
         loaded = torch.jit.load(str(path), map_location="cpu")
     diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"TorchScript {TORCHSCRIPT_FILE}", tolerance)
@@ -107,7 +109,8 @@ def write_exported_program(model: nn.Module, folder: Path, tolerance: float) -> 
         # take it (a full disk, a quota) aborts the process from a C++ destructor.
         buffer = io.BytesIO()
         torch.export.save(program, buffer)
-        path.write_bytes(buffer.getbuffer())
+        with writing(path):
+            path.write_bytes(buffer.getbuffer())
         loaded = torch.export.load(str(path)).module()
     diff = check_parity(loaded, model, example_input(model, 3, seed=1), f"torch.export {EXPORTED_FILE}", tolerance)
     return path, diff
