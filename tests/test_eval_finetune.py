@@ -306,6 +306,9 @@ def test_a_run_dir_of_another_run_is_refused_in_one_line_before_lightning_loads_
     ({"drop_path_rate": -0.1}, "drop_path_rate must be in"),
     ({"weight_decay": -1.0}, "weight_decay >= 0"),
     ({"base_lr": 0.0}, "base_lr > 0"),
+    ({"label_smoothing": 1.0}, r"label_smoothing must be in \[0, 1\), got 1.0"),  # (every target uniform)
+    ({"drop_path_rate": 1.0}, r"drop_path_rate must be in \[0, 1\), got 1.0"),
+    ({"layer_decay": 1.5}, r"layer_decay must be in \(0, 1\], got 1.5"),
 ])
 def test_fine_tuning_settings_it_cannot_run_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

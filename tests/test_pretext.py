@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import lightning as L
@@ -880,3 +881,56 @@ def test_a_checkpoints_record_restores_what_the_run_did_not_give_again():
     assert epochs_done(SimpleNamespace(train_dataloader=[]), 7, 3) == 2.3333
     assert epochs_done(SimpleNamespace(train_dataloader=[]), 7, None) is None
     assert epochs_done(SimpleNamespace(train_dataloader=SimpleNamespace(epochs_done=lambda: 1.234567)), 7, 3) == 1.2346
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"optimizer": "sgdx"}, "optimizer must be 'adamw', 'sgd' or 'lars', got 'sgdx'"),  # (not LARS by default)
+    ({"base_lr": 0.0}, "base_lr must be > 0"),
+    ({"weight_decay": -0.01}, "weight_decay >= 0"),
+    ({"weight_decay_exempt": "all"}, "weight_decay_exempt must be 'bias_norm_tokens', 'bias_norm' or 'none', got 'all'"),
+])
+def test_optimiser_settings_it_cannot_run_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Supervised(**TINY_BACKBONE, num_classes=4, **kwargs)
+
+
+def test_one_class_has_no_online_probe_and_the_probe_learns_beside_the_method():
+    assert MPP(mean=[0.5], std=[0.25], **TINY_BACKBONE, num_classes=1).probe is None  # nothing to tell apart
+    model = MPP(mean=[0.5], std=[0.25], **TINY_BACKBONE, num_classes=2)
+    probe_before = {k: v.detach().clone() for k, v in model.probe.named_parameters()}  # (not its BatchNorm's running stats)
+    seen = []
+
+    class Logged(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train/lr", "probe/train_loss")})
+
+    views, labels = fixed_views([16])
+    fit_steps(model, views, labels % 2, steps=2, callbacks_extra=[Logged()])
+    after = dict(model.probe.named_parameters())
+    assert probe_before and all(not torch.equal(v, after[k]) for k, v in probe_before.items())  # it trained
+    assert [set(s) for s in seen] == [{"train/lr", "probe/train_loss"}] * 2
+    assert seen[0]["train/lr"] == pytest.approx(model.schedule_values(0)["lr"])
+
+
+def test_steps_per_epoch_count_a_last_partial_accumulation_and_the_warmup_rounds():
+    from types import SimpleNamespace
+
+    model = Supervised(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.9)
+    # 5 batches per epoch, 2 per optimiser step: Lightning steps after batches 2, 4 and the epoch's last
+    model._trainer = SimpleNamespace(estimated_stepping_batches=30, num_training_batches=5, accumulate_grad_batches=2)
+    model.on_train_start()
+    assert (model._total_steps, model._steps_per_epoch, model._warmup_steps()) == (30, 3, 3)  # 0.9 x 3 = 2.7 -> 3
+
+
+def test_each_batch_is_seeded_from_the_run_seed_epoch_batch_and_process(monkeypatch):
+    from types import SimpleNamespace
+
+    import ssl_vit.pretext.base as base
+
+    keys = []
+    monkeypatch.setattr(base, "seed_training_step", lambda *key: keys.append(key))
+    model = Supervised(**TINY_BACKBONE, num_classes=4)
+    model._seed = 11
+    model._trainer = SimpleNamespace(current_epoch=3, global_rank=1)
+    model._seed_step(5)
+    assert keys == [(11, 3, 5, 1)]
