@@ -934,3 +934,15 @@ def test_each_batch_is_seeded_from_the_run_seed_epoch_batch_and_process(monkeypa
     model._trainer = SimpleNamespace(current_epoch=3, global_rank=1)
     model._seed_step(5)
     assert keys == [(11, 3, 5, 1)]
+
+
+def test_a_validation_split_without_labels_logs_no_metric():
+    from types import SimpleNamespace
+
+    model = Supervised(**TINY_BACKBONE, num_classes=4)
+    model._trainer = SimpleNamespace(world_size=1)
+    logged = {}
+    model.log = lambda name, value, **kwargs: logged.__setitem__(name, float(value))
+    model._val_totals = {"probe/val_acc": torch.tensor([0.0, 0.0]), "val/loss": torch.tensor([3.0, 4.0])}  # [value sum, images]
+    model.on_validation_epoch_end()
+    assert logged == {"val/loss": 0.75}  # (not a 0/0 accuracy)
