@@ -361,7 +361,8 @@ def test_train_and_test_checks_its_arguments_and_sizes_the_schedule_to_its_steps
     def record(total_steps, steps_per_epoch, world_size):
         raise Built(total_steps, steps_per_epoch, world_size)
 
-    for epochs, batch, max_steps, expected in ((5, 4, 3, (3, 4, 1)), (5, 4, -1, (20, 4, 1)), (3, 16, -1, (3, 1, 1))):
+    for epochs, batch, max_steps, expected in ((5, 4, 3, (3, 4, 1)), (5, 4, -1, (20, 4, 1)), (3, 16, -1, (3, 1, 1)),
+                                               (2, 4, 100, (8, 4, 1))):  # (max_steps beyond the epochs: the epochs end it)
         with pytest.raises(Built) as built:
             train_and_test(record, data, data, what="x", epochs=epochs, batch_size=batch, max_steps=max_steps, accelerator="cpu")
         assert built.value.args == expected  # the LR schedule's length: the steps the run takes
