@@ -6,6 +6,8 @@ import contextlib
 import gzip
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,24 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     # job, or left by an in-process DDP test): a subprocess would take itself for one of its ranks.
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     return {**env, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def under_file_size_limit(limit: int, setup: str, call: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``setup`` then ``call`` (Python source; ``sys.argv[1:]`` is ``args``) in a fresh
+    interpreter whose files cannot grow past ``limit`` bytes once ``setup`` is done: a write past
+    it fails with EFBIG, as one on a full disk does. An ``OSError`` from ``call`` is printed as
+    ``refused ERRNO MESSAGE``."""
+    code = "\n".join([
+        "import resource, signal, sys",
+        setup,
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)",
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))",
+        "try:",
+        f"    {call}",
+        "except OSError as err:",
+        "    print('refused', err.errno, err)",
+    ])
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=subprocess_env())
 
 
 _LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}

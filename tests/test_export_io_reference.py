@@ -16,8 +16,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -25,7 +23,7 @@ import pytest
 import timm
 import torch
 import torchvision
-from helpers import TINY_VIT
+from helpers import TINY_VIT, under_file_size_limit
 from safetensors.torch import load_file, save_file
 
 from ssl_vit import cli, create_backbone
@@ -889,19 +887,9 @@ def test_timm_names_a_non_square_vit_by_its_sizes_first_entry_point_and_a_safete
 def test_a_traced_file_that_does_not_fit_on_the_disk_is_an_os_error(tmp_path, writer):
     """A full disk (here a file-size limit of 8 KiB: writes past it fail with EFBIG) while writing
     TorchScript or torch.export: torch's own writers abort the whole process from C++ there."""
-    code = (
-        "import pathlib, resource, signal, sys\n"
-        "from ssl_vit.backbones import create_backbone\n"
-        "from ssl_vit.export import traced\n"
-        "model = create_backbone('vit', img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2).eval()\n"
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))\n"
-        "try:\n"
-        f"    traced.{writer}(model, pathlib.Path(sys.argv[1]), 1e-4)\n"
-        "except OSError as err:\n"
-        "    print('refused', err.errno, err)\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    setup = ("import pathlib\nfrom ssl_vit.backbones import create_backbone\nfrom ssl_vit.export import traced\n"
+             "model = create_backbone('vit', img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2).eval()")
+    run = under_file_size_limit(8192, setup, f"traced.{writer}(model, pathlib.Path(sys.argv[1]), 1e-4)", str(tmp_path))
     assert run.returncode == 0 and f"refused {errno.EFBIG}" in run.stdout, run.stderr[-2000:]
     name = "model.torchscript.pt" if writer == "write_torchscript" else "model.pt2"
     assert f"cannot write {tmp_path / name}: File too large" in run.stdout

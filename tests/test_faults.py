@@ -29,7 +29,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import TINY_VIT, subprocess_env
+from helpers import TINY_VIT, subprocess_env, under_file_size_limit
 from PIL import Image
 
 from ssl_vit.cli import main as ssl_vit_main
@@ -213,17 +213,8 @@ def test_a_checkpoint_write_that_runs_out_of_space_leaves_the_previous_file(tmp_
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
     before = path.read_bytes()
-    code = (
-        "import resource, signal, sys, torch\n"
-        "from ssl_vit.training.checkpoint_io import AtomicCheckpointIO\n"
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
-        "try:\n"
-        "    AtomicCheckpointIO().save_checkpoint({'step': 2, 'blob': torch.zeros(100_000)}, sys.argv[1])\n"
-        "except OSError as err:\n"
-        "    print('refused', err.errno, err)\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120, env=subprocess_env())
+    run = under_file_size_limit(65536, "import torch\nfrom ssl_vit.training.checkpoint_io import AtomicCheckpointIO",
+                                "AtomicCheckpointIO().save_checkpoint({'step': 2, 'blob': torch.zeros(100_000)}, sys.argv[1])", str(path))
     assert f"refused {errno.EFBIG}" in run.stdout, run.stderr  # the disk's error, not torch's "iostream error"
     assert f"cannot write {path}: File too large" in run.stdout
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -7,6 +7,7 @@ import copy
 import math
 import re
 import warnings
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -863,8 +864,6 @@ def test_a_checkpoints_record_restores_what_the_run_did_not_give_again():
     """The recipe of the resumed invocation (its new length or batch) wins over the checkpoint's;
     a module loaded from Python takes the checkpoint's. The epochs trained come from the loader's
     position, else from optimiser steps over steps per epoch (to 4 decimals)."""
-    from types import SimpleNamespace
-
     from ssl_vit.pretext.record import epochs_done, restore_record
 
     record = {"recipe": "model: {old: 1}", "seed": 7, "skipped_batches": 2, "global_batch_size": 64, "total_steps": 100}
@@ -913,8 +912,6 @@ def test_one_class_has_no_online_probe_and_the_probe_learns_beside_the_method():
 
 
 def test_steps_per_epoch_count_a_last_partial_accumulation_and_the_warmup_rounds():
-    from types import SimpleNamespace
-
     model = Supervised(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.9)
     # 5 batches per epoch, 2 per optimiser step: Lightning steps after batches 2, 4 and the epoch's last
     model._trainer = SimpleNamespace(estimated_stepping_batches=30, num_training_batches=5, accumulate_grad_batches=2)
@@ -923,8 +920,6 @@ def test_steps_per_epoch_count_a_last_partial_accumulation_and_the_warmup_rounds
 
 
 def test_each_batch_is_seeded_from_the_run_seed_epoch_batch_and_process(monkeypatch):
-    from types import SimpleNamespace
-
     import ssl_vit.pretext.base as base
 
     keys = []
@@ -937,8 +932,6 @@ def test_each_batch_is_seeded_from_the_run_seed_epoch_batch_and_process(monkeypa
 
 
 def test_a_validation_split_without_labels_logs_no_metric():
-    from types import SimpleNamespace
-
     model = Supervised(**TINY_BACKBONE, num_classes=4)
     model._trainer = SimpleNamespace(world_size=1)
     logged = {}
