@@ -26,6 +26,7 @@ import torchvision
 from helpers import TINY_VIT, under_file_size_limit
 from safetensors.torch import load_file, save_file
 
+import ssl_vit.export.save as export_save
 from ssl_vit import cli, create_backbone
 from ssl_vit.export import (
     ExportParityError,
@@ -322,7 +323,30 @@ def test_weights_that_do_not_rebuild_the_model_are_refused_and_not_left_behind(t
     vit.global_pool = "avg"
     with pytest.raises(ExportParityError, match="weights model.safetensors: outputs differ"):
         save_backbone(vit, tmp_path / "exp")
-    assert list((tmp_path / "exp").iterdir()) == []
+    assert not (tmp_path / "exp").exists()  # nor the folder the export had created
+    (tmp_path / "mine").mkdir()  # a folder the user had made stays, empty
+    with pytest.raises(ExportParityError):
+        save_backbone(vit, tmp_path / "mine")
+    assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_a_refused_export_removes_the_folders_it_created_and_only_those(monkeypatch, tmp_path):
+    # save.py _remove_created: the parents `--out` made are removed too while empty; an existing
+    # parent stays, and so does a created parent that something else wrote into meanwhile.
+    monkeypatch.setattr(torch.jit, "trace", _Wrong(_vit(2)))
+    with pytest.raises(ExportParityError):
+        save_backbone(_vit(1), tmp_path / "a" / "b" / "exp", formats=["torchscript"])
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    def publish_beside_a_note(stage, out_dir):
+        (tmp_path / "a" / "note.txt").write_text("written meanwhile")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_save, "publish", publish_beside_a_note)
+    with pytest.raises(OSError, match="No space left"):
+        save_backbone(_vit(1), tmp_path / "a" / "b" / "exp", formats=["torchscript"])
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/note.txt"]
 
 
 def test_save_backbone_restores_the_callers_training_mode_and_accepts_tolerance_zero(tmp_path):

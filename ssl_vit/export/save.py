@@ -5,6 +5,7 @@ against the eager backbone before it appears."""
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,14 +114,40 @@ def save_backbone(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir}: exists and is not a directory; --out must name a folder")
+    created = _missing_folders(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
     exported = model if on_cpu else copy.deepcopy(model).cpu()  # onnxruntime checks run on CPU
     was_training = model.training
     try:
         return _write(exported.eval(), out_dir, source, formats, results, tolerance, opset, head)
+    except BaseException:
+        _remove_created(created)  # a refused export leaves no folder of its own behind
+        raise
     finally:
         model.train(was_training)  # the caller's module keeps its mode
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the folders an export created (innermost first), the export's own with what it
+    wrote, each parent only while it is empty (another process may have written there since)."""
+    if not created:
+        return
+    shutil.rmtree(created[0], ignore_errors=True)
+    for folder in created[1:]:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _write(
