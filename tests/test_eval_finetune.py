@@ -410,3 +410,23 @@ def test_the_record_counts_the_devices_of_a_device_list(tmp_path, monkeypatch):
         pretrain={"steps": 2}, backbone_record={"name": "vit"}, out=tmp_path, accelerator="cpu", devices=[0, 1], num_nodes=1,
         precision="32-true", seed=0, num_workers=0, run_dir=None, resume=False)
     assert result.protocol_args["devices"] == 2 and path.exists()
+
+
+@pytest.mark.parametrize("layer_decay", [0.0, -0.5, 1.0001])
+def test_layer_decay_outside_zero_one_is_refused_by_the_groups_themselves(layer_decay):
+    # finetune.py param_groups_layer_decay: scale = layer_decay ** (last - id) needs (0, 1]; 1 is
+    # the plain optimiser (every group at the base LR).
+    vit = tiny_vit(depth=2)
+    with pytest.raises(ValueError, match=rf"layer_decay must be in \(0, 1\], got {layer_decay}"):
+        param_groups_layer_decay(vit, None, lr=1.0, weight_decay=0.0, layer_decay=layer_decay)
+    assert {g["lr"] for g in param_groups_layer_decay(vit, None, lr=1.0, weight_decay=0.0, layer_decay=1.0)} == {1.0}
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0])
+def test_drop_path_outside_zero_one_is_refused_by_set_drop_path(rate):
+    # a rate of 1 drops every residual branch of the last block; 0 is allowed (no stochastic depth)
+    vit = tiny_vit(depth=2)
+    with pytest.raises(ValueError, match=rf"drop path rate must be in \[0, 1\), got {rate}"):
+        set_drop_path(vit, rate)
+    set_drop_path(vit, 0.0)
+    assert all(isinstance(b.drop_path, torch.nn.Identity) for b in vit.blocks)
