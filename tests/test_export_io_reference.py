@@ -917,3 +917,29 @@ def test_a_traced_file_that_does_not_fit_on_the_disk_is_an_os_error(tmp_path, wr
     assert run.returncode == 0 and f"refused {errno.EFBIG}" in run.stdout, run.stderr[-2000:]
     name = "model.torchscript.pt" if writer == "write_torchscript" else "model.pt2"
     assert f"cannot write {tmp_path / name}: File too large" in run.stdout
+
+
+def test_a_traced_file_refused_by_the_disk_is_named_where_it_would_have_been(monkeypatch, tmp_path):
+    # files.py staging_dir: the traced files are written into a staging folder removed right
+    # after; the error names the file the export would have made, not that folder.
+    from ssl_vit.io import writing
+
+    def full_disk(model, stage, tolerance):
+        with writing(stage / "model.torchscript.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def denied(model, stage, tolerance):
+        raise PermissionError(errno.EACCES, "Permission denied", str(stage / "model.pt2"))
+
+    monkeypatch.setattr(export_save, "write_torchscript", full_disk)
+    monkeypatch.setattr(export_save, "write_exported_program", denied)
+    out = tmp_path / "exp"
+    out.mkdir()
+    with pytest.raises(OSError) as refused:
+        save_backbone(_vit(0), out, formats=["torchscript"])
+    assert str(refused.value) == f"[Errno 28] cannot write {out / 'model.torchscript.pt'}: No space left on device"
+    with pytest.raises(OSError) as refused:
+        save_backbone(_vit(0), out, formats=["export"])
+    assert refused.value.errno == errno.EACCES and refused.value.filename == str(out / "model.pt2")
+    assert ".staging" not in str(refused.value)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]

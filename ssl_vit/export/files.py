@@ -141,6 +141,15 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
     try:
         yield tmp
+    except OSError as err:
+        # "cannot write <out_dir>/model.onnx", not the staging folder's name, gone right after
+        staged, final = str(tmp), str(out_dir)
+        if staged not in f"{err.strerror} {err.filename}":
+            raise
+        def moved(name: Any) -> Any:
+            return None if name is None else str(name).replace(staged, final)
+
+        raise OSError(err.errno, str(err.strerror).replace(staged, final), moved(err.filename), None, moved(err.filename2)) from err
     finally:
         for f in tmp.iterdir():
             f.unlink()
