@@ -301,18 +301,21 @@ def test_fashion_mnist_from_root(tmp_path):
 
 
 def test_fashion_mnist_missing_data_errors(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+    with pytest.raises(FileNotFoundError, match=r"dataset-fashion-mnist.*internet access and download=true \(`--data-arg download=true`"):
         FashionMNISTDataModule(root=str(tmp_path), download=False, num_workers=0).setup()
 
-    # A failed download (no internet) gives the same advice plus the cause.
+    # A failed download (no internet) gives the same advice plus the cause, without advising a
+    # download that was on already.
     import torchvision.datasets
 
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(torchvision.datasets, "FashionMNIST", offline)
-    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist.*download failed.*no network"):
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist.*download failed.*no network") as err:
         FashionMNISTDataModule(root=str(tmp_path), download=True, num_workers=0).prepare_data()
+    assert "download=true" not in str(err.value)
+    assert f"running once with internet access (saves to {tmp_path});" in str(err.value)
 
 
 @pytest.mark.skipif(not (DEBIAN_DIR / "train-images-idx3-ubyte.gz").is_file(),
