@@ -650,6 +650,33 @@ def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_settings_of_image_proto
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
 
 
+def test_a_slurm_requeued_run_counts_as_resuming_for_its_evaluation_folders(tmp_path, capsys, monkeypatch):
+    # training/cli.py: a job Lightning requeued resumes from <default_root_dir>/hpc_ckpt_<n>.ckpt
+    # by itself, without --resume; its recipe's evaluation folders are then its own runs, not an
+    # earlier pretraining's (check_run_dirs is told it resumes). The check stops the run here.
+    from ssl_vit.training.evaluate import RecipeEvaluation
+
+    told = []
+
+    def stop_at_the_check(self, trainer, resuming):
+        told.append(resuming)
+        raise ValueError("stopped at the check")
+
+    monkeypatch.setattr(RecipeEvaluation, "check_run_dirs", stop_at_the_check)
+    args = ["fit", "--config", str(tiny_config(tmp_path)), "--evaluate.protocols", "[finetune]"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "hpc_ckpt_1.ckpt").write_bytes(b"")
+    assert cli_main(args) == 1  # outside SLURM a requeue checkpoint is not this job's
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli_main(args) == 1
+    (tmp_path / "run" / "hpc_ckpt_1.ckpt").unlink()
+    assert cli_main(args) == 1  # a SLURM job without one starts anew
+    assert told == [False, True, False]
+    assert capsys.readouterr().err.count("stopped at the check") == 3
+
+
 def test_a_signal_during_the_recipes_fine_tuning_says_how_to_continue(tmp_path, capsys, monkeypatch):
     import signal
 
