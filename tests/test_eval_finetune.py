@@ -430,3 +430,19 @@ def test_drop_path_outside_zero_one_is_refused_by_set_drop_path(rate):
         set_drop_path(vit, rate)
     set_drop_path(vit, 0.0)
     assert all(isinstance(b.drop_path, torch.nn.Identity) for b in vit.blocks)
+
+
+def test_a_fine_tuning_checkpoint_says_it_is_one_and_a_resume_names_another_backbone_name(tmp_path):
+    # finetune.py on_save_checkpoint: method "finetune" when no record names the pretraining (a
+    # module used directly); train_run.run_kind reads any method ending in "finetune" as a
+    # fine-tuning run. resume_difference names a registry name that differs, kwargs alike.
+    from ssl_vit.eval.train_run import resume_difference, run_kind
+
+    tiny = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 1, "num_heads": 2}
+    module = FineTuneModule(create_backbone("vit", **tiny), 3)
+    _saved(module, tmp_path / "ft.ckpt")
+    saved = torch.load(tmp_path / "ft.ckpt", weights_only=False)
+    assert saved["ssl_vit"]["method"] == "finetune" and run_kind(saved) == "fine-tuning"
+    assert resume_difference(module, saved) is None
+    saved["ssl_vit"]["backbone"] = "my_vit"
+    assert resume_difference(module, saved) == "my_vit there, vit here"
