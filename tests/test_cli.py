@@ -232,7 +232,7 @@ def test_eval_finetune_checkpoints_into_its_run_dir_and_resumes(tmp_path, capsys
     assert "--resume needs the --run-dir" in capsys.readouterr().err
 
 
-def test_eval_finetune_exports_the_classifier_that_timm_builds(tmp_path, capsys):
+def test_eval_finetune_exports_the_classifier_that_timm_builds(tmp_path, capsys, monkeypatch):
     """``--export DIR``: the fine-tuned backbone and classifier in one export folder; timm builds
     the whole classifier from it (its logits are ours), ssl_vit's loaders the backbone, and a
     fine-tuning at another resolution is exported at that resolution."""
@@ -244,8 +244,13 @@ def test_eval_finetune_exports_the_classifier_that_timm_builds(tmp_path, capsys)
 
     args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--epochs", "1", "--batch-size", "16",
             "--lr", "0.05", "--img-size", "24", "--run-dir", str(tmp_path / "ft"), "--out", str(tmp_path / "ft.json"), "--export", str(tmp_path / "exp")]
+    from ssl_vit.eval.finetune import FineTuneModule
+
+    seen, step = [], FineTuneModule.training_step
+    monkeypatch.setattr(FineTuneModule, "training_step", lambda self, batch, i: seen.append(tuple(batch[0].shape[2:])) or step(self, batch, i))
     assert cli_main(args) == 0
     assert "4-class classifier" in capsys.readouterr().out
+    assert set(seen) == {(24, 24)}  # the images are made at --img-size, not the backbone's 16
     trained = torch.load(tmp_path / "ft" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     weights = load_file(tmp_path / "exp" / "model.safetensors")
     assert torch.equal(weights["head.weight"], trained["head.weight"]) and weights["head.weight"].abs().max() > 1e-3
