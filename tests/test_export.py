@@ -321,6 +321,46 @@ def test_torchscript_and_onnx_match_eager(dino_ckpt, tmp_path):
     files = json.loads((result.out_dir / "config.json").read_text())["ssl_vit"]["files"]
     assert files["model.onnx"]["max_abs_diff"] < 1e-4 and "sha256" in files["model.torchscript.pt"]
     assert files["model.pt2"]["max_abs_diff"] < 1e-4
+    # a small model's ONNX file holds its weights (no model.onnx.data beside it)
+    assert sorted(p.name for p in result.out_dir.iterdir()) == ["config.json", "model.onnx", "model.pt2", "model.safetensors", "model.torchscript.pt"]
+
+
+def test_onnx_weights_past_the_protobuf_limit_go_to_a_side_file_that_travels_with_it(monkeypatch, tmp_path):
+    # traced.py: a protobuf cannot hold more than 2 GB, so above _ONNX_INLINE_LIMIT the weights
+    # are written to model.onnx.data (ONNX's external data), moved in and recorded beside it.
+    # Stood in for here by a limit of 0 bytes.
+    import onnxruntime as ort
+
+    from ssl_vit.export import traced
+
+    monkeypatch.setattr(traced, "_ONNX_INLINE_LIMIT", 0)
+    model = _tiny(0)
+    out = save_backbone(model, tmp_path / "exp", formats=["onnx"]).out_dir
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.onnx", "model.onnx.data", "model.safetensors"]
+    assert set(json.loads((out / "config.json").read_text())["ssl_vit"]["files"]) == {"model.safetensors", "model.onnx", "model.onnx.data"}
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    x = _x(b=4)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(session.run(None, {"images": x.numpy()})[0]), model(x), atol=1e-5, rtol=0)
+
+
+def test_a_torchscript_file_is_checked_at_another_batch_size_than_it_was_traced_at(monkeypatch, tmp_path):
+    # traced.py: the written file is checked on 3 images, not the trace's 2: a trace that baked
+    # its batch size in fails the export.
+    real_trace = torch.jit.trace
+
+    class OnlyAtTwo(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.inner(x)
+            return y if x.shape[0] == 2 else y + 1.0
+
+    monkeypatch.setattr(torch.jit, "trace", lambda m, x, **kw: torch.jit.script(OnlyAtTwo(real_trace(m, x, **kw))))
+    with pytest.raises(ExportParityError, match=r"TorchScript model.torchscript.pt: outputs differ"):
+        save_backbone(_tiny(0), tmp_path / "exp", formats=["torchscript"])
 
 
 def test_hybrid_exports_reloads_and_traces(tmp_path):
@@ -440,11 +480,14 @@ def _fake_lightning(path):
         (None, FileNotFoundError, "no such file"),
         (lambda p: p.write_text("epochs: 10\nlr: 0.1\n"), ValueError, "a text file; expected a pretraining checkpoint"),
         ("truncate", ValueError, "truncated or corrupt"),
+        # a legacy (pickle) file cut in its header: the loader fails with struct.error
+        (lambda p: p.write_bytes(b"\x80\x02}q\x00(X\x01"), ValueError, r"truncated or corrupt \(unpack requires a buffer of 4 bytes\)"),
+        (lambda p: p.write_bytes(b"\x00" * 16), ValueError, "not a PyTorch file; expected"),
         (_fake_lightning, ValueError, "not of an ssl_vit pretext module.*expected a checkpoint written by `ssl-vit fit`"),
         (lambda p: torch.save([1, 2, 3], p), ValueError, "holds a list, not a checkpoint"),
         (lambda p: torch.save(_tiny(0).state_dict(), p), ValueError, "without a record of its architecture; name it: --arch NAME --backbone-kwargs JSON"),
     ],
-    ids=["missing", "text", "truncated", "wrong_kind", "list", "bare_state_dict"],
+    ids=["missing", "text", "truncated", "cut_legacy", "zeros", "wrong_kind", "list", "bare_state_dict"],
 )
 def test_bad_inputs_give_one_line_errors(make, error, expected, dino_ckpt, tmp_path):
     path = tmp_path / "model.ckpt"

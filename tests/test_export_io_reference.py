@@ -511,6 +511,23 @@ def test_teacher_of_a_state_dict_without_one_is_refused_not_the_online_encoder()
     assert all(torch.equal(picked[k], v) for k, v in online.state_dict().items())
 
 
+def test_an_official_dino_file_of_the_student_alone_and_a_stray_module_key(tmp_path):
+    # foreign.py: main_dino.py's save_dict is recognised by its "teacher" or "student" entry; a
+    # file holding only the student (kept by hand) gives it on request and says what it lacks
+    # otherwise. "module." is stripped only when every key has it (a DDP-wrapped state dict).
+    student = _vit(8)
+    sd = {f"module.backbone.{k}": v for k, v in student.state_dict().items()}
+    sd["module.head.mlp.0.weight"] = torch.zeros(4, 32)  # the DINO head beside it
+    picked = filter_foreign_state_dict({"student": sd, "epoch": 100}, _vit(), which="student")
+    assert picked.keys() == student.state_dict().keys()
+    assert all(torch.equal(picked[k], v) for k, v in student.state_dict().items())
+    with pytest.raises(ValueError, match=r"DINO checkpoint has no 'teacher' entry \(it has student, epoch\)"):
+        filter_foreign_state_dict({"student": sd, "epoch": 100}, _vit())
+    mixed = {**{f"backbone.{k}": v for k, v in student.state_dict().items()}, "module.stray": torch.zeros(1)}
+    picked = filter_foreign_state_dict(mixed, _vit())
+    assert all(torch.equal(picked[k], v) for k, v in student.state_dict().items())
+
+
 def test_rgb_torchvision_weights_into_a_grey_resnet_sum_the_stem_filters():
     # Reference: torchvision's resnet18 (RGB); timm adapt_input_conv sums the stem's filters over
     # channels, so the grey model on x == torchvision's pooled features on x repeated 3 times.
@@ -753,7 +770,7 @@ def test_a_bare_dino_state_dict_gives_its_teacher_by_default_as_its_checkpoint_d
 def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
     # A registered subclass of our ViT with a layer of its own (a learned-query pooling): timm's
     # ViT of the same arguments would drop that layer, so the export claims no timm architecture
-    # or keys, and load_backbone rebuilds the subclass with every weight.
+    # or keys, and load_backbone rebuilds the subclass with every weight and its non-persistent buffer.
     from helpers import registered_backbones
 
     from ssl_vit.backbones import VisionTransformer
@@ -763,9 +780,11 @@ def test_a_vit_subclass_is_exported_as_its_own_architecture_not_timms(tmp_path):
         def __init__(self, **kwargs) -> None:
             super().__init__(**kwargs)
             self.pool_proj = torch.nn.Linear(self.embed_dim, self.embed_dim)
+            # state no state dict carries: load.instantiate builds such a backbone off the meta device
+            self.register_buffer("shift", torch.linspace(0, 1, self.embed_dim), persistent=False)
 
         def forward(self, x):
-            return self.pool_proj(self.forward_features(x)[:, 1:].mean(1))
+            return self.pool_proj(self.forward_features(x)[:, 1:].mean(1)) + self.shift
 
     def pooled_vit(img_size: int = 16, patch_size: int = 4, in_chans: int = 1) -> PooledViT:
         return PooledViT(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=32, depth=1, num_heads=2)
@@ -868,7 +887,7 @@ def test_traced_files_are_staged_inside_the_export_folder_and_take_any_batch(tmp
     monkeypatch.setattr(save, "publish", lambda stage, out_dir: staged.append(stage) or publish(stage, out_dir))
     vit = _vit(0)
     out = save_backbone(vit, tmp_path / "exp", formats=["torchscript", "export"]).out_dir
-    assert [s.parent for s in staged] == [out]
+    assert [s.parent for s in staged] == [out] and staged[0].name.startswith(".staging-")  # hidden: not a result folder
     program = torch.export.load(str(out / "model.pt2")).module()
     x = _x(b=5)
     with torch.no_grad():
@@ -943,3 +962,15 @@ def test_a_traced_file_refused_by_the_disk_is_named_where_it_would_have_been(mon
     assert refused.value.errno == errno.EACCES and refused.value.filename == str(out / "model.pt2")
     assert ".staging" not in str(refused.value)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_a_library_error_quoted_in_a_read_error_is_its_first_line_capped_at_200_characters():
+    # files.py first_line: the cause inside "PATH: cannot be read ... (CAUSE)" stays one line and
+    # short; terminal colour codes go; an empty message gives the exception's type.
+    from ssl_vit.export.files import first_line
+
+    assert first_line(RuntimeError("\x1b[31mbad magic\x1b[0m\n  at frame 3")) == "bad magic"
+    capped = first_line("x" * 300)
+    assert len(capped) == 200 and capped == "x" * 197 + "..."
+    assert first_line("y" * 200) == "y" * 200
+    assert first_line(EOFError()) == "EOFError"

@@ -32,7 +32,7 @@ EXPECTED = (
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def one_line(err: BaseException | str, limit: int = 200) -> str:
+def first_line(err: BaseException | str, limit: int = 200) -> str:
     """The first line of an error message, without terminal colour codes."""
     text = _ANSI.sub("", str(err)).strip()
     first = text.splitlines()[0].strip() if text else type(err).__name__
@@ -83,15 +83,15 @@ def read_torch_file(path: Path, map_location: Any = "cpu", weights_only: bool | 
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         if "weights only" not in str(err).lower():
-            raise ValueError(f"{path}: corrupt PyTorch file ({one_line(err)}); expected {EXPECTED}") from None
+            raise ValueError(f"{path}: corrupt PyTorch file ({first_line(err)}); expected {EXPECTED}") from None
         if weights_only:
             raise ValueError(
                 f"{path}: holds Python objects besides tensors, which weights_only=True refuses to unpickle "
                 "(load it with weights_only=False if you trust the file)"
             ) from None
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as err:
+    except Exception as err:  # a cut file fails anywhere in the loader (EOFError, struct.error, RuntimeError ...)
         raise ValueError(
-            f"{path}: cannot be read as a PyTorch file, it is probably truncated or corrupt ({one_line(err)}); "
+            f"{path}: cannot be read as a PyTorch file, it is probably truncated or corrupt ({first_line(err)}); "
             f"expected {EXPECTED}"
         ) from None
     if weights_only is None:
@@ -103,7 +103,7 @@ def read_torch_file(path: Path, map_location: Any = "cpu", weights_only: bool | 
     try:
         return torch.load(path, map_location=map_location, weights_only=False)
     except Exception as err:  # unpickling can fail in any way (missing modules, corrupt data)
-        raise ValueError(f"{path}: cannot be unpickled ({one_line(err)}); expected {EXPECTED}") from None
+        raise ValueError(f"{path}: cannot be unpickled ({first_line(err)}); expected {EXPECTED}") from None
 
 
 def read_safetensors(path: Path, device: str = "cpu") -> dict[str, Tensor]:
@@ -113,14 +113,14 @@ def read_safetensors(path: Path, device: str = "cpu") -> dict[str, Tensor]:
     try:
         return load_file(str(path), device=device)
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file, probably truncated or corrupt ({one_line(err)})") from None
+        raise ValueError(f"{path}: not a readable safetensors file, probably truncated or corrupt ({first_line(err)})") from None
 
 
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({one_line(err)})") from None
+        raise ValueError(f"{path}: not valid JSON ({first_line(err)})") from None
 
 
 # ------------------------------------------------------------------------------------ writing
