@@ -615,6 +615,7 @@ def test_a_method_the_backbone_contradicts_is_refused(tmp_path, capsys):
         ("finetune", ["--random-erasing", "1.5"], "--random-erasing must be a probability in [0, 1] (0: off), got 1.5"),
         ("finetune", ["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1"),
         ("finetune", ["--drop-path", "-0.1"], "--drop-path must be in [0, 1), got -0.1"),
+        ("finetune", ["--drop-path", "1"], "--drop-path must be in [0, 1), got 1"),
         ("finetune", ["--layer-decay", "-0.5"], "--layer-decay must be in (0, 1] (1: no decay), got -0.5"),
         ("finetune", ["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1"),
         ("finetune", ["--lr", "0"], "--lr must be > 0, got 0"),

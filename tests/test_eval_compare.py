@@ -213,6 +213,12 @@ def test_compute_axis_ticks_are_few_and_round(lo, hi, want):
     assert compute_ticks(lo, hi) == pytest.approx(want)
 
 
+def test_a_range_narrower_than_any_round_step_is_ticked_at_its_ends():
+    # compute_figures.compute_ticks promises two to six ticks: 1.05e9..1.15e9 holds only 1.1e9 of
+    # the finest round steps, so the ends are the ticks.
+    assert compute_ticks(1.05e9, 1.15e9) == [1.05e9, 1.15e9]
+
+
 def test_backbone_families_of_figure_5():
     assert [backbone_family(n) for n in ("vit_small", "vit", "resnet50", "hybrid_r50_vit_base")] == ["ViT", "ViT", "ResNet", "hybrid"]
 
@@ -318,6 +324,33 @@ def test_the_pretraining_data_is_named_as_evaluation_data():
     assert pretraining_data({"name": "ImageFolderDataModule", "train_dir": "/data/imagenet/train"}) == "imagefolder:imagenet/train"
     assert pretraining_data({"name": "MyDataModule"}) == "MyDataModule"
     assert pretraining_data(None) is None
+    assert pretraining_data({"train_dir": "/x/y"}) is None and pretraining_data({"name": None}) is None  # names no data
+
+
+def test_records_in_subfolders_are_found_and_a_bad_item_of_a_list_is_named_by_its_index(tmp_path):
+    # compare.py load_results: folders are searched recursively; a list item that is a record but
+    # a malformed one (an unknown protocol) is an error naming the file and the item.
+    good = EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.5}).to_dict()
+    for sub, method in (("dino", "dino"), ("deep/random", "random")):
+        (tmp_path / "results" / sub).mkdir(parents=True)
+        EvalResult(method, BACKBONE, DATA, "knn", {"top1": 0.5}).to_json(tmp_path / "results" / sub / "knn.json")
+    assert sorted(r.method for r in load_results([tmp_path / "results"])) == ["dino", "random"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.json").write_text(json.dumps([good, {**good, "protocol": "bogus"}]))
+    with pytest.raises(ValueError, match=r"x\.json\[1\]"):
+        load_results([tmp_path / "bad"])
+
+
+def test_a_result_file_that_is_not_json_is_named(tmp_path):
+    # results.py read_json: compare reads many files; the error says which one
+    from ssl_vit.eval.results import read_json
+
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: not valid JSON"):
+        read_json(bad)
+    with pytest.raises(ValueError, match=re.escape(str(bad))):
+        load_results([bad])
 
 
 def test_a_list_of_records_with_a_broken_item_in_a_folder_is_named(results_dir, tmp_path):

@@ -134,6 +134,15 @@ def test_a_record_repeated_at_another_time_is_kept_and_the_newest_wins(tmp_path,
     assert len(load_results([tmp_path])) == 2
 
 
+def test_of_two_records_created_in_the_same_second_the_one_read_last_wins(tmp_path):
+    # compare.py build_comparison: `created` has whole seconds; an older record replaces nothing,
+    # an equal one replaces the earlier read (files are read in name order).
+    same = "2025-03-01T12:00:00"
+    record("dino", "knn", {"top1": 0.80}, same).to_json(tmp_path / "a.json")
+    record("dino", "knn", {"top1": 0.90}, same).to_json(tmp_path / "b.json")
+    assert [r.metrics["top1"] for r in build_comparison(load_results([tmp_path])).results] == [0.90]
+
+
 def test_compute_plot_tick_labels_do_not_collide_and_datasets_keep_their_line_style(axes, tmp_path):
     # The narrow FLOP range of two small runs (about 7 to 10 GFLOPs) got four "N GFLOP" labels
     # running into each other; and one method's two datasets, each alone in its panel, got the
