@@ -571,6 +571,8 @@ def test_backbones_command_errors_name_the_problem(capsys):
         main(["--img-size", "0"])
     with pytest.raises(ValueError, match="must be positive"):
         main(["--in-chans", "0"])
+    with pytest.raises(ValueError, match="must be positive"):
+        main(["--patch-size", "0"])  # (0 is falsy: it would have meant "each backbone's own")
     # the header and the FLOPs read the options: the same setting through --arg would contradict them
     with pytest.raises(ValueError, match=r"give img_size, in_chans with its own option \(--img-size, --in-chans\), not --arg"):
         main(["vit_tiny", "--arg", "img_size=32", "--arg", "in_chans=1"])
@@ -637,3 +639,13 @@ def test_a_resnets_stride_and_a_hybrids_patch_size_are_what_the_feature_map_show
     hybrid = create_backbone("hybrid", resnet="resnet18", embed_dim=32, depth=1, num_heads=2, img_size=64, in_chans=1, **kwargs)
     tokens = hybrid.forward_features(torch.randn(2, 1, 64, 64))  # [2, 1 + N, D]
     assert hybrid.patch_embed.patch_size == 64 // math.isqrt(tokens.shape[1] - 1)
+
+
+def test_a_module_argument_is_not_a_registry_kwarg():
+    # registry.py allowed_kwargs: VisionTransformer's patch_embed (the hybrid's stem goes there)
+    # is a module, not a setting a recipe or a checkpoint's record can carry.
+    from ssl_vit.backbones.registry import get_spec
+
+    assert "patch_embed" not in get_spec("vit_small").allowed_kwargs() and "img_size" in get_spec("vit_small").allowed_kwargs()
+    with pytest.raises(TypeError, match=r"backbone 'vit_tiny' got unknown argument\(s\) \['patch_embed'\]"):
+        create_backbone("vit_tiny", patch_embed=torch.nn.Identity())

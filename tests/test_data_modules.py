@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import urllib.error
 from pathlib import Path
 
@@ -316,6 +317,12 @@ def test_fashion_mnist_missing_data_errors(tmp_path, monkeypatch):
         FashionMNISTDataModule(root=str(tmp_path), download=True, num_workers=0).prepare_data()
     assert "download=true" not in str(err.value)
     assert f"running once with internet access (saves to {tmp_path});" in str(err.value)
+    # the training files alone (the t10k pair lost): the same advice, not a failure at the test split
+    write_fake_fashion_mnist(tmp_path / "half")
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (tmp_path / "half" / name).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"Fashion-MNIST not found \(looked in: {re.escape(str(tmp_path / 'half'))}, .*dataset-fashion-mnist"):
+        FashionMNISTDataModule(root=str(tmp_path / "half"), download=False, num_workers=0).prepare_data()
 
 
 @pytest.mark.skipif(not (DEBIAN_DIR / "train-images-idx3-ubyte.gz").is_file(),

@@ -396,6 +396,25 @@ def test_hidden_folders_are_not_classes(tmp_path):
     assert labels is None and class_to_idx is None and paths == [str(tmp_path / "flat" / "x.png")]
 
 
+def test_upper_case_extensions_are_images_and_a_validation_class_the_training_lacks_is_refused(tmp_path):
+    # image_folder.py: extensions match in any case (a camera's IMG_0001.JPG), in class folders
+    # (torchvision's make_dataset) and directly in a flat folder; a validation folder labelled by
+    # the training folder's classes may lack some but not add one (its images would be dropped).
+    for folder in ("train/cat", "train/dog", "val/cat", "val/fox"):
+        (tmp_path / folder).mkdir(parents=True)
+        Image.new("L", (8, 8), 1).save(tmp_path / folder / "IMG_0001.JPG", format="JPEG")
+    (tmp_path / "flat").mkdir()
+    Image.new("L", (8, 8), 1).save(tmp_path / "flat" / "a.PNG", format="PNG")
+    assert scan_image_dir(tmp_path / "flat") == ([str(tmp_path / "flat" / "a.PNG")], None, None)
+    paths, labels, class_to_idx = scan_image_dir(tmp_path / "train")
+    assert labels == [0, 1] and class_to_idx == {"cat": 0, "dog": 1}
+    with pytest.raises(ValueError, match=r"val has class folders not in the training folder: \['fox'\]"):
+        scan_image_dir(tmp_path / "val", class_to_idx)
+    (tmp_path / "val" / "fox" / "IMG_0001.JPG").unlink()
+    (tmp_path / "val" / "fox").rmdir()
+    assert scan_image_dir(tmp_path / "val", class_to_idx)[1] == [0]
+
+
 @pytest.mark.parametrize("size, processes", [(7, 2), (2, 8), (1, 3), (4, 4)])
 def test_even_shares_pad_to_a_multiple_of_the_processes_with_unlabelled_copies(size, processes):
     from ssl_vit.data.datasets import EvenShares
