@@ -74,6 +74,7 @@ def test_a_grey_resnet_export_is_rebuilt_by_timm_with_its_channels_and_pretraine
     pc = cfg["pretrained_cfg"]
     assert (pc["first_conv"], pc["classifier"], pc["fixed_input_size"]) == (timm_cfg.first_conv, timm_cfg.classifier, timm_cfg.fixed_input_size)
     assert cfg["num_features"] == ref.num_features == 512
+    assert cfg["global_pool"] == "avg"  # timm's ResNet pooling (ours has no global_pool attribute)
 
 
 def test_a_vit_export_says_fixed_input_size_as_timm_does(tmp_path):
@@ -81,9 +82,10 @@ def test_a_vit_export_says_fixed_input_size_as_timm_does(tmp_path):
     cfg = export_backbone("random:vit", tmp_path / "exp", backbone_kwargs=TINY_VIT).config
     assert cfg["pretrained_cfg"]["fixed_input_size"] is timm.models.get_pretrained_cfg("vit_tiny_patch16_224").fixed_input_size is True
     assert cfg["num_features"] == TINY_VIT["embed_dim"]
+    assert cfg["model_args"]["class_token"] is True and cfg["global_pool"] == "token"  # ours pools the [CLS] token
 
 
-@pytest.mark.parametrize("kwargs", [{"small_input": True}, {"num_stages": 3}], ids=["cifar_stem", "three_stages"])
+@pytest.mark.parametrize("kwargs", [{"small_input": True}, {"num_stages": 3}, {"layers": [1, 1, 1, 1]}], ids=["cifar_stem", "three_stages", "other_depths"])
 def test_a_resnet_timm_cannot_build_names_no_timm_architecture(kwargs, tmp_path):
     # Reference: timm's resnet18 does not take these weights (3x3 stem / no layer4), so config.json
     # must not name it (config.py: only "standard ResNets" rebuild in timm).
@@ -974,3 +976,86 @@ def test_a_library_error_quoted_in_a_read_error_is_its_first_line_capped_at_200_
     assert len(capped) == 200 and capped == "x" * 197 + "..."
     assert first_line("y" * 200) == "y" * 200
     assert first_line(EOFError()) == "EOFError"
+
+
+def _lightning_checkpoint(path, model, **extra) -> None:
+    """A Lightning checkpoint of a pretext module holding ``model`` as backbone.* (what the
+    source reader needs of one, without training)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"pytorch-lightning_version": "2.6.0", "global_step": 3, "epoch": 0,
+                "state_dict": {f"backbone.{k}": v for k, v in model.state_dict().items()}, **extra}, path)
+
+
+def test_a_checkpoint_without_a_record_of_its_kwargs_is_built_from_its_hyperparameters(tmp_path):
+    # sources.py: a checkpoint whose ssl_vit record lacks backbone_kwargs (or has no record: one
+    # saved by a LightningModule of one's own) takes them from Lightning's hyper_parameters.
+    model = _vit(3)
+    hparams = {"backbone": "vit", "backbone_kwargs": TINY_VIT}
+    _lightning_checkpoint(tmp_path / "bare.ckpt", model, hyper_parameters=hparams)
+    _lightning_checkpoint(tmp_path / "partial.ckpt", model, hyper_parameters=hparams, ssl_vit={"method": "MPP"})
+    for name in ("bare.ckpt", "partial.ckpt"):
+        torch.testing.assert_close(load_backbone(tmp_path / name)(_x()), model(_x()), rtol=0, atol=0)
+
+
+def test_results_are_collected_from_a_run_folder_only(tmp_path):
+    # config.py run_directory: <run>/checkpoints/last.ckpt gives <run>'s result records; a
+    # checkpoint elsewhere gives none of the JSON files around it (its folder may hold anything).
+    model = _vit(3)
+    from ssl_vit.eval.results import EvalResult
+
+    record = EvalResult("mpp", {"name": "vit"}, {"name": "synthetic"}, "knn", {"top1": 0.5}, pretrain={"steps": 3}).to_dict()
+    extra = {"hyper_parameters": {"backbone": "vit", "backbone_kwargs": TINY_VIT}, "ssl_vit": {"method": "MPP"}}
+    for folder in ("run/checkpoints", "loose"):
+        _lightning_checkpoint(tmp_path / folder / "last.ckpt", model, **extra)
+    (tmp_path / "run" / "results").mkdir()
+    (tmp_path / "run" / "results" / "knn.json").write_text(json.dumps(record))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "knn.json").write_text(json.dumps(record))
+    (tmp_path / "loose" / "knn.json").write_text(json.dumps(record))
+    ran = export_backbone(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "exp1").config["ssl_vit"]["results"]
+    assert [r["file"] for r in ran] == [str(tmp_path / "run" / "results" / "knn.json")]
+    assert export_backbone(tmp_path / "loose" / "last.ckpt", tmp_path / "exp2").config["ssl_vit"]["results"] == []
+
+
+def test_load_backbone_reads_files_and_sends_random_weights_elsewhere(tmp_path):
+    # load.py load_backbone: "random:NAME" (a baseline, no file) is load_any_backbone's
+    for spec in ("random", "random:vit"):
+        with pytest.raises(ValueError, match=f"load_backbone reads weights from a path; for '{spec}' use load_any_backbone"):
+            load_backbone(spec, backbone_kwargs=TINY_VIT)
+
+
+def test_a_text_file_with_a_brace_where_a_safetensors_header_starts_is_text(tmp_path):
+    # files.py sniff: safetensors is an 8-byte header length below the file size, then "{"; a
+    # text file with "{" at byte 8 reads as a huge length and stays a text file.
+    from ssl_vit.export.files import sniff
+
+    notes = tmp_path / "notes.pt"
+    notes.write_bytes(b"notes:  {lr: 0.1}\n")
+    assert sniff(notes) == "text"
+    with pytest.raises(ValueError, match="a text file; expected"):
+        load_backbone(notes, backbone="vit", backbone_kwargs=TINY_VIT)
+
+
+def test_a_plugin_backbone_with_its_own_fc_layer_round_trips(tmp_path):
+    # foreign.py fit_state_dict drops classifier keys (head., fc., ...) only where the model has
+    # no such weights: a registered backbone whose last layer is named fc keeps it.
+    from helpers import registered_backbones
+
+    class WithFc(torch.nn.Module):
+        def __init__(self, img_size: int = 8, in_chans: int = 1) -> None:
+            super().__init__()
+            self.img_size, self.in_chans, self.embed_dim = (img_size, img_size), in_chans, 4
+            self.fc = torch.nn.Linear(in_chans * img_size * img_size, 4)
+
+        def forward_features(self, x):  # [B, 1, 4]
+            return self.fc(x.flatten(1))[:, None]
+
+        def forward(self, x):  # [B, 4]
+            return self.forward_features(x)[:, 0]
+
+    with registered_backbones(with_fc_test=WithFc):
+        torch.manual_seed(0)
+        model = create_backbone("with_fc_test").eval()
+        out = save_backbone(model, tmp_path / "exp").out_dir
+        x = torch.randn(2, 1, 8, 8)
+        torch.testing.assert_close(load_backbone(out)(x), model(x), rtol=0, atol=0)
