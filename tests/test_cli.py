@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal  # (resolved from this module by the annotation tests)
 
@@ -167,6 +168,25 @@ def test_fine_tuning_does_not_export_over_the_export_it_reads(tmp_path, capsys):
 
     (tmp_path / "run").mkdir()
     check_export(str(tmp_path / "run"), backbone=str(tmp_path / "run" / "last.ckpt"))
+
+
+def test_the_export_folder_itself_is_tried_for_a_write_when_it_exists_else_its_parent(monkeypatch, tmp_path):
+    # options.check_export: a read-only existing --export folder must fail before the fine-tuning
+    import ssl_vit.eval.options as options
+    from ssl_vit.eval.options import check_export
+
+    tried, real = [], options.tempfile.NamedTemporaryFile
+    monkeypatch.setattr(options.tempfile, "NamedTemporaryFile", lambda **kw: tried.append(Path(kw["dir"])) or real(**kw))
+    (tmp_path / "exp").mkdir()
+    check_export(str(tmp_path / "exp"))
+    check_export(str(tmp_path / "new"))
+    assert tried == [tmp_path / "exp", tmp_path]
+
+
+def test_backbone_kwargs_that_are_not_a_json_object_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", "[1]", *SYNTH])
+    assert stop.value.code == 2 and "expected a JSON object" in capsys.readouterr().err
 
 
 def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monkeypatch):
@@ -616,6 +636,7 @@ def test_a_method_the_backbone_contradicts_is_refused(tmp_path, capsys):
         ("finetune", ["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1"),
         ("finetune", ["--drop-path", "-0.1"], "--drop-path must be in [0, 1), got -0.1"),
         ("finetune", ["--drop-path", "1"], "--drop-path must be in [0, 1), got 1"),
+        ("linear", ["--lr", "0"], "--lr must be > 0, got 0"),
         ("finetune", ["--layer-decay", "-0.5"], "--layer-decay must be in (0, 1] (1: no decay), got -0.5"),
         ("finetune", ["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1"),
         ("finetune", ["--lr", "0"], "--lr must be > 0, got 0"),

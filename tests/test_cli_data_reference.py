@@ -435,6 +435,7 @@ def test_the_eval_commands_defaults_are_the_papers_and_the_evaluators_own():
     # DINO §4 weighted kNN: k 20, T 0.07.
     knn = _parser_defaults("knn")
     assert (knn["k"], knn["temperature"]) == ([20], 0.07)  # one k; several sweep it
+    assert (knn["data"], knn["out"]) == ("fashion_mnist", "results")  # the offline dataset; compare's folder
     assert (defaults(KNNClassifier)["k"], defaults(KNNClassifier)["temperature"]) == (20, 0.07)
     # ViT paper §4.1: 1/5/10/25-shot, 5 draws; big_vision's λ = 2^10.
     few = _parser_defaults("fewshot")

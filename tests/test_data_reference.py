@@ -356,14 +356,14 @@ def test_idx_trailing_bytes_of_a_ubyte_file_are_rejected(tmp_path):
         read_idx(tmp_path / "long")
 
 
-def _write_fmnist(root: Path, train_labels: list[int]) -> None:
+def _write_fmnist(root: Path, train_labels: list[int], side: int = 28) -> None:
     def idx(type_ndim: bytes, shape: tuple[int, ...], payload: bytes) -> bytes:
         return b"\x00\x00" + type_ndim + struct.pack(f">{len(shape)}I", *shape) + payload
 
     root.mkdir(parents=True, exist_ok=True)
     for prefix, labels in (("train", train_labels), ("t10k", [0, 1])):
         n = len(labels)
-        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx(b"\x08\x03", (n, 28, 28), bytes(n * 784))))
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx(b"\x08\x03", (n, side, side), bytes(n * side * side))))
         (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx(b"\x08\x01", (n,), bytes(labels))))
 
 
@@ -375,6 +375,12 @@ def test_fashion_mnist_rejects_a_label_outside_its_ten_classes(tmp_path):
     _write_fmnist(tmp_path / "bad", [0, 10, 3])
     with pytest.raises(ValueError, match="labels outside 0..9"):
         FashionMNISTDataModule(root=str(tmp_path / "bad"), download=False, num_workers=0).setup()
+    # IDX files of another image size (MNIST-like files of 32x32, say) are not Fashion-MNIST's
+    _write_fmnist(tmp_path / "wide", [0, 1, 2], side=32)
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: expected 28x28 images, got shape \(3, 32, 32\)"):
+        FashionMNISTDataModule(root=str(tmp_path / "wide"), download=False, num_workers=0).setup()
+    # downloading when the files are missing is the default (torchvision's path for users elsewhere)
+    assert FashionMNISTDataModule().download is True
 
 
 def test_hidden_folders_are_not_classes(tmp_path):
@@ -413,6 +419,12 @@ def test_upper_case_extensions_are_images_and_a_validation_class_the_training_la
     (tmp_path / "val" / "fox" / "IMG_0001.JPG").unlink()
     (tmp_path / "val" / "fox").rmdir()
     assert scan_image_dir(tmp_path / "val", class_to_idx)[1] == [0]
+    # a recipe's evaluation records name both folders, as `ssl-vit eval --data-arg` records them
+    from ssl_vit.training.evaluate import RecipeEvaluation
+
+    dm = ImageFolderDataModule(str(tmp_path / "train"), val_dir=str(tmp_path / "val"), img_size=8, in_chans=1, num_workers=0)
+    record = RecipeEvaluation()._data_record(dm)
+    assert (record["train_dir"], record["val_dir"]) == (str(tmp_path / "train"), str(tmp_path / "val"))
 
 
 @pytest.mark.parametrize("size, processes", [(7, 2), (2, 8), (1, 3), (4, 4)])

@@ -191,6 +191,21 @@ def test_another_encoder_is_another_row_compared_with_the_same_baseline(tmp_path
     assert cmp.get(("dino", "vit_tiny/4", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.80 - 0.85)
     assert cmp.get(("dino", "vit_tiny/4 [student]", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.78 - 0.85)
     assert {result_path(tmp_path, r).name for r in records[:2]} == {"dino_vit_tiny-4_fashion_mnist_knn.json", "dino_vit_tiny-4-student_fashion_mnist_knn.json"}
+    # a baseline of a chosen encoder (a supervised run's EMA weights) is still the reference
+    ema = EvalResult("supervised", {**BACKBONE, "encoder": "ema"}, DATA, "knn", {"top1": 0.86})
+    cmp = build_comparison([records[0], ema])
+    assert cmp.get(("dino", "vit_tiny/4", "fashion_mnist"), "knn", "Δ sup") == pytest.approx(0.80 - 0.86)
+
+
+def test_metric_columns_are_in_numeric_order_and_right_aligned():
+    # compare.py: top-k columns by k (top5 before top10), then the few-shot ones by shots; the
+    # Markdown table right-aligns every number column.
+    from ssl_vit.eval.compare import format_markdown
+
+    cmp = build_comparison([EvalResult("dino", BACKBONE, DATA, "knn", {"top10": 0.9, "top5": 0.8, "top1": 0.5})])
+    assert [c for p, c in cmp.columns] == ["top1", "top5", "top10"]
+    align = [line for line in format_markdown(cmp).splitlines() if line.startswith("| ---")][0]
+    assert align == "| --- | --- | ---: | ---: | ---: |"
 
 
 def test_a_list_of_records_in_one_file_is_read(results_dir, tmp_path):
@@ -290,6 +305,8 @@ def test_pretraining_tags_say_what_differs():
     other_data = [knn_of("a.ckpt", 0.7, steps=100, epochs=10, data="fashion_mnist"),
                   knn_of("b.ckpt", 0.7, steps=100, epochs=10, data="imagefolder:imagenet/train")]
     assert pretraining_tags(other_data) == ["on fashion_mnist", "on imagefolder:imagenet/train"]
+    # epochs as records keep them (floats: epochs_done rounds images seen / dataset size)
+    assert pretraining_tags([knn_of("a.ckpt", 0.7, epochs=10.0), knn_of("b.ckpt", 0.7, epochs=1 / 3)]) == ["10 ep", "0.333333 ep"]
     assert pretraining_tags([knn_of("a.ckpt", 0.7, steps=50), knn_of("b.ckpt", 0.7, steps=60)]) == ["50 steps", "60 steps"]
     assert pretraining_tags([knn_of("a.ckpt", 0.7, steps=50), knn_of("b.ckpt", 0.7)]) == ["50 steps", "?"]
 

@@ -815,6 +815,7 @@ def test_the_evaluate_sections_checks_read_the_smaller_subset_and_its_own_settin
     # a protocol's own seed wins over the section's
     assert RecipeEvaluation(linear={"seed": 5}, seed=1).protocol_kwargs("linear")["seed"] == 5
     assert RecipeEvaluation(seed=1).protocol_kwargs("knn")["seed"] == 1
+    assert RecipeEvaluation(seed=1).protocol_kwargs("fewshot")["seed"] == 1  # the few-shot draws too
     # settings of a protocol not run: a note; of one that runs: none
     RecipeEvaluation(protocols=["knn"], linear={"epochs": 3})
     assert "evaluate has settings for linear, which evaluate.protocols (knn) does not run" in capsys.readouterr().err
