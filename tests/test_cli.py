@@ -702,6 +702,20 @@ def test_data_of_one_class_is_refused_before_the_features(tmp_path, monkeypatch,
     assert capsys.readouterr().err == f"ssl-vit eval: error: --data imagefolder: {message.format(tmp=tmp_path)}\n"
 
 
+def test_training_data_of_one_class_is_refused_when_its_images_list_no_labels(tmp_path, monkeypatch, capsys):
+    # eval/cli.py: a datamodule whose splits do not list their labels (a plugin's) still says how
+    # many classes it has; one is refused before the features.
+    import ssl_vit.eval.cli as eval_cli
+    import ssl_vit.eval.run as run
+
+    monkeypatch.setattr(eval_cli, "labelled_classes", lambda dataset: None)
+    monkeypatch.setattr(run, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
+    data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', {'a': 3})}",
+            "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', {'a': 2})}", "--num-workers", "0"]
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--k", "1"]) == 1
+    assert f"the training images ({tmp_path}/train) are of 1 class; evaluation needs at least 2 classes" in capsys.readouterr().err
+
+
 def test_a_test_subset_of_one_class_is_refused_too(tmp_path, capsys):
     data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', {'a': 2, 'b': 2})}",
             "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', {'a': 2, 'b': 2})}", "--num-workers", "0", "--k", "1"]
@@ -718,6 +732,12 @@ def test_colour_images_for_a_grey_backbone_are_noted_once(tmp_path, capsys):
     assert capsys.readouterr().err.count(note) == 1
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--out", str(tmp_path / "rgb.json")]) == 0
     assert "note:" not in capsys.readouterr().err
+    # grey images whose first file cannot be read: its stand-in (1x1 RGB) says nothing of the folder
+    data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'grey', {'a': 2, 'b': 2}, mode='L')}",
+            "--data-arg", f"val_dir={_image_folder(tmp_path / 'grey_val', {'a': 1, 'b': 1}, mode='L')}", "--num-workers", "0", "--k", "1"]
+    (tmp_path / "grey" / "a" / "0.png").write_bytes(b"not a png")
+    assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", grey, *data, "--out", str(tmp_path / "g.json")]) == 0
+    assert "converted to grey" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
