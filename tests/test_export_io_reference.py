@@ -204,6 +204,21 @@ def test_records_of_an_earlier_checkpoint_of_the_run_are_not_credited_to_the_exp
     (run / "results" / "plain.json").write_text(json.dumps({"metrics": {"top1": 0.7}}))
     results = export_backbone(ckpt, tmp_path / "exp").config["ssl_vit"]["results"]
     assert sorted(r["metrics"]["top1"] for r in results) == [0.6, 0.7]
+    # a file named explicitly (outside the run) is the user's word: kept whatever step it records; one that is no
+    # JSON or no evaluation result is refused (in a scanned folder it is skipped instead)
+    (tmp_path / "step6.json").write_text((run / "results" / "knn.json").read_text())
+    results = export_backbone(ckpt, tmp_path / "exp", results=[tmp_path / "step6.json"]).config["ssl_vit"]["results"]
+    assert sorted(r["metrics"]["top1"] for r in results) == [0.5, 0.6, 0.7]
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "notes.json").write_text(json.dumps({"lr": 0.1}))
+    with pytest.raises(ValueError, match=r"bad.json: not valid JSON"):
+        export_backbone(ckpt, tmp_path / "exp", results=[tmp_path / "bad.json"])
+    with pytest.raises(ValueError, match=r"notes.json: not an evaluation result"):
+        export_backbone(ckpt, tmp_path / "exp", results=[tmp_path / "notes.json"])
+    (run / "results" / "notes.json").write_text(json.dumps({"lr": 0.1}))
+    (run / "results" / "bad.json").write_text("{not json")
+    results = export_backbone(ckpt, tmp_path / "exp").config["ssl_vit"]["results"]
+    assert sorted(r["metrics"]["top1"] for r in results) == [0.6, 0.7]
 
 
 def test_an_export_of_one_encoder_carries_only_that_encoders_results(tmp_path):
@@ -978,21 +993,14 @@ def test_a_library_error_quoted_in_a_read_error_is_its_first_line_capped_at_200_
     assert first_line(EOFError()) == "EOFError"
 
 
-def _lightning_checkpoint(path, model, **extra) -> None:
-    """A Lightning checkpoint of a pretext module holding ``model`` as backbone.* (what the
-    source reader needs of one, without training)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"pytorch-lightning_version": "2.6.0", "global_step": 3, "epoch": 0,
-                "state_dict": {f"backbone.{k}": v for k, v in model.state_dict().items()}, **extra}, path)
-
-
 def test_a_checkpoint_without_a_record_of_its_kwargs_is_built_from_its_hyperparameters(tmp_path):
     # sources.py: a checkpoint whose ssl_vit record lacks backbone_kwargs (or has no record: one
     # saved by a LightningModule of one's own) takes them from Lightning's hyper_parameters.
     model = _vit(3)
     hparams = {"backbone": "vit", "backbone_kwargs": TINY_VIT}
-    _lightning_checkpoint(tmp_path / "bare.ckpt", model, hyper_parameters=hparams)
-    _lightning_checkpoint(tmp_path / "partial.ckpt", model, hyper_parameters=hparams, ssl_vit={"method": "MPP"})
+    for name, record in (("bare.ckpt", {}), ("partial.ckpt", {"ssl_vit": {"method": "MPP"}})):
+        torch.save({"pytorch-lightning_version": "2.6.0", "global_step": 3, "epoch": 0, "hyper_parameters": hparams,
+                    "state_dict": {f"backbone.{k}": v for k, v in model.state_dict().items()}, **record}, tmp_path / name)
     for name in ("bare.ckpt", "partial.ckpt"):
         torch.testing.assert_close(load_backbone(tmp_path / name)(_x()), model(_x()), rtol=0, atol=0)
 
@@ -1000,13 +1008,11 @@ def test_a_checkpoint_without_a_record_of_its_kwargs_is_built_from_its_hyperpara
 def test_results_are_collected_from_a_run_folder_only(tmp_path):
     # config.py run_directory: <run>/checkpoints/last.ckpt gives <run>'s result records; a
     # checkpoint elsewhere gives none of the JSON files around it (its folder may hold anything).
-    model = _vit(3)
     from ssl_vit.eval.results import EvalResult
 
-    record = EvalResult("mpp", {"name": "vit"}, {"name": "synthetic"}, "knn", {"top1": 0.5}, pretrain={"steps": 3}).to_dict()
-    extra = {"hyper_parameters": {"backbone": "vit", "backbone_kwargs": TINY_VIT}, "ssl_vit": {"method": "MPP"}}
+    record = EvalResult("supervised", {"name": "vit"}, {"name": "synthetic"}, "knn", {"top1": 0.5}, pretrain={"steps": 3}).to_dict()
     for folder in ("run/checkpoints", "loose"):
-        _lightning_checkpoint(tmp_path / folder / "last.ckpt", model, **extra)
+        _lightning_ckpt(tmp_path / folder / "last.ckpt", _vit(3))
     (tmp_path / "run" / "results").mkdir()
     (tmp_path / "run" / "results" / "knn.json").write_text(json.dumps(record))
     (tmp_path / "results").mkdir()
