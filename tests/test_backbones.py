@@ -548,7 +548,9 @@ def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(c
     orders = []
     for sort, column in (("params", 1), ("flops", 2)):
         assert main(["resnet50", "vit_small", "--sort", sort, "--no-kwargs"]) == 0
-        table = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+        out = capsys.readouterr().out
+        assert out.startswith("at 224x224 px")  # the default resolution
+        table = [line.split() for line in out.splitlines()[2:]]
         values = [float(row[column].rstrip("M")) for row in table]
         assert values == sorted(values), (sort, table)
         assert all(2.9 * float(row[2]) < float(row[3]) < 3 * float(row[2]) for row in table)

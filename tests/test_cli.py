@@ -899,6 +899,7 @@ def test_a_likely_spelling_is_one_within_reach():
 
     assert closest("batchsize", ["batch_size", "seed"]) == "batch_size"
     assert closest("Dino", ["MPP", "DINO"]) == "DINO"
+    assert closest("EPOCHS", ["epochs", "seed"]) == "epochs"  # case ignored on both sides
     assert closest("vit_gigantic", ["vit_tiny", "vit_large", "vit_huge"]) is None
     assert closest("k", ["k"]) is None  # the name itself is not a suggestion
     assert did_you_mean("zzz", ["epochs"]) == "" and did_you_mean("epoch", ["epochs"]) == " (did you mean 'epochs'?)"

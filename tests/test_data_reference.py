@@ -381,6 +381,9 @@ def test_fashion_mnist_rejects_a_label_outside_its_ten_classes(tmp_path):
         FashionMNISTDataModule(root=str(tmp_path / "wide"), download=False, num_workers=0).setup()
     # downloading when the files are missing is the default (torchvision's path for users elsewhere)
     assert FashionMNISTDataModule().download is True
+    import torchvision
+
+    assert FashionMNISTDataModule.class_names == torchvision.datasets.FashionMNIST.classes  # label i's name
 
 
 def test_hidden_folders_are_not_classes(tmp_path):

@@ -352,6 +352,21 @@ def test_a_misspelt_key_is_answered_with_its_likely_spelling(tmp_path, capsys, e
     assert err[-1].startswith("ssl-vit fit: error: ") and suggestion in err[-1]
 
 
+def test_a_suggestion_is_a_sibling_of_the_misspelt_key_alike_by_its_own_name():
+    # recipe_checks.key_hint: the part that names nothing is compared with its siblings' names,
+    # not the whole dotted paths (their shared group alone made `evaluate.max_epochs` look like
+    # `evaluate.protocols`), and never with another group's keys.
+    from ssl_vit.training.recipe_checks import key_hint
+
+    keys = ["trainer.max_epochs", "trainer.max_steps", "evaluate.protocols", "evaluate.seed", "evaluate.knn", "model.class_path"]
+    assert key_hint("unrecognized arguments: --evaluate.max_epochs 3", keys) == ""
+    assert key_hint("unrecognized arguments: --evaluate.max_steps 3", keys) == ""
+    assert key_hint("unrecognized arguments: --model.max_epochs", keys) == ""
+    assert key_hint("unrecognized arguments: --trainer.max_step 3", keys) == " (did you mean '--trainer.max_steps'?)"
+    assert key_hint("unrecognized arguments: --evaluat.knn.k 3", keys) == " (did you mean '--evaluate.knn'?)"
+    assert key_hint("Group 'trainer' does not accept option 'max_epoch'", keys) == " (did you mean 'trainer.max_epochs'?)"
+
+
 @pytest.mark.parametrize("extra", [["--model.init_args.bogus", "1"], ["--trainer.zzz", "1"], ["--data.init_args.batch_size", "4", "--model.init_args.qqq", "2"]])
 def test_a_key_like_no_other_gets_no_suggestion_and_a_found_class_no_class_list(tmp_path, capsys, extra):
     cfg = tiny_config(tmp_path)
@@ -596,7 +611,7 @@ def test_a_finished_run_resumed_to_fine_tune_starts_the_fine_tuning_it_never_beg
     assert torch.load(tmp_path / "run" / "finetune" / "checkpoints" / "last.ckpt", weights_only=False)["ssl_vit"]["global_step"] == 2
 
 
-def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes_them(tmp_path, capsys):
+def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes_them(tmp_path, capsys, monkeypatch):
     # protocols: [finetune, linear_aug]: every weight trained with a new classifier, and the papers'
     # linear probe on augmented images, after the pretraining, on the run's processes, each
     # checkpointed into <default_root_dir>/<protocol>; then the frozen-feature protocols.
@@ -604,7 +619,14 @@ def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes
     args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, linear_aug, knn]", "--evaluate.knn", "{k: 3}",
             "--evaluate.finetune", "{epochs: 2, batch_size: 8, warmup_epochs: 0.5, layer_decay: 0.75, checkpoint_every: 2}",
             "--evaluate.linear_aug", "{epochs: 1, batch_size: 16, optimizer: lars, crop_scale: [0.6, 1.0]}", "--evaluate.features", "avg"]
+    from ssl_vit.training.evaluate import RecipeEvaluation
+
+    scales, splits = [], RecipeEvaluation._splits
+    monkeypatch.setattr(RecipeEvaluation, "_splits", lambda self, dm, views=None: scales.append(getattr(views, "scale", None)) or splits(self, dm, views))
     assert cli_main(args) == 0
+    # each image protocol trains on its own augmented crops (fine-tuning MAE's default scale, the
+    # probe the recipe's); the frozen protocols read the evaluation images
+    assert [tuple(s) if s is not None else None for s in scales] == [(0.5, 1.0), (0.6, 1.0), None]
     out = capsys.readouterr().out
     assert "finetune  dino  vit-D32-L1-H2/4  synthetic" in out and "knn       dino  vit-D32-L1-H2/4 [avg]  synthetic" in out
     assert "linear_aug dino  vit-D32-L1-H2/4 [avg]  synthetic" in out
@@ -816,6 +838,10 @@ def test_the_evaluate_sections_checks_read_the_smaller_subset_and_its_own_settin
     assert RecipeEvaluation(linear={"seed": 5}, seed=1).protocol_kwargs("linear")["seed"] == 5
     assert RecipeEvaluation(seed=1).protocol_kwargs("knn")["seed"] == 1
     assert RecipeEvaluation(seed=1).protocol_kwargs("fewshot")["seed"] == 1  # the few-shot draws too
+    # a datamodule with a test split but no class count (its API used directly, past check_data)
+    unlabelled = SimpleNamespace(eval_datasets=lambda: ([0], [0]), num_classes=None)
+    with pytest.raises(ValueError, match="evaluate: SimpleNamespace has no labelled test split to evaluate on"):
+        RecipeEvaluation(protocols=["knn"])._splits(unlabelled)
     # settings of a protocol not run: a note; of one that runs: none
     RecipeEvaluation(protocols=["knn"], linear={"epochs": 3})
     assert "evaluate has settings for linear, which evaluate.protocols (knn) does not run" in capsys.readouterr().err

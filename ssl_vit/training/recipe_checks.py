@@ -78,18 +78,21 @@ def key_hint(message: str, keys: list[str]) -> str:
         key = option.group(1)
     else:
         return ""
-    # The first part of the dotted key that names nothing, against its siblings:
-    # `evaluat.knn.k` -> 'evaluate.knn', `trainer.max_epoch` -> 'trainer.max_epochs'.
+    # The first part of the dotted key that names nothing, against its siblings' names (not the
+    # whole paths, whose shared group would make any two look alike: `evaluate.max_epochs` is
+    # not `evaluate.protocols`): `evaluat.knn.k` -> 'evaluate.knn', `trainer.max_epoch` ->
+    # 'trainer.max_epochs'.
     parts = key.split(".")
     for depth in range(1, len(parts) + 1):
         prefix = ".".join(parts[:depth])
         if any(k == prefix or k.startswith(prefix + ".") for k in keys):
             continue
         parent = ".".join(parts[: depth - 1])
-        siblings = {".".join(k.split(".")[:depth]) for k in keys if depth == 1 or k.startswith(parent + ".")}
-        close = closest(prefix, siblings)
-        if close is None:
+        siblings = {k.split(".")[depth - 1] for k in keys if depth == 1 or k.startswith(parent + ".")}
+        name = closest(parts[depth - 1], siblings)
+        if name is None:
             return ""
+        close = ".".join([*parts[: depth - 1], name])
         for end in range(len(parts), depth, -1):  # as much of the rest of the key as exists there
             longer = ".".join([close, *parts[depth:end]])
             if any(k == longer or k.startswith(longer + ".") for k in keys):
