@@ -146,6 +146,7 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
         staged, final = str(tmp), str(out_dir)
         if staged not in f"{err.strerror} {err.filename}":
             raise
+
         def moved(name: Any) -> Any:
             return None if name is None else str(name).replace(staged, final)
 
