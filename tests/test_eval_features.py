@@ -129,3 +129,21 @@ def test_gathered_shares_come_back_in_dataset_order_without_the_padding(monkeypa
     assert features.gather_in_sampler_order(5)(torch.tensor([0, 2, 4])).tolist() == [0, 1, 2, 3, 4]
     monkeypatch.setattr(features, "world_info", lambda: (0, 1))
     assert features.gather_in_sampler_order(3)(torch.arange(5)).tolist() == [0, 1, 2]  # one process: the first num_samples
+
+
+def test_feature_protocols_record_the_encoder_and_refuse_two_records_in_one_file(tmp_path):
+    # run.py evaluate_features: the caller's backbone record (a chosen encoder: DINO's student)
+    # is the record's, and one --out FILE.json cannot take two protocols' records.
+    from ssl_vit.eval.run import evaluate_features
+
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
+    g = torch.Generator().manual_seed(0)
+    images = TensorDataset(torch.randn(11, 1, 16, 16, generator=g), torch.arange(11) % 3)
+    record = {"name": "vit_tiny", "kwargs": {"patch_size": 4}, "encoder": "student"}
+    (result,) = evaluate_features(vit, images, images, {"knn": {"k": 3}}, method="dino", data={"name": "synthetic"}, num_classes=3,
+                                  batch_size=8, backbone_record=record)
+    assert result.backbone == record and result.encoder == "student"
+    with pytest.raises(ValueError, match="2 protocols write 2 records"):
+        evaluate_features(torch.nn.Identity(), None, None, {"knn": {}, "fewshot": {}}, method="dino", data={"name": "synthetic"},
+                          num_classes=2, out_dir=tmp_path / "one.json")

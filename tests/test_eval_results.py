@@ -75,3 +75,16 @@ def test_bad_records_are_clear_errors(tmp_path):
         EvalResult.from_json(bad)
     with pytest.raises(FileNotFoundError):
         EvalResult.from_json(tmp_path / "missing.json")
+
+
+def test_a_record_refuses_non_finite_metrics_and_an_empty_source_and_labels_an_encoders_read_out():
+    # results.py EvalResult: a NaN / inf metric would sort and plot as a number; "" names no
+    # checkpoint; a chosen encoder and a feature mode both tell the row apart.
+    backbone, data = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}, {"name": "fashion_mnist"}
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"'top1' must be a finite number, got {bad}"):
+            EvalResult("dino", backbone, data, "knn", {"top1": bad})
+    with pytest.raises(ValueError, match="source must be a non-empty string"):
+        EvalResult("dino", backbone, data, "knn", {"top1": 0.5}, source="")
+    student = EvalResult("dino", {**backbone, "encoder": "student"}, data, "knn", {"top1": 0.5}, protocol_args={"features": "last4"})
+    assert student.label == "vit_tiny/4 [student, last4]"
