@@ -897,11 +897,9 @@ def _result_file(path, top1: float):
 
 def test_traced_files_are_staged_inside_the_export_folder_and_take_any_batch(tmp_path, monkeypatch):
     # os.replace is an atomic rename only on one file system: the staging folder is in the export's
-    import ssl_vit.export.save as save
-
     staged = []
-    publish = save.publish
-    monkeypatch.setattr(save, "publish", lambda stage, out_dir: staged.append(stage) or publish(stage, out_dir))
+    publish = export_save.publish
+    monkeypatch.setattr(export_save, "publish", lambda stage, out_dir: staged.append(stage) or publish(stage, out_dir))
     vit = _vit(0)
     out = save_backbone(vit, tmp_path / "exp", formats=["torchscript", "export"]).out_dir
     assert [s.parent for s in staged] == [out] and staged[0].name.startswith(".staging-")  # hidden: not a result folder

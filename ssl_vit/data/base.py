@@ -60,11 +60,15 @@ def option_hint(key: str, value: str) -> str:
     return f"{key}={value} (`--data-arg {key}={value}` to ssl-vit eval, `data.init_args.{key}` in a recipe)"
 
 
+def download_advice(download: bool) -> str:
+    """``"internet access"``, and turning ``download`` on when it was off, for error messages."""
+    return "internet access" + ("" if download else f" and {option_hint('download', 'true')}")
+
+
 def torchvision_fetch_advice(download: bool, folder: str) -> str:
     """How to get a torchvision dataset that is not on disk (``folder``: its extracted folder),
     for error messages: turning ``download`` on is advised only when it was off."""
-    turn_on = "" if download else f" and {option_hint('download', 'true')}"
-    return f"Run once with internet access{turn_on}, or pass {option_hint('root', '<dir>')} containing torchvision's {folder}/ folder."
+    return f"Run once with {download_advice(download)}, or pass {option_hint('root', '<dir>')} containing torchvision's {folder}/ folder."
 
 
 def default_root() -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ssl_vit.data.base import ImageDataModule, default_root, option_hint
+from ssl_vit.data.base import ImageDataModule, default_root, download_advice, option_hint
 from ssl_vit.data.datasets import InMemoryImages
 from ssl_vit.data.idx import read_idx_images_labels
 
@@ -93,9 +93,7 @@ class FashionMNISTDataModule(ImageDataModule):
         help_ = (
             f"Fashion-MNIST not found (looked in: {looked}). Get it by one of: "
             "`sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu, no download at run time); "
-            # turning download on is advised only when it was off (as torchvision_fetch_advice)
-            f"running once with internet access{'' if self.download else ' and ' + option_hint('download', 'true')} "
-            f"(saves to {self._download_root()}); "
+            f"running once with {download_advice(self.download)} (saves to {self._download_root()}); "
             f"or {option_hint('root', '<dir>')} holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
             "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz."
         )
