@@ -257,6 +257,42 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     assert result["config"]["fused_optimizer"] is False and "AdamW: ours torch default, peers torch default" in printed
 
 
+@pytest.mark.parametrize("row", ["backbone", "dino"])
+def test_compile_times_ours_and_the_peer_with_every_vit_compiled_block_by_block(row) -> None:
+    cpu = torch.device("cpu")
+    for build in (workloads.ours, workloads.peer):
+        eager, compiled = build(row, TINY, cpu), build(row, TINY, cpu, compile=True)
+        blocks = [b for m in compiled.model.modules() if hasattr(m, "blocks") for b in m.blocks]
+        assert len(blocks) == TINY.backbone_model.depth * (1 if row == "backbone" else 2)  # DINO: student and teacher
+        assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+        assert not any(getattr(m, "_compiled_call_impl", None) is not None for m in eager.model.modules())
+
+
+def test_the_compile_option_reaches_the_timing_jobs_and_the_report(monkeypatch, capsys) -> None:
+    from ssl_vit.bench import runner, worker
+
+    with pytest.raises(ValueError, match="compile needs warmup >= 1"):
+        BenchConfig(compile=True, warmup=0)
+    seen = {}
+    monkeypatch.setattr(runner, "run_benchmark", lambda cfg: seen.setdefault("cfg", cfg) and {"config": cfg.to_dict(), "rows": []})
+    main(["--preset", "tiny", "--compile"])
+    assert seen["cfg"].compile is True
+    # The timing job builds both compiled; the memory job builds them eagerly.
+    built = []
+    monkeypatch.setattr(worker, "_build", lambda row, impl, cfg, device, compile=False: built.append((impl, compile)) or _raise())
+    cfg = dataclasses.replace(TINY, compile=True)
+    for kind in ("timing", "memory"):
+        with pytest.raises(RuntimeError, match="built"):
+            worker.run_job(worker.Job(kind, cfg, row="backbone"))
+    assert built == [("ours", True), ("ours", False)]
+    header = format_report({"config": cfg.to_dict(), "rows": []}).splitlines()
+    assert any("blocks compiled (torch.compile, inductor), ours and the peers'" in line for line in header)
+
+
+def _raise() -> None:
+    raise RuntimeError("built")
+
+
 def test_without_timm_the_benchmark_says_what_to_install(monkeypatch) -> None:
     import importlib.util
 

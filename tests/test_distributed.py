@@ -33,11 +33,13 @@ import lightning as L
 import pytest
 import torch
 from helpers import TINY_BACKBONE, cpu_fsdp_strategy, subprocess_env
+from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
 from ssl_vit.eval.features import extract_features, gather_in_sampler_order
 from ssl_vit.pretext import DINO, MPP, MoCoV3, PretextModule, Supervised
+from ssl_vit.training.sharding import unwrap_module
 
 WORLD = 2
 PER_DEVICE = 4  # b; the one-process reference trains on 2b
@@ -137,6 +139,17 @@ def _worker(out: Path) -> None:
         model.load_state_dict(init[name])
         fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy=cpu_fsdp_strategy())
         result[f"fsdp_{name}"] = model.trainer.strategy.lightning_module_state_dict()
+    for strategy in ("ddp", "fsdp"):  # the blocks of student and teacher through torch.compile (aot_eager: torch's kernels)
+        model = METHODS["dino"][0](**COMMON, **METHODS["dino"][1], compile_backbone=True, compile_backend="aot_eager")
+        model.load_state_dict(init["dino"])
+        counters.clear()
+        fit(model, datamodule("dino", PER_DEVICE), devices=WORLD, strategy="ddp" if strategy == "ddp" else cpu_fsdp_strategy())
+        blocks = [unwrap_module(b) for b in [*model.backbone.blocks, *model.teacher_backbone.blocks]]  # (FSDP wraps each block)
+        result[f"compiled_{strategy}"] = {
+            "state": model.trainer.strategy.lightning_module_state_dict(),
+            "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
+            "frames": counters["frames"]["ok"],
+        }
     model = build("mocov3")
     model.load_state_dict(init["mocov3"])
     fit(model, datamodule("mocov3", PER_DEVICE), devices=WORLD, strategy="ddp", precision="bf16-mixed")
@@ -239,6 +252,14 @@ def test_fsdp_over_two_processes_ends_with_the_one_process_weights(runs, name):
     # Parameters, gradients and optimiser state sharded over the processes: the same update,
     # the EMA target averaged shard by shard, DINO's per-parameter clipping on whole gradients.
     assert_same_update(runs["ranks"][0][f"fsdp_{name}"], runs["ref"][name]["state"], runs["init"][name])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compiled_blocks_train_to_the_one_process_weights(runs, strategy):
+    # compile_backbone under DDP and under FSDP (each block an FSDP unit, compiled inside it).
+    got = runs["ranks"][0][f"compiled_{strategy}"]
+    assert got["compiled"] and all(got["compiled"]) and got["frames"] > 0  # dynamo compiled them
+    assert_same_update(got["state"], runs["ref"]["dino"]["state"], runs["init"]["dino"])
 
 
 def test_mocov3_heads_and_probe_use_synchronised_batchnorm(runs):

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-fused-optimizer", action="store_true", help="our modules with fused_optimizer=False (torch's default AdamW, as the peers)"
     )
+    p.add_argument(
+        "--compile", action="store_true",
+        help="time ours and the peers with every ViT's blocks through torch.compile (inductor; compiled in the warm-up steps, "
+        "a minute or more on a CPU); peak memory is still measured without it",
+    )
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--json", "--out", dest="json", type=Path, default=None, help="also write the full results as JSON here")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="print the report of an earlier --json result instead of measuring")
@@ -150,6 +155,8 @@ def main(argv: list[str]) -> int:
         overrides["lean_backward"] = False
     if args.no_fused_optimizer:
         overrides["fused_optimizer"] = False
+    if args.compile:
+        overrides["compile"] = True
     cfg = preset(name, **overrides)
     if cfg.device.startswith("cuda"):
         import torch

@@ -123,6 +123,10 @@ class BenchConfig:
     # Our modules' fused_optimizer (torch's fused AdamW kernel); False: torch's default
     # implementation, as the peers use it (a per-tensor loop on CPU, foreach lists on CUDA).
     fused_optimizer: bool = True
+    # torch.compile (inductor) of every ViT's blocks, ours (``ssl_vit.backbones.compile``) and the
+    # peers' timm ViTs alike, in the timing jobs: compilation happens in the warm-up steps. Peak
+    # memory is measured without it (the compiler's own memory would swamp a step's).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.methods) - set(METHOD_NAMES))
@@ -137,6 +141,8 @@ class BenchConfig:
                 "need steps >= 1, warmup >= 0, memory_steps >= 1, memory_repeats >= 1; got "
                 f"{self.steps}, {self.warmup}, {self.memory_steps}, {self.memory_repeats}"
             )
+        if self.compile and self.warmup < 1:
+            raise ValueError("compile needs warmup >= 1: the first step compiles, and it must not be timed")
         if self.backbone_batch < 1 or self.method_batch < 1:
             raise ValueError(f"need backbone_batch >= 1 and method_batch >= 1; got {self.backbone_batch}, {self.method_batch}")
         if self.method_batch < 2 and "mocov3" in self.methods:

@@ -113,7 +113,8 @@ def header_text(result: dict[str, Any]) -> str:
         f"software: torch {env.get('torch', '?')} ({env.get('torch_threads', '?')} threads), timm {env.get('timm', '?')}, "
         f"lightly {env.get('lightly', '?')}, Python {env.get('python', '?')}; C heap: {env.get('allocator', '?')}; "
         f"our ViT: lean_backward={cfg.get('lean_backward', True)}; AdamW: ours "
-        f"{'fused' if cfg.get('fused_optimizer', False) else 'torch default'}, peers torch default",
+        f"{'fused' if cfg.get('fused_optimizer', False) else 'torch default'}, peers torch default"
+        + ("; timed with every ViT's blocks compiled (torch.compile, inductor), ours and the peers'" if cfg.get("compile") else ""),
         f"device {cfg['device']}, precision {cfg['precision']}, {cfg['warmup']} warm-up steps + {cfg['steps']} timed rounds "
         f"(ours and peer interleaved; medians), load average at start {env.get('loadavg')} / end {result.get('loadavg_end')}",
     ]

@@ -57,8 +57,8 @@ def run_job(job: Job) -> dict[str, Any]:
     raise ValueError(f"unknown job kind {job.kind!r}")
 
 
-def _build(row: str, impl: str, cfg: BenchConfig, device: torch.device) -> workloads.Workload:
-    return (workloads.ours if impl == "ours" else workloads.peer)(row, cfg, device)
+def _build(row: str, impl: str, cfg: BenchConfig, device: torch.device, compile: bool = False) -> workloads.Workload:
+    return (workloads.ours if impl == "ours" else workloads.peer)(row, cfg, device, compile)
 
 
 def _memory_job(job: Job, device: torch.device) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def _timing_job(job: Job, device: torch.device) -> dict[str, Any]:
     of the matmul rate is also taken within each round."""
     cfg = job.config
     impls = ["ours", "peer"] if cfg.peers else ["ours"]
-    works = {impl: _build(job.row, impl, cfg, device) for impl in impls}
+    works = {impl: _build(job.row, impl, cfg, device, cfg.compile) for impl in impls}
     steps = {impl: w.step for impl, w in works.items()}
     mm_flops, steps["matmul"] = _matmul_probe(cfg.matmul_probe_size, device)
     load_before = measure.loadavg()

@@ -25,6 +25,7 @@ from lightly.utils.scheduler import cosine_schedule
 from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone
+from ssl_vit.backbones.compile import DEFAULT_BACKEND, compile_backbone
 from ssl_vit.bench import peers
 from ssl_vit.bench.config import BenchConfig
 from ssl_vit.flops import backbone_train_flops, method_step_flops
@@ -114,8 +115,14 @@ def peer_model(row: str, cfg: BenchConfig) -> peers.PeerModel:
     raise ValueError(f"unknown benchmark row {row!r}; rows: {', '.join(ROWS)}")
 
 
-def ours(row: str, cfg: BenchConfig, device: torch.device) -> Workload:
+def ours(row: str, cfg: BenchConfig, device: torch.device, compile: bool = False) -> Workload:
+    """Our step of ``row``; ``compile``: its backbones' blocks through ``torch.compile`` (inductor),
+    as ``compile_backbone: true`` trains them."""
     module = our_module(row, cfg).to(device).train()
+    if compile and row == "backbone":
+        compile_backbone(module, DEFAULT_BACKEND)
+    elif compile:
+        module.compile_backbones(DEFAULT_BACKEND)
     views, labels = make_batch(row, cfg, device)
     amp = autocast(cfg, device)
     if row == "backbone":
@@ -146,8 +153,13 @@ def ours(row: str, cfg: BenchConfig, device: torch.device) -> Workload:
     return Workload(method_step, module, views, labels, flops)
 
 
-def peer(row: str, cfg: BenchConfig, device: torch.device) -> Workload:
+def peer(row: str, cfg: BenchConfig, device: torch.device, compile: bool = False) -> Workload:
+    """The peer's step of ``row``; ``compile``: the blocks of each of its timm ViTs through
+    ``torch.compile`` (inductor), one block at a time as ours."""
     model = peer_model(row, cfg).to(device).train()
+    if compile:
+        for vit in [m for m in model.modules() if isinstance(m, peers.TimmViT)]:
+            compile_backbone(vit, DEFAULT_BACKEND)
     views, labels = make_batch(row, cfg, device)
     amp = autocast(cfg, device)
     if row == "backbone":

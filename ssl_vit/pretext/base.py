@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone, get_spec
+from ssl_vit.backbones.compile import check_backend, compile_backbone
 from ssl_vit.backbones.registry import as_plain
 from ssl_vit.pretext.ema import EMAPairs
 from ssl_vit.pretext.nonfinite import NonFiniteGuard, NonFinitePolicy
@@ -103,6 +104,14 @@ class PretextModule(L.LightningModule):
             rounding, several times faster than the per-tensor loop. False: torch's default. A
             resumed run keeps the implementation its checkpoint was written with (torch restores
             every param-group setting, ``fused`` included).
+        compile_backbone: ``torch.compile`` the backbone and any momentum encoder / teacher
+            before training, one block at a time (``ssl_vit.backbones.compile``: a ViT's blocks
+            share one compiled graph; parameter names, checkpoints and exports stay the same). The
+            first steps then take longer (compiling: tens of seconds for a ViT-S), the others run
+            fused kernels. The heads and the online probe run eagerly.
+        compile_backend: the ``torch.compile`` backend: ``inductor`` (fused kernels, the speed-up;
+            needs a C++ compiler on a CPU) or e.g. ``aot_eager`` (the same tracing, torch's
+            kernels: a check that a model compiles).
     """
 
     # The encoder ``ssl-vit eval`` / ``export`` / ``visualize`` take from a checkpoint when not
@@ -131,6 +140,8 @@ class PretextModule(L.LightningModule):
         nonfinite_policy: NonFinitePolicy = "raise",
         max_skipped_batches: int = 10,
         fused_optimizer: bool = True,
+        compile_backbone: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         received = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -142,6 +153,8 @@ class PretextModule(L.LightningModule):
             raise ValueError("base_lr must be > 0, warmup_epochs >= 0 and weight_decay >= 0")
         if weight_decay_exempt not in ("bias_norm_tokens", "bias_norm", "none"):
             raise ValueError(f"weight_decay_exempt must be 'bias_norm_tokens', 'bias_norm' or 'none', got {weight_decay_exempt!r}")
+        if compile_backbone:
+            check_backend(compile_backend)
         self.backbone_name = backbone
         self.backbone_kwargs = dict(backbone_kwargs or {})
         self.backbone = create_backbone(backbone, **self.backbone_kwargs)
@@ -216,6 +229,15 @@ class PretextModule(L.LightningModule):
         device_type = self.trainer.strategy.root_device.type
         for name in names:
             setattr(self, name, convert_sync_batchnorm(getattr(self, name), device_type))
+
+    def compile_backbones(self, backend: str) -> list[str]:
+        """``torch.compile`` the backbone and every ``NAME_backbone`` (a momentum encoder, a
+        teacher) in place, one block at a time (``ssl_vit.backbones.compile``); returns their
+        names. ``setup`` calls it when ``compile_backbone`` is set."""
+        names = [name for name, _ in self.named_children() if name == "backbone" or name.endswith("_backbone")]
+        for name in names:
+            compile_backbone(getattr(self, name), backend)
+        return names
 
     # ------------------------------------------------------------------ optimisation
     def shape_before_wrapping(self, p: Tensor) -> torch.Size:
@@ -464,6 +486,12 @@ class PretextModule(L.LightningModule):
         # it learns the same whatever the split over devices.
         if self.probe is not None:
             self.sync_batchnorm("probe")
+        if self.hparams.compile_backbone and not getattr(self, "_backbones_compiled", False):
+            # In place, before a strategy wraps the model: names and state dicts do not change.
+            rank_zero_info(f"[ssl_vit] compiling the backbone with torch.compile ({self.hparams.compile_backend}, one block "
+                           "at a time): the first steps take longer")
+            self.compile_backbones(self.hparams.compile_backend)
+            self._backbones_compiled = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["ssl_vit"] = checkpoint_record(self)
