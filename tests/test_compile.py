@@ -8,6 +8,7 @@ seconds. One test compiles with inductor (generated kernels: equal to float tole
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -153,3 +154,67 @@ def test_a_compiled_method_trains_as_the_eager_one(method):
     assert state.keys() == eager_state.keys()
     for key, value in eager_state.items():
         assert torch.equal(state[key], value), key
+
+
+def test_a_compiled_backbone_exports_its_traced_files_and_stays_compiled(tmp_path):
+    from ssl_vit.export import load_backbone, save_backbone
+
+    model, reference = twins("vit", TINY_VIT)
+    compile_backbone(model, "aot_eager")
+    model(torch.randn(2, 1, 16, 16))  # compiled and run, as after training
+    # (tracing a compiled block fails: "using FX to torch.jit.trace a dynamo-optimized function")
+    save_backbone(model, tmp_path / "exp", formats=["safetensors", "torchscript", "onnx"])
+    assert all(compiled(b) for b in model.blocks)
+    x = torch.randn(3, 1, 16, 16)
+    with torch.no_grad():
+        want = reference.eval()(x)
+        torch.testing.assert_close(torch.jit.load(tmp_path / "exp" / "model.torchscript.pt")(x), want)
+        torch.testing.assert_close(load_backbone(tmp_path / "exp").eval()(x), want)
+
+
+def test_a_compiled_finetuning_trains_as_the_eager_one():
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ssl_vit.eval.finetune import FineTuneModule
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 1, 16, 16, generator=g), torch.arange(16) % 4)
+    states = []
+    for compile_ in (False, True):
+        torch.manual_seed(0)
+        module = FineTuneModule(create_backbone("vit", **TINY_VIT), num_classes=4, batch_size=8, warmup_epochs=0.0, drop_path_rate=0.1,
+                                compile_backbone=compile_, compile_backend="aot_eager")
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(module, DataLoader(data, batch_size=8))
+        assert all(compiled(b) for b in module.backbone.blocks) == compile_
+        states.append(module.state_dict())
+    assert states[0].keys() == states[1].keys()
+    for key, value in states[0].items():
+        assert torch.equal(states[1][key], value), key
+    with pytest.raises(ValueError, match="compile backend 'nope'"):
+        FineTuneModule(create_backbone("vit", **TINY_VIT), num_classes=4, compile_backbone=True, compile_backend="nope")
+
+
+def test_eval_finetune_compile_compiles_the_backbone_it_trains_and_exports(tmp_path, monkeypatch, capsys):
+    from ssl_vit.cli import main
+    from ssl_vit.eval import finetune
+
+    calls = []
+
+    def compile_with_aot_eager(backbone, backend):  # inductor's C++ build is covered above
+        calls.append(backend)
+        return compile_backbone(backbone, "aot_eager")
+
+    monkeypatch.setattr(finetune, "compile_backbone", compile_with_aot_eager)
+    tiny = '{"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2, "num_heads": 2}'
+    synthetic = ["--data", "synthetic", "--data-arg", "num_samples=32", "--data-arg", "num_test_samples=16", "--data-arg", "num_classes=4"]
+    args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", tiny, *synthetic, "--num-workers", "0", "--epochs", "1",
+            "--batch-size", "16", "--compile", "--out", str(tmp_path / "ft.json"), "--export", str(tmp_path / "exp"), "--export-format", "torchscript"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert calls == ["inductor"]
+    assert (tmp_path / "exp" / "model.torchscript.pt").is_file()
+    assert json.loads((tmp_path / "ft.json").read_text())["metrics"]["top1"] >= 0
+    # Without --compile nothing is compiled.
+    assert main([*args[:args.index("--compile")], "--out", str(tmp_path / "ft2.json")]) == 0 and calls == ["inductor"]

@@ -9,10 +9,14 @@ exports and evaluations do not see a difference), and what the pretext tasks do 
 patch embedding and the first block (MPP's ``patch_hook``) keeps running eagerly.
 
 Regions: a ViT's or hybrid's Transformer blocks (``blocks``); a ResNet's stages (``layer1`` ...);
-any other backbone (a plug-in of your own) whole.
+any other backbone (a plug-in of your own) whole. Tracing for export (TorchScript, ONNX) cannot
+go through a compiled region: :func:`eager` sets the regions aside meanwhile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -54,3 +58,17 @@ def compile_backbone(backbone: nn.Module, backend: str = DEFAULT_BACKEND) -> lis
         module.compile(backend=backend)
     return [name for name, _ in regions]
 
+
+
+@contextmanager
+def eager(module: nn.Module) -> Iterator[nn.Module]:
+    """Run ``module`` without its compiled regions inside the block (TorchScript and ONNX refuse
+    to trace a dynamo-compiled function), and compiled again after it."""
+    compiled = [(m, m._compiled_call_impl) for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    for m, _ in compiled:
+        m._compiled_call_impl = None
+    try:
+        yield module
+    finally:
+        for m, impl in compiled:
+            m._compiled_call_impl = impl

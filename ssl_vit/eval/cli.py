@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RandAugment on the training crops: OPS ops per image at MAGNITUDE of 30 (MAE: 2 9); off when not given")
     p.add_argument("--random-erasing", type=float, default=0.0,
                    help="probability of erasing a random box of each training image with noise (MAE: 0.25; 0: off)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor) the backbone one block at a time: faster steps once compiled (the first take longer)")
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the fine-tuned model as an export folder: backbone + classifier in model.safetensors (timm names; "
                         "timm.create_model('local-dir:DIR', pretrained=True) builds the classifier), config.json with this result")
@@ -271,7 +273,7 @@ def main(argv: list[str]) -> int:
             epochs=args.epochs, batch_size=args.batch_size, base_lr=args.lr, layer_decay=args.layer_decay, drop_path_rate=args.drop_path,
             label_smoothing=args.label_smoothing, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, mixup_alpha=args.mixup,
             cutmix_alpha=args.cutmix, rand_augment=args.rand_augment, random_erasing=args.random_erasing, augment=not args.no_augment, crop_scale=args.crop_scale, max_steps=args.max_steps,
-            checkpoint_every=args.checkpoint_every,
+            checkpoint_every=args.checkpoint_every, compile_backbone=args.compile,
         )
     device = resolve_device(args.device)
     if args.precision == "16-mixed" and not device.startswith("cuda"):

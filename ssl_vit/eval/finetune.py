@@ -35,6 +35,7 @@ from torchvision.ops import StochasticDepth
 from torchvision.transforms import v2
 
 from ssl_vit.backbones import is_vit
+from ssl_vit.backbones.compile import check_backend, compile_backbone
 from ssl_vit.eval.linear import warmup_cosine
 from ssl_vit.eval.train_run import (
     accuracy_metrics,
@@ -208,6 +209,9 @@ class FineTuneModule(L.LightningModule):
             (``method``, ``data`` with its normalisation ``mean``/``std``), as pretraining
             checkpoints do: ``ssl-vit export`` and ``ssl-vit eval`` then read the fine-tuned
             backbone from them.
+        compile_backbone: ``torch.compile`` the backbone one block at a time before training
+            (``ssl_vit.backbones.compile``; the pretext modules' option of that name).
+        compile_backend: its ``torch.compile`` backend (``inductor``; ``aot_eager`` to check tracing).
     """
 
     def __init__(
@@ -231,10 +235,14 @@ class FineTuneModule(L.LightningModule):
         steps_per_epoch: int | None = None,
         head: nn.Linear | None = None,
         record: dict[str, Any] | None = None,
+        compile_backbone: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        if compile_backbone:
+            check_backend(compile_backend)
         check_finetune_settings(base_lr, batch_size, weight_decay, layer_decay, drop_path_rate, label_smoothing, warmup_epochs,
                                 mixup_alpha, cutmix_alpha, random_erasing)
         self.save_hyperparameters(ignore=["backbone", "head", "record"])
@@ -268,6 +276,12 @@ class FineTuneModule(L.LightningModule):
             return
         checkpoint["ssl_vit"] = {"method": "finetune", **self.record, "backbone": name, "backbone_kwargs": kwargs,
                                  "global_step": self.global_step, "epoch": self.current_epoch}
+
+    def setup(self, stage: str) -> None:
+        # After __init__ changed the backbone (resolution, drop path); before a strategy wraps it.
+        if self.hparams.compile_backbone and not getattr(self, "_backbone_compiled", False):
+            compile_backbone(self.backbone, self.hparams.compile_backend)
+            self._backbone_compiled = True
 
     def on_fit_start(self) -> None:
         # Lightning keeps each module's train/eval mode: a backbone handed in eval mode (as loaded

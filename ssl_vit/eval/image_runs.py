@@ -67,6 +67,8 @@ class FineTuneSettings:
         crop_scale: that crop's area range; None: :func:`default_crop_scale`.
         max_steps: stop after this many optimiser steps (-1: no cap; the LR schedule follows).
         checkpoint_every: steps between the run's checkpoints.
+        compile_backbone: ``torch.compile`` (inductor) the backbone one block at a time
+            (``FineTuneModule``): the same training, faster steps after the first ones.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class FineTuneSettings:
         crop_scale: tuple[float, float] | None = None,
         max_steps: int = -1,
         checkpoint_every: int = 500,
+        compile_backbone: bool = False,
     ) -> None:
         check_finetune_settings(base_lr, batch_size, weight_decay, layer_decay, drop_path_rate, label_smoothing, warmup_epochs,
                                 mixup_alpha, cutmix_alpha, random_erasing)
@@ -114,6 +117,7 @@ class FineTuneSettings:
         self.crop_scale = crop_scale
         self.max_steps = max_steps
         self.checkpoint_every = checkpoint_every
+        self.compile_backbone = compile_backbone
 
     def scale_for(self, img_size: int) -> tuple[float, float] | None:
         """The crop's area range at this resolution (None: no augmentation)."""
@@ -192,7 +196,7 @@ def finetune_and_record(
         run_dir=run_dir, resume=resume, checkpoint_every=settings.checkpoint_every, head=head, base_lr=settings.base_lr,
         layer_decay=settings.layer_decay, drop_path_rate=settings.drop_path_rate, label_smoothing=settings.label_smoothing,
         weight_decay=settings.weight_decay, img_size=new_img_size, mixup_alpha=settings.mixup_alpha, cutmix_alpha=settings.cutmix_alpha,
-        random_erasing=settings.random_erasing,
+        random_erasing=settings.random_erasing, compile_backbone=settings.compile_backbone,
         warmup_epochs=settings.warmup_epochs, record=finetuned, origin=_origin(pretrain),
     )
     if metrics is None:

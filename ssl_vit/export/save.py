@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssl_vit.backbones.compile import eager
 from ssl_vit.export.config import (
     build_config,
     classifier_name,
@@ -117,10 +118,11 @@ def save_backbone(
     created = _missing_folders(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
-    exported = model if on_cpu else copy.deepcopy(model).cpu()  # onnxruntime checks run on CPU
     was_training = model.training
     try:
-        return _write(exported.eval(), out_dir, source, formats, results, tolerance, opset, head)
+        with eager(model):  # a backbone trained with compile_backbone: traced through its eager modules
+            exported = model if on_cpu else copy.deepcopy(model).cpu()  # onnxruntime checks run on CPU
+            return _write(exported.eval(), out_dir, source, formats, results, tolerance, opset, head)
     except BaseException:
         _remove_created(created)  # a refused export leaves no folder of its own behind
         raise
