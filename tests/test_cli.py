@@ -988,3 +988,49 @@ def test_lightnings_advertisement_is_dropped_and_its_start_up_lines_stay():
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def test_an_out_record_file_with_an_upper_case_suffix_is_a_file_not_a_folder(tmp_path):
+    from ssl_vit.eval.options import check_out
+
+    out = tmp_path / "new" / "results.JSON"
+    check_out(str(out), create=True)
+    assert (tmp_path / "new").is_dir() and not out.exists()  # the record's folder is made, not a folder named like it
+
+
+def test_an_export_over_the_backbone_export_is_refused_however_the_path_is_spelt(tmp_path, monkeypatch):
+    from ssl_vit.eval.options import check_export
+    from ssl_vit.export.save import CONFIG_FILE
+
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / CONFIG_FILE).write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="is the export --backbone reads"):
+        check_export("exp", backbone=str(tmp_path / "exp"))  # relative --export, absolute --backbone
+    with pytest.raises(ValueError, match="is the export --backbone reads"):
+        check_export(str(tmp_path / "exp"), backbone="./exp/../exp")
+
+
+def test_layer_decay_one_means_no_decay_and_is_accepted():
+    import argparse
+
+    from ssl_vit.eval.options import check_options
+
+    check_options(argparse.Namespace(layer_decay=1.0))  # "(0, 1] (1: no decay)"
+    check_options(argparse.Namespace(layer_decay=0.75))
+    for bad in (0.0, 1.01):
+        with pytest.raises(ValueError, match="--layer-decay must be in"):
+            check_options(argparse.Namespace(layer_decay=bad))
+
+
+def test_data_args_override_the_recorded_normalisation_and_the_backbone_size():
+    from types import SimpleNamespace
+
+    from ssl_vit.eval.data_args import build_datamodule
+
+    grey = SimpleNamespace(img_size=(28, 28), in_chans=1)
+    recorded = {"kind": "lightning", "normalization_source": "recorded", "mean": [0.3], "std": [0.2]}
+    assert tuple(build_datamodule("fashion_mnist", grey, recorded, {}, None).mean) == (0.3,)
+    dm = build_datamodule("fashion_mnist", grey, recorded, {"mean": (0.5,), "std": (0.25,), "img_size": 14}, None)
+    assert tuple(dm.mean) == (0.5,) and tuple(dm.std) == (0.25,)  # what the user asked for wins
+    assert dm.img_size == 14

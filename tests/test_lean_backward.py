@@ -134,3 +134,96 @@ def test_norm_linear_keeps_only_the_input_and_row_statistics_for_backward():
     row_stats = 2 * 8 * 50 * 4  # mean and 1/std, fp32
     assert ours == case.x.numel() * 4 + row_stats
     assert plain == 2 * case.x.numel() * 4 + row_stats  # + LayerNorm's output, the linear layer's input
+
+
+def _lean_grads(fn, tensors, grad_out):
+    for t in tensors:
+        t.grad = None
+    y = fn()
+    y.backward(grad_out)
+    return y.detach(), [t.grad.clone() for t in tensors]
+
+
+def _shifted_norm(dim_or_shape, seed=0):
+    torch.manual_seed(seed)
+    norm = nn.LayerNorm(dim_or_shape, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+        norm.bias.normal_(0.0, 0.3)
+    return norm
+
+
+def test_norm_linear_over_two_dimensions_is_the_two_modules():
+    # A LayerNorm over the last two dimensions is not the fused (last-dimension) one: the plain modules run.
+    norm = _shifted_norm((5, 16))
+    linear = nn.Linear(16, 8)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    tensors = (x, norm.weight, norm.bias, linear.weight, linear.bias)
+    g = torch.randn(2, 5, 8)
+    y0, g0 = _lean_grads(lambda: linear(norm(x)), tensors, g)
+    y1, g1 = _lean_grads(lambda: norm_linear(x, norm, linear), tensors, g)
+    assert torch.equal(y0, y1)
+    for a, b in zip(g0, g1):
+        assert torch.equal(a, b)
+
+
+def test_norm_linear_on_a_bf16_input_under_autocast_normalises_in_fp32():
+    # The fused function runs LayerNorm in fp32 under autocast whatever its input's dtype (as CUDA's
+    # autocast does: layer_norm is on its fp32 list; CPU's keeps a bf16 input in bf16, so there
+    # the plain modules' LayerNorm gradients are bf16 sums): the forward is the modules', and the
+    # LayerNorm's gradients are the fp32 LayerNorm backward (torch's autograd on x.float()) of the
+    # bf16 gradient the linear layer hands back.
+    norm, linear = _shifted_norm(32), nn.Linear(32, 48)
+    x = (3.0 * torch.randn(8, 10, 32)).to(torch.bfloat16).requires_grad_(True)
+    g = torch.randn(8, 10, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y0 = linear(norm(x)).detach()
+        y1, (gx, gnw, gnb, gw, gb) = _lean_grads(lambda: norm_linear(x, norm, linear), (x, norm.weight, norm.bias, linear.weight, linear.bias), g)
+    assert torch.equal(y0, y1)
+    grad_y = (g.to(torch.bfloat16) @ linear.weight.to(torch.bfloat16)).float()  # the linear layer's input gradient, bf16
+    x32 = x.detach().float().requires_grad_(True)
+    nw, nb = norm.weight.detach().clone().requires_grad_(True), norm.bias.detach().clone().requires_grad_(True)
+    F.layer_norm(x32, (32,), nw, nb, norm.eps).backward(grad_y)
+    assert gx.dtype == torch.bfloat16 and torch.equal(gx, x32.grad.to(torch.bfloat16))
+    assert torch.equal(gnw, nw.grad) and torch.equal(gnb, nb.grad)
+
+
+def test_gelu_linear_under_autocast_keeps_the_bf16_input_of_the_linear_layer_and_its_gradients():
+    # fp32 h under autocast: GELU runs in fp32, the linear layer in bf16. Autograd keeps the
+    # linear layer's bf16 input; the lean function must keep that, not a fp32 copy, and give the
+    # same gradients as torch's autograd on fc2(gelu(h)).
+    torch.manual_seed(0)
+    fc2 = nn.Linear(32, 12)
+    h = torch.randn(8, 10, 32, requires_grad=True)
+    tensors = (h, fc2.weight, fc2.bias)
+    g = torch.randn(8, 10, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y0, g0 = _lean_grads(lambda: fc2(F.gelu(h)), tensors, g)
+        y1, g1 = _lean_grads(lambda: gelu_linear(h, fc2), tensors, g)
+        plain = saved_activation_bytes(lambda: fc2(F.gelu(h)), [fc2.weight, fc2.bias])
+        ours = saved_activation_bytes(lambda: gelu_linear(h, fc2), [fc2.weight, fc2.bias])
+    assert torch.equal(y0, y1)
+    for a, b in zip(g0, g1):
+        assert torch.equal(a, b)
+    assert ours <= plain
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass with its own forward (as a LoRA or quantised layer has)."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x) + 1.0
+
+
+class _ShiftedLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) + 0.5
+
+
+def test_a_subclass_with_its_own_forward_is_not_bypassed():
+    torch.manual_seed(0)
+    fc2 = _ScaledLinear(16, 6)
+    h = torch.randn(2, 5, 16, requires_grad=True)
+    assert torch.equal(gelu_linear(h, fc2), fc2(F.gelu(h)))
+    norm, linear = _ShiftedLayerNorm(16), _ScaledLinear(16, 6)
+    assert torch.equal(norm_linear(h, norm, linear), linear(norm(h)))

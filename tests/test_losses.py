@@ -375,3 +375,32 @@ def test_mpp_loss_bad_input() -> None:
         mpp_loss(torch.randn(2, 3, 8), torch.zeros(2, 3, 9), c)
     with pytest.raises(ValueError, match="disagree"):
         mpp_loss(torch.randn(2, 4, 8), torch.zeros(2, 4, dtype=torch.long), c)
+
+
+def test_dino_centre_deferred_over_micro_batches_moves_by_the_whole_batch_mean():
+    # DINO: c <- m c + (1 - m) mean(teacher outputs over the views and the whole batch), once per
+    # optimiser step; here the batch comes in two micro-batches of 4.
+    torch.manual_seed(0)
+    k, m = 8, 0.9
+    loss = DINOLoss(output_dim=k, center_momentum=m)
+    loss.defer_center = True
+    c0 = torch.randn(1, 1, k)
+    loss.center.copy_(c0)
+    teachers = [[torch.randn(4, k) for _ in range(2)] for _ in range(2)]
+    for t in teachers:
+        loss(t, [v.clone() for v in t] + [torch.randn(4, k)], teacher_temp=0.04)
+    assert torch.equal(loss.center, c0)  # not moved by the micro-batches
+    loss.step_center()
+    whole = torch.cat([torch.stack(t) for t in teachers], dim=1)  # [views, 8, K]
+    expected = m * c0 + (1 - m) * whole.mean(dim=(0, 1), keepdim=True)
+    assert torch.allclose(loss.center, expected, atol=1e-6)
+    loss.step_center()  # nothing pending: no move
+    assert torch.allclose(loss.center, expected, atol=1e-6)
+
+
+def test_dino_loss_refuses_views_of_another_batch_size():
+    loss = DINOLoss(output_dim=8)
+    t = [torch.randn(4, 8), torch.randn(4, 8)]
+    s = [torch.randn(3, 8), torch.randn(3, 8)]
+    with pytest.raises(ValueError, match="same B"):
+        loss(t, s, teacher_temp=0.04)

@@ -30,7 +30,9 @@ class _NormLinear(torch.autograd.Function):
         eps: float,
     ) -> Tensor:
         if x.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
-            x = x.float()  # autocast runs LayerNorm in fp32
+            # LayerNorm in fp32, as CUDA's autocast runs it. (CPU's autocast keeps a bf16 input in
+            # bf16: there the plain modules sum the LayerNorm's gradients in bf16, this in fp32.)
+            x = x.float()
         shape = (x.shape[-1],)
         y, mean, rstd = torch.native_layer_norm(x, shape, norm_weight, norm_bias, eps)  # [.., D]
         out = F.linear(y, weight, bias)  # [.., D_out]; under autocast, cast as in the plain module

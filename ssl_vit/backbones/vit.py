@@ -192,7 +192,8 @@ class VisionTransformer(nn.Module):
         lean_backward: in training, compute each LayerNorm inside the projection after it and
             recompute it in the backward pass (``norm_linear``: an eighth less activation memory,
             about 1 % more compute), and give GELU's backward fc2's gradient buffer
-            (``gelu_linear``). The same function and gradients either way; ``False`` runs the plain
+            (``gelu_linear``). The same function and gradients either way (a bf16 input on a CPU
+            aside, whose LayerNorm gradients this sums in fp32 as on CUDA); ``False`` runs the plain
             modules (two autograd nodes fewer per block in Python, which a launch-bound GPU run
             with a small model may prefer) and is needed for a second derivative (gradient
             penalties, ``create_graph=True``): the fused backward passes are first-order only.
