@@ -69,7 +69,7 @@ def test_full_preset_is_the_shipped_results_configuration() -> None:
         pytest.skip("no shipped benchmark result")
     result = json.loads(shipped.read_text())
     assert result["preset"] == "full"
-    assert json.loads(json.dumps(preset("full").to_dict())) == result["config"]
+    assert json.loads(json.dumps(preset("full").to_dict())) == {"compile": False, **result["config"]}  # (--compile came later)
     full = preset("full")
     assert {r["name"]: r["label"] for r in result["rows"]} == {r: runner._row_label(r, full) for r in ("backbone", *full.methods)}
 
@@ -346,7 +346,7 @@ def test_no_peers_runs_no_peer_job(monkeypatch) -> None:
 def test_timing_job_arithmetic(monkeypatch) -> None:
     a = torch.zeros(4, 3, 8, 8)
     works = {"ours": SimpleNamespace(step=None, views=[a], flops_per_image=1e6), "peer": SimpleNamespace(step=None, views=[a], flops_per_image=None)}
-    monkeypatch.setattr(worker, "_build", lambda row, impl, cfg, device: works[impl])
+    monkeypatch.setattr(worker, "_build", lambda row, impl, cfg, device, compile=False: works[impl])
     walls = {"ours": [0.5, 0.4, 0.45], "peer": [1.0, 0.8, 1.8], "matmul": [0.1, 0.1, 0.2]}
     seen = {}
 
@@ -722,3 +722,16 @@ def test_report_text_by_hand() -> None:
     assert "AdamW: ours fused, peers torch default" in text
     data = _cells(report.data_table(_report_result(), markdown=True), "TwoViews")
     assert data["ours views/s/worker"] == "123.0" and data["peer views/s/worker"] == "41.0" and data["speed"] == "3.00x"
+
+
+def test_lightly_peer_gets_our_resolved_local_crop_size():
+    from PIL import Image
+
+    from ssl_vit.data import MultiCrop
+    from ssl_vit.data.bench import lightly_dino_transform
+
+    ours = MultiCrop(global_size=32, n_local=2)  # local_size None: resolved to 12
+    assert ours.resolved_local_size == 12
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8), "RGB")
+    views = lightly_dino_transform(ours)(image)
+    assert [tuple(v.shape[-2:]) for v in views] == [(32, 32), (32, 32), (12, 12), (12, 12)]

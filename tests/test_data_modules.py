@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import random
 import re
 import urllib.error
 from pathlib import Path
@@ -16,6 +17,7 @@ from PIL import Image
 from ssl_vit import create_backbone
 from ssl_vit.data import (
     CIFAR10DataModule,
+    CIFAR100DataModule,
     FashionMNISTDataModule,
     ImageFolderDataModule,
     MultiCrop,
@@ -498,3 +500,123 @@ def test_synthetic_splits_differ_and_labels_are_shuffled_and_balanced():
         profile = images[labels == k].double().mean(dim=(0, 1))  # [64]: the classes' mean row
         peaks.append(int(torch.fft.rfft(profile - profile.mean()).abs().argmax()))
     assert peaks == [2, 3, 4]
+
+
+def _random_rgb(w: int, h: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+
+
+def test_subset_is_the_sorted_randperm_draw_of_its_seed_and_may_take_every_image():
+    kw = dict(num_samples=12, num_test_samples=4, num_classes=3, img_size=8, seed=3, num_workers=0)
+    full = SyntheticDataModule(**kw)
+    full.setup()
+    sub = SyntheticDataModule(subset=5, **kw)
+    sub.setup()
+    idx = torch.randperm(12, generator=torch.Generator().manual_seed(3))[:5].sort().values
+    assert torch.equal(sub._train_source.images, full._train_source.images[idx])
+    assert torch.equal(sub._train_source.labels, full._train_source.labels[idx])
+    every = SyntheticDataModule(subset=12, **kw)  # subset == number of images: all of them
+    every.setup()
+    assert torch.equal(every._train_source.images, full._train_source.images)
+
+
+def test_dataset_statistics_are_the_published_ones():
+    # CIFAR-10 / CIFAR-100 / STL-10 per-channel mean and std of the training pixels (commonly
+    # used values; CIFAR-10's std is NOT the often-copied (0.2023, 0.1994, 0.2010)).
+    assert CIFAR10DataModule.dataset_mean == (0.4914, 0.4822, 0.4465)
+    assert CIFAR10DataModule.dataset_std == (0.2470, 0.2435, 0.2616)
+    assert CIFAR100DataModule.dataset_mean == (0.5071, 0.4865, 0.4409)
+    assert CIFAR100DataModule.dataset_std == (0.2673, 0.2564, 0.2762)
+    assert STL10DataModule.dataset_mean == (0.4467, 0.4398, 0.4066)
+    assert STL10DataModule.dataset_std == (0.2603, 0.2566, 0.2713)
+    dm = CIFAR10DataModule(download=False, num_workers=0)
+    assert dm.mean == (0.4914, 0.4822, 0.4465) and dm.std == (0.2470, 0.2435, 0.2616)
+
+
+def test_cifar100_from_fake_files_has_100_classes(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda *args, **kwargs: True)
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    data = np.zeros((2, 3072), dtype=np.uint8)
+    for name in ("train", "test"):
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data, "fine_labels": [0, 99], "coarse_labels": [0, 19]}, f)
+    with open(folder / "meta", "wb") as f:
+        pickle.dump({"fine_label_names": [f"c{i}" for i in range(100)]}, f)
+    dm = CIFAR100DataModule(root=str(tmp_path), download=False, num_workers=0)
+    _, test = dm.eval_datasets()
+    assert test[1][1] == 99
+    assert dm.num_classes == 100 == len(dm.class_names)  # label 99 needs 100 classes in a probe
+
+
+class _FakeSTL10Splits:
+    sizes = {"train": 4, "test": 3, "unlabeled": 5}
+
+    def __init__(self, root, split, download=False, **kwargs):
+        parts = split.split("+")
+        n = sum(self.sizes[p] for p in parts)
+        self.data = np.random.default_rng(n).integers(0, 256, (n, 3, 12, 12), dtype=np.uint8)
+        self.labels = np.concatenate([np.full(self.sizes[p], -1) if p == "unlabeled" else np.arange(self.sizes[p]) % 2 for p in parts])
+        self.classes = ["a", "b"]
+
+
+def test_stl10_fine_tuning_views_apply_whatever_the_pretraining_split(monkeypatch):
+    # eval_datasets(train_views=...) trains fine-tuning on augmented labelled 'train' images; with
+    # train_split='unlabeled' it must give exactly what train_split='train' gives.
+    import torchvision.datasets
+
+    monkeypatch.setattr(torchvision.datasets, "STL10", _FakeSTL10Splits)
+    views = SingleView(scale=(0.2, 0.5))
+    kw = dict(download=False, num_workers=0, img_size=8, mean=(0.0,), std=(1.0,))
+    ref_train, _ = STL10DataModule(train_split="train", **kw).eval_datasets(train_views=views)
+    got_train, _ = STL10DataModule(train_split="unlabeled", **kw).eval_datasets(train_views=views)
+    plain, _ = STL10DataModule(train_split="train", **kw).eval_datasets()
+    augmented = 0
+    for seed in range(4):
+        random.seed(seed)
+        want, wl = ref_train[seed % 4]
+        random.seed(seed)
+        got, gl = got_train[seed % 4]
+        assert gl == wl >= 0
+        torch.testing.assert_close(got, want)
+        augmented += not torch.equal(got, plain[seed % 4][0])
+    assert augmented >= 1
+
+
+def test_synthetic_seeds_never_share_a_stream():
+    # seed s draws train and test from streams of their own: seed 1's training images are not
+    # seed 0's test images.
+    kw = dict(num_samples=8, num_test_samples=8, num_classes=2, img_size=8, num_workers=0)
+    a, b = SyntheticDataModule(seed=0, **kw), SyntheticDataModule(seed=1, **kw)
+    a.setup()
+    b.setup()
+    assert not torch.equal(a._test_source.images, b._train_source.images)
+    assert not torch.equal(a._train_source.images, a._test_source.images)
+
+
+def test_subset_of_zero_images_is_refused_at_construction():
+    with pytest.raises(ValueError, match="subset must be a positive number"):
+        SyntheticDataModule(subset=0, num_workers=0)
+
+
+def test_eval_loader_uses_eval_batch_size():
+    dm = SyntheticDataModule(num_samples=8, num_test_samples=7, img_size=8, batch_size=4, eval_batch_size=3, num_workers=0)
+    assert [len(labels) for _, labels in dm.val_dataloader()] == [3, 3, 1]
+    assert [len(labels) for _, labels in SyntheticDataModule(num_samples=8, num_test_samples=7, img_size=8, batch_size=4,
+                                                              num_workers=0).test_dataloader()] == [4, 3]
+
+
+def test_synthetic_without_test_images_says_it_has_no_labelled_test_split():
+    dm = SyntheticDataModule(num_samples=8, num_test_samples=0, img_size=8, num_workers=0)
+    assert dm.has_labelled_test_split() is False
+    assert dm.eval_datasets()[1] is None
+    assert SyntheticDataModule(num_samples=8, num_test_samples=1, img_size=8, num_workers=0).has_labelled_test_split()
+
+
+def test_idx_reader_reports_a_missing_file_as_missing(tmp_path):
+    from ssl_vit.data.idx import read_idx
+
+    with pytest.raises(FileNotFoundError):
+        read_idx(tmp_path / "train-images-idx3-ubyte.gz")

@@ -345,3 +345,62 @@ def test_a_view_transform_of_ones_own_as_its_docstring_writes_it():
     views = ThreeCrops()(torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8))
     assert ThreeCrops().num_views == 3 and [tuple(v.shape) for v in views] == [(3, 16, 16)] * 3
     assert all(0.0 <= float(v.min()) and float(v.max()) <= 1.0 for v in views)
+
+
+def _random_rgb(w: int, h: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+
+
+def test_uint8_tensor_is_read_as_c_h_w_like_torchvision_to_pil_image():
+    # A non-square [C, H, W] tensor: a transposed read would give a [W, H] image.
+    for c in (1, 3):
+        t = torch.randint(0, 256, (c, 5, 7), generator=torch.Generator().manual_seed(c), dtype=torch.uint8)
+        want = np.asarray(TF.to_pil_image(t))
+        got = np.asarray(to_pil(t))
+        assert got.shape == want.shape == ((5, 7) if c == 1 else (5, 7, 3))
+        assert np.array_equal(got, want)
+
+
+def test_rand_augment_fills_with_mid_grey_like_torchvision_randaugment_fill_128():
+    # Over several seeds some geometric op (rotate / shear / translate) is drawn, whose uncovered
+    # pixels show the fill: compare with torchvision's RandAugment(fill=128) on the same crop.
+    from torchvision.transforms import RandAugment
+
+    img, differs = _random_rgb(40, 40), 0
+    for seed in range(8):
+        random.seed(seed)
+        torch.manual_seed(seed)
+        (got,) = SingleView(size=32, scale=(0.5, 1.0), rand_augment=(2, 9))(img)
+        random.seed(seed)
+        torch.manual_seed(seed)
+        cropped, _ = SingleView(size=32, scale=(0.5, 1.0)).recipes()[0](img)
+        state = torch.get_rng_state()
+        want = TF.to_dtype(TF.pil_to_tensor(RandAugment(num_ops=2, magnitude=9, fill=128)(cropped)), torch.float32, scale=True)
+        torch.set_rng_state(state)
+        black = TF.to_dtype(TF.pil_to_tensor(RandAugment(num_ops=2, magnitude=9, fill=0)(cropped)), torch.float32, scale=True)
+        torch.testing.assert_close(got, want)
+        differs += not torch.equal(want, black)
+    assert differs >= 1  # the fill was exercised
+
+
+def test_unaugmented_single_view_uses_its_interpolation_like_torchvision_resize_centre_crop():
+    from torchvision.transforms import InterpolationMode
+
+    img = _random_rgb(40, 40)
+    for mode, tv_mode in (("bilinear", InterpolationMode.BILINEAR), ("bicubic", InterpolationMode.BICUBIC)):
+        (got,) = SingleView(size=16, augment=False, interpolation=mode)(img)
+        want = TF.center_crop(TF.resize(img, 18, interpolation=tv_mode), 16)  # 18 = floor(16 / 0.875)
+        want = TF.to_dtype(TF.pil_to_tensor(want), torch.float32, scale=True)
+        torch.testing.assert_close(got, want)
+
+
+def test_rand_augment_takes_every_magnitude_torchvision_has():
+    from torchvision.transforms import RandAugment
+
+    top = RandAugment().num_magnitude_bins - 1  # 30: torchvision's (and timm's) magnitude scale
+    for m in (0, 10, 15, top):
+        view = SingleView(size=8, rand_augment=(2, m))
+        assert view.rand_augment == (2, m)
+        assert view.recipes()[0].rand_augment.magnitude == m
+    with pytest.raises(ValueError, match="rand_augment"):
+        SingleView(rand_augment=(2, top + 1))

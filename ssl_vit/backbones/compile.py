@@ -1,9 +1,9 @@
 """``torch.compile`` for backbones, one repeated piece at a time (regional compilation).
 
 A ViT is ``depth`` copies of one block: compiling each block in place (``nn.Module.compile``)
-gives one graph that every block reuses (torch inlines the modules and passes their parameters
-as inputs), compiled in seconds rather than the minutes a whole model takes, and the fused
-LayerNorm / GELU / residual kernels where the time outside the matmuls goes. Around the blocks
+gives one graph that every block of that shape reuses (torch inlines the modules and passes their
+parameters as inputs), compiled once rather than once per block or for the whole model, with
+fused kernels for the LayerNorm / GELU / residual work around the matmuls. Around the blocks
 nothing changes: parameter names and state dicts stay as they are (checkpoints, EMA pairs,
 exports and evaluations do not see a difference), and what the pretext tasks do between the
 patch embedding and the first block (MPP's ``patch_hook``) keeps running eagerly.
@@ -20,6 +20,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from ssl_vit.backbones.resnet import ResNetBackbone
+
 # torch.compile's backends: "inductor" generates fused kernels (the speed-up); "aot_eager"
 # traces forward and backward but runs torch's own kernels (a check of the tracing, fast to
 # compile); "eager" only captures the graph.
@@ -31,9 +33,8 @@ def compile_regions(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
     blocks = getattr(backbone, "blocks", None)
     if isinstance(blocks, nn.ModuleList | nn.Sequential) and len(blocks) > 0:
         return [(f"blocks.{i}", block) for i, block in enumerate(blocks)]
-    stages = getattr(backbone, "_stages", None)
-    if callable(stages):  # ResNetBackbone: layer1 ... layerN
-        return [(f"layer{i + 1}", stage) for i, stage in enumerate(stages())]
+    if isinstance(backbone, ResNetBackbone):
+        return [(f"layer{i + 1}", stage) for i, stage in enumerate(backbone._stages())]
     return [("", backbone)]
 
 
@@ -50,14 +51,12 @@ def check_backend(backend: str) -> None:
 
 def compile_backbone(backbone: nn.Module, backend: str = DEFAULT_BACKEND) -> list[str]:
     """Compile ``backbone``'s regions in place (see the module docstring); returns their names
-    (``""``: the whole backbone). Compiling twice is harmless: a compiled region is compiled again
-    with the new backend."""
+    (``""``: the whole backbone)."""
     check_backend(backend)
     regions = compile_regions(backbone)
     for _, module in regions:
         module.compile(backend=backend)
     return [name for name, _ in regions]
-
 
 
 @contextmanager
