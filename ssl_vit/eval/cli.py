@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-erasing", type=float, default=0.0,
                    help="probability of erasing a random box of each training image with noise (MAE: 0.25; 0: off)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile (inductor) the backbone one block at a time: faster steps once compiled (the first take longer)")
+                   help="torch.compile (inductor) the backbone one block at a time: for GPUs (the first steps compile; no faster on a small CPU)")
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the fine-tuned model as an export folder: backbone + classifier in model.safetensors (timm names; "
                         "timm.create_model('local-dir:DIR', pretrained=True) builds the classifier), config.json with this result")

@@ -68,7 +68,7 @@ class FineTuneSettings:
         max_steps: stop after this many optimiser steps (-1: no cap; the LR schedule follows).
         checkpoint_every: steps between the run's checkpoints.
         compile_backbone: ``torch.compile`` (inductor) the backbone one block at a time
-            (``FineTuneModule``): the same training, faster steps after the first ones.
+            (``FineTuneModule``): the same training, for GPUs (no faster on a 2-core CPU).
     """
 
     def __init__(

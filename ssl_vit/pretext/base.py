@@ -107,11 +107,13 @@ class PretextModule(L.LightningModule):
         compile_backbone: ``torch.compile`` the backbone and any momentum encoder / teacher
             before training, one block at a time (``ssl_vit.backbones.compile``: a ViT's blocks
             share one compiled graph; parameter names, checkpoints and exports stay the same). The
-            first steps then take longer (compiling: tens of seconds for a ViT-S), the others run
-            fused kernels. The heads and the online probe run eagerly.
-        compile_backend: the ``torch.compile`` backend: ``inductor`` (fused kernels, the speed-up;
-            needs a C++ compiler on a CPU) or e.g. ``aot_eager`` (the same tracing, torch's
-            kernels: a check that a model compiles).
+            first steps then take longer (compiling: about half a minute for a ViT-S on 2 CPU
+            cores), the others run fused elementwise kernels: meant for GPUs, where a step is
+            launch-bound; on a 2-core CPU no faster (``benchmarks/RESULTS.md``). The heads and the
+            online probe run eagerly.
+        compile_backend: the ``torch.compile`` backend: ``inductor`` (generated kernels; needs a
+            C++ compiler on a CPU) or e.g. ``aot_eager`` (the same tracing, torch's kernels: a
+            check that a model compiles).
     """
 
     # The encoder ``ssl-vit eval`` / ``export`` / ``visualize`` take from a checkpoint when not
