@@ -220,3 +220,14 @@ def test_eval_finetune_compile_compiles_the_backbone_it_trains_and_exports(tmp_p
     assert json.loads((tmp_path / "ft.json").read_text())["metrics"]["top1"] >= 0
     # Without --compile nothing is compiled.
     assert main([*args[:args.index("--compile")], "--out", str(tmp_path / "ft2.json")]) == 0 and calls == ["inductor"]
+
+
+def test_a_recipe_finetuning_takes_compile_backbone():
+    from ssl_vit.eval.image_runs import FineTuneSettings
+    from ssl_vit.training.evaluate import RecipeEvaluation
+
+    evaluation = RecipeEvaluation(protocols=["finetune"], finetune={"compile_backbone": True, "epochs": 1})
+    settings = FineTuneSettings(**evaluation.protocol_kwargs("finetune"))  # as the run builds them
+    assert settings.compile_backbone is True
+    with pytest.raises(ValueError, match="evaluate.finetune: .*compile_backbon"):
+        RecipeEvaluation(protocols=["finetune"], finetune={"compile_backbon": True})
