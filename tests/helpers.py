@@ -25,6 +25,14 @@ from ssl_vit.pretext import PretextModule
 # A tiny ViT: 16 px grey images, 4 px patches -> 16 tokens; 2 blocks of width 32.
 TINY_VIT: dict[str, Any] = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
 TINY_BACKBONE: dict[str, Any] = {"backbone": "vit", "backbone_kwargs": TINY_VIT}
+# Heads of each method small enough for TINY_VIT, and the view sizes each method trains on.
+SMALL_HEADS: dict[str, dict[str, Any]] = {
+    "mpp": {"mean": [0.5], "std": [0.5]},
+    "mocov3": {"proj_hidden_dim": 64, "pred_hidden_dim": 64, "proj_output_dim": 32},
+    "dino": {"out_dim": 256, "hidden_dim": 64, "bottleneck_dim": 32},
+    "supervised": {},
+}
+VIEW_SIZES: dict[str, list[int]] = {"mpp": [16], "mocov3": [16, 16], "dino": [16, 16, 8, 8], "supervised": [16]}
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

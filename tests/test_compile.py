@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import TINY_VIT, fit_steps, fixed_views, registered_backbones
+from helpers import SMALL_HEADS, TINY_VIT, VIEW_SIZES, fit_steps, fixed_views, registered_backbones
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -124,13 +124,6 @@ def test_an_unknown_backend_is_refused_naming_the_known_ones():
     METHODS["supervised"](backbone="vit", backbone_kwargs=TINY_VIT, num_classes=4, compile_backend="inductr")
 
 
-HEADS = {
-    "mpp": {"mean": [0.5], "std": [0.5]},
-    "mocov3": {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16},
-    "dino": {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16},
-    "supervised": {},
-}
-VIEWS = {"mpp": [16], "mocov3": [16, 16], "dino": [16, 16, 8, 8], "supervised": [16]}
 TARGETS = {"mocov3": ["momentum_backbone"], "dino": ["teacher_backbone"]}
 
 
@@ -138,14 +131,14 @@ TARGETS = {"mocov3": ["momentum_backbone"], "dino": ["teacher_backbone"]}
 def test_a_compiled_method_trains_as_the_eager_one(method):
     # Every backbone of the method (a momentum encoder, a teacher) compiled at setup; three steps
     # with drop path on: the same losses and the same weights, online and averaged.
-    views, labels = fixed_views(VIEWS[method])
+    views, labels = fixed_views(VIEW_SIZES[method])
     if method == "mpp":
         views = [v.clamp(-1, 1) for v in views]  # raw pixels = v * 0.5 + 0.5 in [0, 1]
     runs = []
     for compile_ in (False, True):
         torch.manual_seed(0)
         model = METHODS[method](backbone="vit", backbone_kwargs={**TINY_VIT, "drop_path_rate": 0.1}, num_classes=4, warmup_epochs=0.0,
-                                compile_backbone=compile_, compile_backend="aot_eager", **HEADS[method])
+                                compile_backbone=compile_, compile_backend="aot_eager", **SMALL_HEADS[method])
         losses = fit_steps(model, views, labels, steps=3)
         runs.append((losses, model.state_dict(), model))
     (eager_losses, eager_state, _), (losses, state, model) = runs

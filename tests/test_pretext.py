@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from helpers import TINY_BACKBONE, fit_steps, fixed_views
+from helpers import SMALL_HEADS, TINY_BACKBONE, VIEW_SIZES, fit_steps, fixed_views
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -26,14 +26,6 @@ from ssl_vit.pretext import (
     PretextModule,
     Supervised,
 )
-
-SMALL_HEADS = {
-    "mpp": {"mean": [0.5], "std": [0.5]},
-    "mocov3": {"proj_hidden_dim": 64, "pred_hidden_dim": 64, "proj_output_dim": 32},
-    "dino": {"out_dim": 256, "hidden_dim": 64, "bottleneck_dim": 32},
-    "supervised": {},
-}
-VIEW_SIZES = {"mpp": [16], "mocov3": [16, 16], "dino": [16, 16, 8, 8], "supervised": [16]}
 
 
 def make(method: str, **overrides) -> PretextModule:
