@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.backbones.vit import as_pair
 from ssl_vit.heads import WeightNormLinear
-from ssl_vit.training.sharding import unwrap_module
+from ssl_vit.methods.sharding import unwrap_module
 
 if TYPE_CHECKING:
     import lightning as L
@@ -109,7 +109,7 @@ def backbone_forward_flops(backbone: nn.Module, img_size: int | tuple[int, int],
     memory, no compute); the hybrid's 1x1 projection and Transformer are then analytic. Any other
     backbone, a subclass of ``VisionTransformer`` included, is counted whole on the meta device. A backbone
     wrapped by FSDP is counted as the module inside; ``shape_of`` gives its parameters' shapes
-    before wrapping (:meth:`PretextModule.shape_before_wrapping`), for the meta-device count.
+    before wrapping (:meth:`BaseMethod.shape_before_wrapping`), for the meta-device count.
     """
     size = as_pair(img_size)
     from ssl_vit.backbones.vit import PatchEmbed, VisionTransformer
@@ -174,12 +174,12 @@ def method_step_flops(
     - The online probe, when present and ``include_probe``: forward + its weight gradient (its
       input is detached).
     """
-    from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
+    from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
     shapes = _check_shapes(views_shapes)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    own = getattr(module, "step_flops", None)  # a method's own count (PretextModule.step_flops)
+    own = getattr(module, "step_flops", None)  # a method's own count (BaseMethod.step_flops)
     counted = own(shapes, world_size) if callable(own) else None
     if counted is not None:
         total = float(counted)
@@ -188,7 +188,7 @@ def method_step_flops(
     else:
         raise NoFlopModel(
             f"no FLOP model for {type(module).__name__}: method_step_flops knows MPP, MoCoV3, DINO and Supervised, "
-            "and a PretextModule may count its own in step_flops (or measure with flop_counter())"
+            "and a BaseMethod may count its own in step_flops (or measure with flop_counter())"
         )
     probe = getattr(module, "probe", None)
     if include_probe and probe is not None:
@@ -199,7 +199,7 @@ def method_step_flops(
 def _builtin_step_flops(module: nn.Module, shapes: list[Shape], world_size: int) -> float:
     """FLOPs per image of a built-in method's step, the online probe aside (see
     :func:`method_step_flops`)."""
-    from ssl_vit.pretext import DINO, MPP, MoCoV3
+    from ssl_vit.methods import DINO, MPP, MoCoV3
 
     batch = shapes[0][0]
     backbone = module.backbone

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode
 
-from ssl_vit.pretext import PretextModule
+from ssl_vit.methods import BaseMethod
 
 # A tiny ViT: 16 px grey images, 4 px patches -> 16 tokens; 2 blocks of width 32.
 TINY_VIT: dict[str, Any] = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
@@ -179,8 +179,8 @@ class CPUFSDPStrategy(L.pytorch.strategies.FSDPStrategy):
 
 
 
-class Reconstruct(PretextModule):
-    """A fourth method as a user writes one (a PretextModule subclass in a file of its own, named
+class Reconstruct(BaseMethod):
+    """A fourth method as a user writes one (a BaseMethod subclass in a file of its own, named
     in recipes by its dotted path: ``helpers.Reconstruct``): predicts the pixels of its one view
     from the [CLS] output. It has no FLOP model."""
 

@@ -509,7 +509,7 @@ def test_a_backbone_argument_of_the_wrong_type_is_named(kwargs, message):
 def test_backbone_size_matches_the_peer_model_counted_by_torch(name, peer):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ssl_vit.backbones.cli import backbone_size
+    from ssl_vit.cli.backbones import backbone_size
 
     size = backbone_size(name, 224, {"img_size": 224})
     with torch.device("meta"):
@@ -526,7 +526,7 @@ def test_backbone_size_matches_the_peer_model_counted_by_torch(name, peer):
 
 
 def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(capsys):
-    from ssl_vit.backbones.cli import main
+    from ssl_vit.cli.backbones import main
 
     assert main(["--img-size", "28", "--in-chans", "1", "--sort", "flops", "--no-kwargs"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -559,7 +559,7 @@ def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(c
 
 
 def test_backbones_command_errors_name_the_problem(capsys):
-    from ssl_vit.backbones.cli import main
+    from ssl_vit.cli.backbones import main
 
     with pytest.raises(ValueError, match="backbone 'vit_tiny': image size 30x30 is not divisible by the patch size 16"):
         main(["vit_tiny", "--img-size", "30"])
@@ -616,7 +616,7 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
     with registered_backbones(vit_forwarding_test=vit_forwarding, bare_test=Bare, flagged_test=Flagged):
         model = create_backbone("vit_forwarding_test", img_size=16, patch_size=4, in_chans=1, drop_path_rate=0.1)
         assert model.img_size == (16, 16) and model.backbone_kwargs["drop_path_rate"] == 0.1
-        from ssl_vit.pretext import Supervised
+        from ssl_vit.methods import Supervised
 
         # a momentum encoder / teacher is built without stochastic depth
         online = Supervised(backbone="vit_forwarding_test", backbone_kwargs={"img_size": 16, "patch_size": 4, "in_chans": 1,

@@ -16,11 +16,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.bench import workloads
-from ssl_vit.bench.cli import main
 from ssl_vit.bench.config import BenchConfig, ModelSpec, preset
 from ssl_vit.bench.data import views_job
 from ssl_vit.bench.measure import saved_activation_bytes
 from ssl_vit.bench.report import format_report, ratio
+from ssl_vit.cli.benchmark import main
 
 TINY = preset("tiny")
 

@@ -27,9 +27,9 @@ from lightly.transforms.byol_transform import BYOLTransform, BYOLView1Transform,
 from torch import nn
 
 from ssl_vit.bench import measure, peers, report, runner, worker, workloads
-from ssl_vit.bench.cli import load_result, main
 from ssl_vit.bench.config import VIT_S16, VIT_TI16, BenchConfig, ModelSpec, preset
 from ssl_vit.bench.data import data_rows, our_transform, peer_transform, source_images
+from ssl_vit.cli.benchmark import load_result, main
 from ssl_vit.data import bench as data_bench
 from ssl_vit.data.views import MultiCrop, TwoViews
 

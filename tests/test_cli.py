@@ -190,7 +190,7 @@ def test_backbone_kwargs_that_are_not_a_json_object_are_a_usage_error(capsys):
 
 
 def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monkeypatch):
-    import ssl_vit.eval.cli as eval_cli
+    import ssl_vit.cli.eval as eval_cli
 
     monkeypatch.setattr(eval_cli, "build_datamodule", lambda *a, **k: pytest.fail("the data was built first"))
     resnet = ["--backbone", "random:resnet18", "--backbone-kwargs", '{"img_size": 16, "in_chans": 3, "small_input": true}', *SYNTH]
@@ -213,7 +213,7 @@ def test_options_of_the_probe_on_images_need_augment(capsys):
 
 def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, monkeypatch, capsys):
     import ssl_vit.eval.run as run
-    from ssl_vit.eval.cli import FEATURE_PROTOCOL_NAMES
+    from ssl_vit.cli.eval import FEATURE_PROTOCOL_NAMES
 
     assert set(FEATURE_PROTOCOL_NAMES) == set(run.FEATURE_PROTOCOLS)
     calls = []
@@ -447,7 +447,7 @@ def test_a_bad_data_argument_is_one_line_naming_the_fix(capsys, data_args, messa
 
 
 def test_a_multi_line_library_error_is_printed_on_one_line(monkeypatch, capsys):
-    import ssl_vit.eval.cli as eval_cli
+    import ssl_vit.cli.eval as eval_cli
 
     def fail(argv):
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried http://host/, got:\n<urlopen error>\n")
@@ -460,8 +460,8 @@ def test_a_multi_line_library_error_is_printed_on_one_line(monkeypatch, capsys):
 def test_an_error_in_a_distributed_run_names_its_process(monkeypatch, capsys):
     # Each process of a DDP run prints its own error; one's crash reaches the others as gloo's
     # "Connection closed by peer", so the line says which process it comes from.
+    import ssl_vit.cli.fit as training_cli
     import ssl_vit.runtime
-    import ssl_vit.training.cli as training_cli
 
     def lost_peer(argv):
         raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:51613")
@@ -513,7 +513,7 @@ def test_a_bad_heap_setting_is_one_line(monkeypatch, capsys):
 
 
 def test_trainer_devices_of_the_device_options():
-    from ssl_vit.eval.cli import _trainer_devices
+    from ssl_vit.cli.eval import _trainer_devices
 
     assert _trainer_devices("cuda:1", 1) == [1]  # that GPU, not the first
     assert _trainer_devices("cuda", 4) == 4 and _trainer_devices("cpu", 2) == 2
@@ -705,7 +705,7 @@ def test_data_of_one_class_is_refused_before_the_features(tmp_path, monkeypatch,
 def test_training_data_of_one_class_is_refused_when_its_images_list_no_labels(tmp_path, monkeypatch, capsys):
     # eval/cli.py: a datamodule whose splits do not list their labels (a plugin's) still says how
     # many classes it has; one is refused before the features.
-    import ssl_vit.eval.cli as eval_cli
+    import ssl_vit.cli.eval as eval_cli
     import ssl_vit.eval.run as run
 
     monkeypatch.setattr(eval_cli, "labelled_classes", lambda dataset: None)
@@ -763,7 +763,7 @@ def test_a_data_argument_of_the_wrong_type_names_its_key_and_type(tmp_path, caps
 def test_the_types_a_data_argument_is_checked_against():
     from typing import Optional
 
-    from ssl_vit.arguments import plain_type
+    from ssl_vit.errors import plain_type
     from ssl_vit.eval.data_args import ArgText, parse_data_args
 
     assert plain_type(int) == (int, False) and plain_type(str | None) == (str, True) and plain_type(Optional[float]) == (float, True)  # noqa: UP045 (the old spelling, on purpose)
@@ -778,7 +778,7 @@ def test_the_types_a_data_argument_is_checked_against():
 
 
 def test_annotations_are_read_as_python_does_with_none_only_where_allowed():
-    from ssl_vit.arguments import annotations_of, check_argument_types, literal_choices
+    from ssl_vit.errors import annotations_of, check_argument_types, literal_choices
     from ssl_vit.eval.data_args import note_channel_conversion
 
     class A:
@@ -895,7 +895,7 @@ def test_every_command_answers_a_misspelling_with_its_likely_spelling(tmp_path, 
 
 def test_a_likely_spelling_is_one_within_reach():
     # difflib's ratio 2M/T, ignoring case: close typos are found, unrelated names are not.
-    from ssl_vit.arguments import closest, did_you_mean
+    from ssl_vit.errors import closest, did_you_mean
 
     assert closest("batchsize", ["batch_size", "seed"]) == "batch_size"
     assert closest("Dino", ["MPP", "DINO"]) == "DINO"

@@ -271,8 +271,8 @@ def test_a_data_argument_splits_at_its_first_equals_sign_and_nulls_an_optional()
 
 def test_the_arguments_of_a_datamodule_stop_at_an_init_that_does_not_forward_them():
     # A subclass whose __init__ takes no **kwargs accepts only its own arguments.
-    from ssl_vit.arguments import init_parameters
     from ssl_vit.data import SyntheticDataModule
+    from ssl_vit.errors import init_parameters
 
     class Fixed(SyntheticDataModule):
         def __init__(self, n: int = 3) -> None:
@@ -416,7 +416,7 @@ def test_every_option_of_the_probe_on_images_reaches_it_and_its_record(tmp_path,
 
 
 def _parser_defaults(*argv: str) -> dict:
-    from ssl_vit.eval.cli import build_parser
+    from ssl_vit.cli.eval import build_parser
 
     return vars(build_parser().parse_args([*argv, "--backbone", "random:vit"]))
 
@@ -586,7 +586,7 @@ def _vit_model(**kwargs):
 
 
 def test_an_image_size_the_patch_does_not_divide_in_either_side_is_refused():
-    from ssl_vit.training.recipe_checks import ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
 
     for img in ((16, 18), (18, 16)):
         with pytest.raises(ConfigError, match=rf"^data.img_size \({img[0]}, {img[1]}\) is not divisible by the backbone's patch size 4$"):
@@ -597,8 +597,8 @@ def test_multi_crop_sizes_are_checked_as_it_resolves_them():
     # MultiCrop(global_size=None) takes the data's size; its local size is then resolved from it
     # (here given: 10, which 4-px patches do not divide). Global crops larger than the backbone's
     # images are refused, whatever the data's own size.
+    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
     from ssl_vit.data import MultiCrop
-    from ssl_vit.training.recipe_checks import ConfigError, validate_run
 
     with pytest.raises(ConfigError, match=r"^data.views MultiCrop.local_size 10 is not divisible by the backbone's patch size 4$"):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(local_size=10)), _trainer(), None)
@@ -611,14 +611,14 @@ def test_multi_crop_sizes_are_checked_as_it_resolves_them():
 
 
 def test_a_trainer_without_any_length_is_refused_by_the_run_checks():
-    from ssl_vit.training.recipe_checks import NO_LENGTH, ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import NO_LENGTH, ConfigError, validate_run
 
     with pytest.raises(ConfigError, match=re.escape(NO_LENGTH)):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=-1), None)
 
 
 def test_non_square_data_is_checked_on_each_side_against_the_backbone(capsys):
-    from ssl_vit.training.recipe_checks import ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
 
     for img in ((16, 24), (24, 16)):  # wider or taller than the backbone's 16x16: refused
         with pytest.raises(ConfigError, match=rf"built for 16x16 images .* but the data gives {img[0]}x{img[1]} crops .*; set them to match$"):
@@ -629,7 +629,7 @@ def test_non_square_data_is_checked_on_each_side_against_the_backbone(capsys):
 
 
 def test_zero_epochs_is_refused_by_name():
-    from ssl_vit.training.recipe_checks import ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
 
     with pytest.raises(ConfigError, match=r"^trainer.max_epochs 0 trains nothing"):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=0), None)
@@ -637,7 +637,7 @@ def test_zero_epochs_is_refused_by_name():
 
 @pytest.mark.parametrize("flag", ["--config={path}", "-c {path}"])
 def test_a_broken_recipe_named_in_any_spelling_is_one_line(tmp_path, flag):
-    from ssl_vit.training.recipe_checks import ConfigError, check_yaml_files
+    from ssl_vit.cli.recipe_checks import ConfigError, check_yaml_files
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: {a: 1\n")
@@ -646,7 +646,7 @@ def test_a_broken_recipe_named_in_any_spelling_is_one_line(tmp_path, flag):
 
 
 def test_resume_and_a_ckpt_path_in_its_equals_form_are_refused_together():
-    from ssl_vit.training.recipe_checks import ConfigError, normalise_argv
+    from ssl_vit.cli.recipe_checks import ConfigError, normalise_argv
 
     with pytest.raises(ConfigError, match="--resume and --ckpt_path both say where to continue from"):
         normalise_argv(["--resume", "--ckpt_path=x.ckpt"])
@@ -661,7 +661,7 @@ class DINO:
 
 
 def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_change(tmp_path):
-    from ssl_vit.training.recipe_checks import ConfigError, check_continuable
+    from ssl_vit.cli.recipe_checks import ConfigError, check_continuable
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit_small", "backbone_kwargs": TINY}}, path)
@@ -683,7 +683,7 @@ def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_chang
     (None, 0, ""),
 ])
 def test_what_a_command_raises_becomes_its_exit_status_and_one_line(monkeypatch, capsys, error, code, line):
-    import ssl_vit.training.cli as training_cli
+    import ssl_vit.cli.fit as training_cli
 
     def command(argv):
         if error is not None:
@@ -696,7 +696,7 @@ def test_what_a_command_raises_becomes_its_exit_status_and_one_line(monkeypatch,
 
 def test_a_ctrl_c_lightning_ends_with_exit_1_is_still_an_interruption(monkeypatch, capsys):
     # Lightning's _call_and_handle_interrupt: on a KeyboardInterrupt it tears down, then exit(1).
-    import ssl_vit.training.cli as training_cli
+    import ssl_vit.cli.fit as training_cli
 
     def command(argv):
         try:
@@ -715,7 +715,7 @@ def test_openmp_threads_wait_passively_unless_the_user_chose(monkeypatch):
     # Set before any command runs (spinning OpenMP threads slow a shared CPU several times over).
     import os
 
-    import ssl_vit.training.cli as training_cli
+    import ssl_vit.cli.fit as training_cli
 
     seen = []
     monkeypatch.setattr(training_cli, "main", lambda argv: seen.append(os.environ.get("OMP_WAIT_POLICY")))

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from ssl_vit.backbones import create_backbone
 from ssl_vit.backbones.compile import check_backend, compile_backbone, compile_regions
-from ssl_vit.pretext import METHODS
+from ssl_vit.methods import METHODS
 
 HYBRID = {"resnet": "resnet18", "num_stages": 1, "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 32, "in_chans": 1}
 BUILDS = {
@@ -216,8 +216,8 @@ def test_eval_finetune_compile_compiles_the_backbone_it_trains_and_exports(tmp_p
 
 
 def test_a_recipe_finetuning_takes_compile_backbone():
+    from ssl_vit.eval.evaluate import RecipeEvaluation
     from ssl_vit.eval.image_runs import FineTuneSettings
-    from ssl_vit.training.evaluate import RecipeEvaluation
 
     evaluation = RecipeEvaluation(protocols=["finetune"], finetune={"compile_backbone": True, "epochs": 1})
     settings = FineTuneSettings(**evaluation.protocol_kwargs("finetune"))  # as the run builds them

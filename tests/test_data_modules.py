@@ -199,7 +199,7 @@ def test_image_folder_with_classes_and_flat(tmp_path):
     no_val = ImageFolderDataModule(str(tmp_path / "train"), img_size=16, in_chans=1, batch_size=5, num_workers=0)
     assert not no_val.has_labelled_test_split()
     # a recipe evaluating on it is refused before training
-    from ssl_vit.training.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import RecipeEvaluation
 
     with pytest.raises(ValueError, match=r"ImageFolderDataModule has no labelled test split to evaluate on; set data val_dir "
                                          r"to a labelled folder, or set evaluate.protocols: \[\] to pretrain without evaluating"):

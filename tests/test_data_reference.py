@@ -423,7 +423,7 @@ def test_upper_case_extensions_are_images_and_a_validation_class_the_training_la
     (tmp_path / "val" / "fox").rmdir()
     assert scan_image_dir(tmp_path / "val", class_to_idx)[1] == [0]
     # a recipe's evaluation records name both folders, as `ssl-vit eval --data-arg` records them
-    from ssl_vit.training.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import RecipeEvaluation
 
     dm = ImageFolderDataModule(str(tmp_path / "train"), val_dir=str(tmp_path / "val"), img_size=8, in_chans=1, num_workers=0)
     record = RecipeEvaluation()._data_record(dm)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from ssl_vit.cli import main as cli_main
-from ssl_vit.demo import DEMO_BACKBONE, DEMO_BACKBONE_NAME, RECIPES, Budget, earlier_run
-from ssl_vit.demo import main as demo_main
+from ssl_vit.cli.demo import DEMO_BACKBONE, DEMO_BACKBONE_NAME, RECIPES, Budget, earlier_run
+from ssl_vit.cli.demo import main as demo_main
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist"
 
@@ -41,10 +41,10 @@ def test_demo_settings_are_the_fashion_mnist_recipe(method):
 
 
 def test_demo_quick_runs_end_to_end(tmp_path, capsys, monkeypatch):
-    import ssl_vit.demo
+    import ssl_vit.cli.demo
 
     models, evaluated = {}, {}
-    real_pretrain, real_evaluate = ssl_vit.demo.pretrain, ssl_vit.demo.evaluate
+    real_pretrain, real_evaluate = ssl_vit.cli.demo.pretrain, ssl_vit.cli.demo.evaluate
 
     def pretrain(recipe, *args, **kwargs):
         model, record = real_pretrain(recipe, *args, **kwargs)
@@ -55,8 +55,8 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys, monkeypatch):
         evaluated[label] = backbone
         return real_evaluate(label, backbone, *args, **kwargs)
 
-    monkeypatch.setattr(ssl_vit.demo, "pretrain", pretrain)
-    monkeypatch.setattr(ssl_vit.demo, "evaluate", evaluate)
+    monkeypatch.setattr(ssl_vit.cli.demo, "pretrain", pretrain)
+    monkeypatch.setattr(ssl_vit.cli.demo, "evaluate", evaluate)
     out = tmp_path / "demo"
     args = ["demo", "--quick", "--subset", "256", "--epochs", "0.5", "--eval-train", "512", "--eval-test", "256", "--out", str(out), "--no-progress"]
     assert cli_main(args) == 0
@@ -98,12 +98,12 @@ def test_a_short_probe_warms_up_over_a_fifth_of_its_epochs():
 @pytest.fixture()
 def no_training(monkeypatch):
     """A demo that must stop before it trains anything."""
-    import ssl_vit.demo
+    import ssl_vit.cli.demo
 
     def pretrain(*args, **kwargs):
         raise AssertionError("the demo started training")
 
-    monkeypatch.setattr(ssl_vit.demo, "pretrain", pretrain)
+    monkeypatch.setattr(ssl_vit.cli.demo, "pretrain", pretrain)
 
 
 @pytest.mark.parametrize("option, value, message", [

@@ -38,8 +38,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
 from ssl_vit.eval.features import extract_features, gather_in_sampler_order
-from ssl_vit.pretext import DINO, MPP, MoCoV3, PretextModule, Supervised
-from ssl_vit.training.sharding import unwrap_module
+from ssl_vit.methods import DINO, MPP, BaseMethod, MoCoV3, Supervised
+from ssl_vit.methods.sharding import unwrap_module
 
 WORLD = 2
 PER_DEVICE = 4  # b; the one-process reference trains on 2b
@@ -57,7 +57,7 @@ COMMON: dict[str, Any] = {
     "weight_decay": 1e-4,
     "probe_lr": 0.1,
 }
-METHODS: dict[str, tuple[type[PretextModule], dict[str, Any]]] = {
+METHODS: dict[str, tuple[type[BaseMethod], dict[str, Any]]] = {
     "mocov3": (MoCoV3, {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16, "momentum": 0.9, "momentum_end": 0.9}),
     "dino": (DINO, {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9,
                     "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0, "grad_clip": 3.0, "grad_clip_mode": "per_param"}),
@@ -67,7 +67,7 @@ METHODS: dict[str, tuple[type[PretextModule], dict[str, Any]]] = {
 EQUIVALENT = ("mocov3", "dino")  # MPP draws its masks per process: only a smoke run
 
 
-def build(name: str) -> PretextModule:
+def build(name: str) -> BaseMethod:
     cls, kwargs = METHODS[name]
     return cls(**COMMON, **kwargs)
 
@@ -88,7 +88,7 @@ class LoggedLoss(L.Callback):
         self.losses.append(float(trainer.callback_metrics.pop("train/loss", float("nan"))))
 
 
-def fit(model: PretextModule, dm: SyntheticDataModule, **trainer_kwargs: Any) -> list[float]:
+def fit(model: BaseMethod, dm: SyntheticDataModule, **trainer_kwargs: Any) -> list[float]:
     L.seed_everything(0, verbose=False)  # the data seed (PL_GLOBAL_SEED) of both runs
     recorder = LoggedLoss()
     trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, max_epochs=1, logger=False, enable_checkpointing=False,
@@ -371,7 +371,7 @@ def test_sigterm_to_a_two_process_run_stops_both_after_one_step_and_checkpoints(
     root = Path(__file__).resolve().parents[1]
     env = subprocess_env(OMP_NUM_THREADS="1")
     # MoCo v3: each step all-gathers the keys and synchronises BatchNorm across the processes.
-    cfg = tiny_config(tmp_path, "ssl_vit.pretext.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
+    cfg = tiny_config(tmp_path, "ssl_vit.methods.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
                       num_sanity_val_steps=0, callbacks=[{"class_path": "test_faults.SignalWhileOthersWait", "init_args": {"step": 3}}])
     cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(root / "recipes/trainer/ddp_cpu2.yaml")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -394,7 +394,7 @@ def test_a_crash_in_one_process_ends_the_whole_run(tmp_path):
     from test_training_cli import tiny_config
 
     root = Path(__file__).resolve().parents[1]
-    cfg = tiny_config(tmp_path, "ssl_vit.pretext.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
+    cfg = tiny_config(tmp_path, "ssl_vit.methods.MoCoV3", "ssl_vit.data.TwoViews", max_epochs=-1, max_steps=50, limit_val_batches=0,
                       num_sanity_val_steps=0, callbacks=[{"class_path": "test_faults.CrashOnRank", "init_args": {"step": 2, "rank": 1}}])
     cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(root / "recipes/trainer/ddp_cpu2.yaml")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -512,7 +512,7 @@ from ssl_vit.backbones import create_backbone
 from ssl_vit.data import SyntheticDataModule
 from ssl_vit.eval.finetune import run_finetune
 from ssl_vit.eval.linear_augmented import run_linear_augmented
-from ssl_vit.pretext import Supervised
+from ssl_vit.methods import Supervised
 
 torch.set_num_threads(1)
 devices = int(sys.argv[1])

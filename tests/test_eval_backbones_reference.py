@@ -32,8 +32,8 @@ from ssl_vit.eval.finetune import FineTuneModule, new_head, param_groups_layer_d
 from ssl_vit.eval.linear import LARS, LinearProbe, predict_logits
 from ssl_vit.eval.linear_augmented import AugmentedLinearProbe
 from ssl_vit.heads import LinearProbeHead
-from ssl_vit.training import grad_clip
-from ssl_vit.training.grad_clip import clip_gradients
+from ssl_vit.methods import grad_clip
+from ssl_vit.methods.grad_clip import clip_gradients
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*")  # lightning internals, not ours
 

@@ -27,10 +27,10 @@ from ssl_vit.eval.features import extract_features
 from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.knn import KNNClassifier
 from ssl_vit.heads import DINOHead, LinearProbeHead, WeightNormLinear
-from ssl_vit.pretext.ema import EMAPairs
-from ssl_vit.training import sync_batchnorm
+from ssl_vit.methods import sync_batchnorm
+from ssl_vit.methods.ema import EMAPairs
+from ssl_vit.methods.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
 from ssl_vit.training.step_checkpoint import StepCheckpoint, newest_checkpoint
-from ssl_vit.training.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
 
 
 # ----------------------------------------------------------------------------- kNN

@@ -28,7 +28,7 @@ from ssl_vit.export import (
     load_backbone,
     save_backbone,
 )
-from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
+from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
 TIMM_TINY = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2}
 COMMON = {"num_classes": 4, "warmup_epochs": 0.0, "base_lr": 0.5, "weight_decay": 0.0}
@@ -68,7 +68,7 @@ def dino_ckpt(tmp_path_factory):
     model = DINO(out_dim=64, hidden_dim=32, bottleneck_dim=16, **TINY_BACKBONE, **COMMON)
     # What `ssl-vit fit` records from its datamodule and recipe.
     model.data_info = {"name": "FakeData", "mean": [0.3], "std": [0.2], "img_size": 16, "in_chans": 1, "num_classes": 4}
-    model.recipe = "model:\n  class_path: ssl_vit.pretext.DINO\n"
+    model.recipe = "model:\n  class_path: ssl_vit.methods.DINO\n"
     path = _fit_and_save(model, *fixed_views([16, 16, 8], batch=8), steps=2, path=run / "checkpoints" / "last.ckpt")
     ckpt = torch.load(path, weights_only=False)
     ckpt["ssl_vit"]["pretrain_flops"] = 1.5e12  # a field later versions add: must travel along

@@ -910,7 +910,7 @@ def test_traced_files_are_staged_inside_the_export_folder_and_take_any_batch(tmp
 
 
 def test_the_export_cli_checks_its_kwargs_and_honours_weights_only(tmp_path, capsys):
-    from ssl_vit.export_cli import _earlier_export, build_parser
+    from ssl_vit.cli.export import _earlier_export, build_parser
 
     assert build_parser().parse_args(["x", "--out", "y"]).tolerance == 1e-4
     torch.save(_vit(0).state_dict(), tmp_path / "sd.pt")

@@ -26,7 +26,7 @@ from ssl_vit.export import (
 )
 from ssl_vit.export.config import TIMM_VIT_ENTRY_POINTS, timm_architecture
 from ssl_vit.flops import PretrainFlopsCounter, pretrain_flops_from_checkpoint
-from ssl_vit.pretext import Supervised
+from ssl_vit.methods import Supervised
 
 GEOMETRY = {"img_size": 16, "patch_size": 4, "in_chans": 1}
 TIMM_TINY = {**TINY_VIT}  # our tiny ViT's arguments are timm's names for the same shape

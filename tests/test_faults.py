@@ -35,7 +35,7 @@ from PIL import Image
 from ssl_vit.cli import main as ssl_vit_main
 from ssl_vit.data import SyntheticDataModule, TwoViews
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
-from ssl_vit.pretext import DINO
+from ssl_vit.methods import DINO
 from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
 from ssl_vit.training.preemption import PreemptionCheckpoint
 
@@ -62,7 +62,7 @@ def recipe(tmp_path: Path, *, data: dict[str, Any] | None = None, model: dict[st
                     "enable_progress_bar": False, "enable_model_summary": False, "logger": False,
                     "limit_val_batches": 0, "num_sanity_val_steps": 0, "callbacks": callbacks or [], **trainer},
         "checkpoint": {"every_n_train_steps": 2, "keep_last": 2},
-        "model": {"class_path": "ssl_vit.pretext.DINO", "init_args": {
+        "model": {"class_path": "ssl_vit.methods.DINO", "init_args": {
             "backbone": "vit", "backbone_kwargs": {**TINY_VIT, "drop_path_rate": 0.1},
             "out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9,
             "warmup_teacher_temp_epochs": 2, "freeze_last_layer_epochs": 1, "warmup_epochs": 1.0,
@@ -612,7 +612,7 @@ def test_a_missing_or_empty_image_folder_is_one_clear_error(tmp_path, capsys, fo
     [
         (lambda c: c["model"]["init_args"].update(tempreature=0.1), "tempreature"),
         (lambda c: c["model"]["init_args"].update(out_dim="many"), "out_dim"),
-        (lambda c: c["model"].update(class_path="ssl_vit.pretext.SimCLR"), "SimCLR"),
+        (lambda c: c["model"].update(class_path="ssl_vit.methods.SimCLR"), "SimCLR"),
         (lambda c: c["model"]["init_args"].update(backbone="vit_gigantic"), "unknown backbone 'vit_gigantic'"),
         (lambda c: c["data"]["init_args"]["views"]["init_args"].update(global_size=18) or c["data"]["init_args"].update(img_size=18),
          "data.img_size 18 is not divisible by the backbone's patch size 4"),

@@ -26,7 +26,7 @@ from ssl_vit.flops import (
     pretrain_flops_from_checkpoint,
     vit_forward_flops,
 )
-from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
+from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
 # ---------------------------------------------------------------------------------------------
 # the analytic ViT count

@@ -46,7 +46,7 @@ from ssl_vit.flops import (
     method_step_flops,
     pretrain_flops_from_checkpoint,
 )
-from ssl_vit.pretext import DINO, MPP, Supervised
+from ssl_vit.methods import DINO, MPP, Supervised
 
 
 # ----------------------------------------------------------------------------------- FLOPs

@@ -22,10 +22,10 @@ PAPER_RECIPES = sorted((ROOT / "recipes" / "imagenet").glob("*.yaml"))
 FSDP = ROOT / "recipes" / "trainer" / "fsdp.yaml"
 TINY_BACKBONE = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2}
 SMALL_HEADS = {
-    "ssl_vit.pretext.DINO": {"out_dim": 256, "hidden_dim": 64, "bottleneck_dim": 32},
-    "ssl_vit.pretext.MoCoV3": {"proj_hidden_dim": 64, "pred_hidden_dim": 64, "proj_output_dim": 32},
-    "ssl_vit.pretext.MPP": {},
-    "ssl_vit.pretext.Supervised": {},
+    "ssl_vit.methods.DINO": {"out_dim": 256, "hidden_dim": 64, "bottleneck_dim": 32},
+    "ssl_vit.methods.MoCoV3": {"proj_hidden_dim": 64, "pred_hidden_dim": 64, "proj_output_dim": 32},
+    "ssl_vit.methods.MPP": {},
+    "ssl_vit.methods.Supervised": {},
 }
 VIEW_SIZES = {
     "ssl_vit.data.MultiCrop": {"global_size": 32, "local_size": 16, "n_local": 2},
@@ -115,7 +115,7 @@ def test_bf16_autocast_and_fused_attention_agree_with_fp32() -> None:
 
 
 def test_benchmark_runs_on_cuda(tmp_path: Path) -> None:
-    from ssl_vit.bench.cli import main
+    from ssl_vit.cli.benchmark import main
 
     out = tmp_path / "bench.json"
     assert main(["--preset", "tiny", "--device", "cuda", "--precision", "bf16-mixed", "--methods", "dino", "--no-data", "--json", str(out)]) == 0
@@ -170,10 +170,10 @@ def test_lean_backward_under_bf16_autocast_matches_the_plain_modules_with_less_m
     assert peaks[True] < peaks[False]
 
 
-def test_pretext_optimiser_is_fused_on_cuda_and_matches_the_loop() -> None:
+def test_methods_optimiser_is_fused_on_cuda_and_matches_the_loop() -> None:
     # torch's fused AdamW kernel on CUDA (our modules' default) against its default (foreach):
     # the same weights after a few steps on the same gradients, to float rounding.
-    from ssl_vit.pretext import Supervised
+    from ssl_vit.methods import Supervised
 
     dev = torch.device("cuda")
     kwargs = {"backbone": "vit", "backbone_kwargs": TINY_BACKBONE, "num_classes": 4, "weight_decay": 0.1}
@@ -199,7 +199,7 @@ def test_sharded_clipping_of_a_skipped_step_reduces_on_the_gpu_for_nccl() -> Non
 
     import torch.distributed as dist
 
-    from ssl_vit.training.grad_clip import clip_gradients
+    from ssl_vit.methods.grad_clip import clip_gradients
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")

@@ -19,10 +19,10 @@ from helpers import TINY_BACKBONE, fit_steps, fixed_views
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 import ssl_vit.losses as losses_module
-import ssl_vit.pretext.mpp as mpp_module
+import ssl_vit.methods.mpp as mpp_module
 from ssl_vit.backbones import VisionTransformer
 from ssl_vit.losses import DINOLoss
-from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
+from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*")  # lightning internals, not ours
 

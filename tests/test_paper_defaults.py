@@ -13,7 +13,7 @@ from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.finetune import FineTuneModule
 from ssl_vit.eval.knn import KNNClassifier
 from ssl_vit.masking import make_corruption_plan
-from ssl_vit.pretext import DINO, MPP, MoCoV3
+from ssl_vit.methods import DINO, MPP, MoCoV3
 
 
 def defaults(fn) -> dict:

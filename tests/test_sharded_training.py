@@ -22,9 +22,9 @@ import torch.multiprocessing as mp
 from helpers import TINY_BACKBONE, TINY_VIT, fsdp_recipe_policy
 
 from ssl_vit.backbones import create_backbone
-from ssl_vit.pretext import DINO, MoCoV3
-from ssl_vit.training.grad_clip import clip_gradients
-from ssl_vit.training.sharding import unwrapped_name
+from ssl_vit.methods import DINO, MoCoV3
+from ssl_vit.methods.grad_clip import clip_gradients
+from ssl_vit.methods.sharding import unwrapped_name
 
 WORLD = 2
 
@@ -186,7 +186,7 @@ def test_gradients_are_split_over_processes_only_where_fsdp_shards_them(monkeypa
     # NO_SHARD (or one process) every process holds whole gradients and there is nothing to sum.
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from ssl_vit.training.sharding import gradient_shard_group
+    from ssl_vit.methods.sharding import gradient_shard_group
 
     strategy = FSDPStrategy(sharding_strategy=sharding)
     monkeypatch.setattr(FSDPStrategy, "world_size", property(lambda self: world))
@@ -201,7 +201,7 @@ def test_the_names_and_module_inside_activation_checkpointing_and_torch_compile_
     parts are torch's own."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from ssl_vit.training.sharding import unwrap_module
+    from ssl_vit.methods.sharding import unwrap_module
 
     model = create_backbone("vit", **TINY_VIT)
     original = [n for n, _ in model.named_parameters()]

@@ -30,10 +30,10 @@ COMPUTE_RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes",
 
 TINY_BACKBONE = {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2}
 SMALL_HEADS = {
-    "ssl_vit.pretext.DINO": {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16},
-    "ssl_vit.pretext.MoCoV3": {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16},
-    "ssl_vit.pretext.MPP": {},
-    "ssl_vit.pretext.Supervised": {},
+    "ssl_vit.methods.DINO": {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16},
+    "ssl_vit.methods.MoCoV3": {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16},
+    "ssl_vit.methods.MPP": {},
+    "ssl_vit.methods.Supervised": {},
     "helpers.Reconstruct": {},
     "helpers.ReconstructCounted": {},
 }
@@ -44,7 +44,7 @@ VIEW_SIZE_KEYS = {
 }
 
 
-def tiny_config(tmp_path: Path, method: str = "ssl_vit.pretext.DINO", views: str = "ssl_vit.data.MultiCrop", **trainer) -> Path:
+def tiny_config(tmp_path: Path, method: str = "ssl_vit.methods.DINO", views: str = "ssl_vit.data.MultiCrop", **trainer) -> Path:
     cfg = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "max_epochs": 1, "default_root_dir": str(tmp_path / "run"),
@@ -72,7 +72,7 @@ def test_fit_writes_step_and_last_checkpoints_with_the_recipe(tmp_path, monkeypa
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     meta = ckpt["ssl_vit"]
     assert meta["method"] == "DINO" and meta["global_step"] == 3 and meta["backbone"] == "vit"
-    assert "class_path: ssl_vit.pretext.DINO" in meta["recipe"]
+    assert "class_path: ssl_vit.methods.DINO" in meta["recipe"]
     assert meta["data"]["num_classes"] == 10 and meta["global_batch_size"] == 8
     # Cumulative pretraining compute (ViT paper Fig. 5's x-axis) grows by the same amount each
     # step (fixed view shapes), so step 3 holds 1.5x step 2's total.
@@ -274,7 +274,7 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
         (["--model.init_args.bogus", "1"], "Option 'bogus' is not accepted"),
         (["--model.init_args.out_dim", "abc"], "Expected a <class 'int'>"),
         (["--model.init_args.backbone", "vit_gigantic"], "unknown backbone 'vit_gigantic'; known backbones:"),
-        (["--model", "ssl_vit.pretext.NoSuchMethod"], "has no attribute 'NoSuchMethod'"),
+        (["--model", "ssl_vit.methods.NoSuchMethod"], "has no attribute 'NoSuchMethod'"),
         (["--model.init_args.backbone_kwargs.patch_size", "5"], "image size 16x16 is not divisible by the patch size 5"),
         (["--data.init_args.img_size", "18", "--data.init_args.views.init_args.global_size", "18"], "data.img_size 18 is not divisible by the backbone's patch size 4"),
         (["--data.init_args.in_chans", "1"], "the data gives 1-channel images but the backbone was built with in_chans=3"),
@@ -295,7 +295,7 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
                      marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")),
         (["--model.init_args.backbone_kwargs.embed_dim", "abc"], "backbone 'vit': embed_dim must be an integer, got 'abc'"),
         (["--model.init_args.backbone_kwargs.img_size", "8"], "the backbone was built for 8x8 images (model backbone_kwargs.img_size) but the data gives 16x16 crops"),
-        (["--model", "Dino"], "(methods: MPP, MoCoV3, DINO, Supervised, or the dotted path of a PretextModule of your own)"),
+        (["--model", "Dino"], "(methods: MPP, MoCoV3, DINO, Supervised, or the dotted path of a BaseMethod of your own)"),
         (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR100DataModule, CIFAR10DataModule, FashionMNISTDataModule, ImageFolderDataModule, "
                                                "STL10DataModule, SyntheticDataModule, or the dotted path of a LightningDataModule of your own)"),
         (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches must be >= 1, got 0"),
@@ -356,7 +356,7 @@ def test_a_suggestion_is_a_sibling_of_the_misspelt_key_alike_by_its_own_name():
     # recipe_checks.key_hint: the part that names nothing is compared with its siblings' names,
     # not the whole dotted paths (their shared group alone made `evaluate.max_epochs` look like
     # `evaluate.protocols`), and never with another group's keys.
-    from ssl_vit.training.recipe_checks import key_hint
+    from ssl_vit.cli.recipe_checks import key_hint
 
     keys = ["trainer.max_epochs", "trainer.max_steps", "evaluate.protocols", "evaluate.seed", "evaluate.knn", "model.class_path"]
     assert key_hint("unrecognized arguments: --evaluate.max_epochs 3", keys) == ""
@@ -377,11 +377,11 @@ def test_a_key_like_no_other_gets_no_suggestion_and_a_found_class_no_class_list(
 
 
 def test_crops_smaller_than_the_backbone_are_a_note_and_a_resnet_takes_any_size(tmp_path, capsys):
-    cfg = tiny_config(tmp_path, method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
+    cfg = tiny_config(tmp_path, method="ssl_vit.methods.Supervised", views="ssl_vit.data.SingleView")
     assert cli_main(["fit", "--config", str(cfg), "--data.init_args.img_size", "8", "--data.init_args.views.init_args.size", "8", "--trainer.max_steps", "1"]) == 0
     assert "note: the backbone was built for 16x16 images (model backbone_kwargs.img_size) but the data gives 8x8 crops" in capsys.readouterr().err
     (tmp_path / "resnet").mkdir()
-    cfg = tiny_config(tmp_path / "resnet", method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
+    cfg = tiny_config(tmp_path / "resnet", method="ssl_vit.methods.Supervised", views="ssl_vit.data.SingleView")
     resnet = ["--model.init_args.backbone", "resnet18", "--model.init_args.backbone_kwargs", "{in_chans: 3, small_input: true}"]
     assert cli_main(["fit", "--config", str(cfg), *resnet, "--trainer.max_steps", "1"]) == 0  # (its img_size is nominal)
     assert "note:" not in capsys.readouterr().err
@@ -403,7 +403,7 @@ def test_a_recipe_file_that_is_no_mapping_is_named(tmp_path, capsys, text, what)
 
 
 def test_the_supervised_baseline_needs_two_classes(tmp_path, capsys):
-    cfg = tiny_config(tmp_path, method="ssl_vit.pretext.Supervised", views="ssl_vit.data.SingleView")
+    cfg = tiny_config(tmp_path, method="ssl_vit.methods.Supervised", views="ssl_vit.data.SingleView")
     assert cli_main(["fit", "--config", str(cfg), "--data.init_args.num_classes", "1"]) == 1
     assert "the supervised baseline needs at least 2 classes; the data has 1" in capsys.readouterr().err
 
@@ -456,7 +456,7 @@ def test_print_config_resolves_the_recipe(tmp_path, capsys):
         cli_main(["fit", "--config", str(cfg), "--print_config"])
     assert exit_.value.code == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["model"]["class_path"] == "ssl_vit.pretext.DINO"
+    assert out["model"]["class_path"] == "ssl_vit.methods.DINO"
     assert out["model"]["init_args"]["teacher_temp"] == 0.07  # defaults appear resolved
 
 
@@ -464,7 +464,7 @@ def test_recipes_may_name_classes_by_their_short_names(tmp_path):
     # In a fresh process (this one has every module imported already): "DINO",
     # "SyntheticDataModule", "MultiCrop" resolve like their full class paths.
     cfg = tiny_config(tmp_path)
-    text = cfg.read_text().replace("ssl_vit.pretext.DINO", "DINO").replace("ssl_vit.data.", "")
+    text = cfg.read_text().replace("ssl_vit.methods.DINO", "DINO").replace("ssl_vit.data.", "")
     assert "ssl_vit.data" not in text
     cfg.write_text(text)
     code = "import sys; from ssl_vit.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -489,7 +489,7 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path, caplog):
     assert ("the LR warm-up, warmup_epochs 0.5 = 2 steps, is longer than the run of 1 steps and is cut to it: its LR rises to "
             "the peak at the last step and the cosine never starts (set a shorter warm-up)") in caplog.text
     caplog.clear()
-    cfg = tiny_config(tmp_path, method="ssl_vit.pretext.MoCoV3", views="ssl_vit.data.TwoViews", max_steps=1, default_root_dir=str(tmp_path / "moco"))
+    cfg = tiny_config(tmp_path, method="ssl_vit.methods.MoCoV3", views="ssl_vit.data.TwoViews", max_steps=1, default_root_dir=str(tmp_path / "moco"))
     with caplog.at_level(logging.INFO):
         assert cli_main(["fit", "--config", str(cfg), "--global_batch_size", "16", "--trainer.accumulate_grad_batches", "2"]) == 0
     assert "MoCo v3 with accumulate_grad_batches=2: each query is contrasted with the keys of its micro-batch" in caplog.text
@@ -501,7 +501,7 @@ def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
     assert cli_main(["fit", "--config", str(cfg)]) == 0
     last = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
     (tmp_path / "other").mkdir()
-    other = tiny_config(tmp_path / "other", method="ssl_vit.pretext.MoCoV3", views="ssl_vit.data.TwoViews")
+    other = tiny_config(tmp_path / "other", method="ssl_vit.methods.MoCoV3", views="ssl_vit.data.TwoViews")
     assert cli_main(["fit", "--config", str(other), "--ckpt_path", last]) == 1
     assert f"--ckpt_path {last} is a DINO checkpoint; this recipe trains MoCoV3" in capsys.readouterr().err
     assert cli_main(["fit", "--config", str(cfg), "--resume", "--model.init_args.backbone_kwargs.embed_dim", "64"]) == 1
@@ -524,7 +524,7 @@ def test_a_gpu_recipe_on_a_machine_without_one_names_the_cpu_trainer(tmp_path, c
 @pytest.mark.parametrize("method", ["helpers.Reconstruct", "helpers.ReconstructCounted"])
 def test_a_method_of_ones_own_trains_resumes_and_counts_its_flops_when_it_can(tmp_path, method):
     from ssl_vit.flops import linear_flops
-    from ssl_vit.pretext.probe import OnlineLinearProbe
+    from ssl_vit.methods.probe import OnlineLinearProbe
 
     cfg = tiny_config(tmp_path, method=method, views="ssl_vit.data.SingleView")
     with pytest.warns(UserWarning, match="no FLOP model") if method == "helpers.Reconstruct" else nullcontext():
@@ -619,7 +619,7 @@ def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes
     args = ["fit", "--config", str(cfg), "--evaluate.protocols", "[finetune, linear_aug, knn]", "--evaluate.knn", "{k: 3}",
             "--evaluate.finetune", "{epochs: 2, batch_size: 8, warmup_epochs: 0.5, layer_decay: 0.75, checkpoint_every: 2}",
             "--evaluate.linear_aug", "{epochs: 1, batch_size: 16, optimizer: lars, crop_scale: [0.6, 1.0]}", "--evaluate.features", "avg"]
-    from ssl_vit.training.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import RecipeEvaluation
 
     scales, splits = [], RecipeEvaluation._splits
     monkeypatch.setattr(RecipeEvaluation, "_splits", lambda self, dm, views=None: scales.append(getattr(views, "scale", None)) or splits(self, dm, views))
@@ -676,7 +676,7 @@ def test_a_slurm_requeued_run_counts_as_resuming_for_its_evaluation_folders(tmp_
     # training/cli.py: a job Lightning requeued resumes from <default_root_dir>/hpc_ckpt_<n>.ckpt
     # by itself, without --resume; its recipe's evaluation folders are then its own runs, not an
     # earlier pretraining's (check_run_dirs is told it resumes). The check stops the run here.
-    from ssl_vit.training.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import RecipeEvaluation
 
     told = []
 
@@ -780,7 +780,7 @@ def test_equal_compute_backbones_train_from_the_supervised_recipe_at_the_flops_t
     """Each backbone swap of ``recipes/fashion_mnist/compute`` merges after the supervised recipe
     and trains a step of it on 28-px grey images, and the training GFLOPs per image its comment
     states (what picks the equal-compute pairs) are ``ssl-vit backbones``'s for that backbone."""
-    from ssl_vit.backbones.cli import backbone_size
+    from ssl_vit.cli.backbones import backbone_size
 
     cfg = yaml.safe_load(override.read_text())["model"]["init_args"]
     stated = re.search(r"([0-9.]+) GFLOPs per image for a training pass at 28 px", override.read_text())
@@ -823,7 +823,7 @@ def test_the_evaluate_sections_checks_read_the_smaller_subset_and_its_own_settin
     from types import SimpleNamespace
 
     from ssl_vit.backbones import create_backbone
-    from ssl_vit.training.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import RecipeEvaluation
 
     def data(subset):
         return SimpleNamespace(has_labelled_test_split=lambda: True, num_classes=10, subset=subset)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import TINY_BACKBONE
 
-from ssl_vit.pretext import MoCoV3, Supervised
-from ssl_vit.training.fused import fused_kwargs, fused_supported
+from ssl_vit.methods import MoCoV3, Supervised
+from ssl_vit.methods.fused import fused_kwargs, fused_supported
 
 
 def test_fused_support_follows_device_and_dtype() -> None:
@@ -30,7 +30,7 @@ def test_fused_support_follows_device_and_dtype() -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lars"])
-def test_pretext_optimisers_are_fused_unless_switched_off(optimizer: str) -> None:
+def test_methods_optimisers_are_fused_unless_switched_off(optimizer: str) -> None:
     model = Supervised(**TINY_BACKBONE, num_classes=4, optimizer=optimizer)
     fused = model.configure_optimizers().defaults.get("fused")
     assert bool(fused) == (optimizer != "lars")  # lightly's LARS has no fused kernel
@@ -64,7 +64,7 @@ def test_fused_updates_match_the_per_tensor_loop() -> None:
         grads = _random_grads(fused, g)
         for model, opt in zip((fused, loop), opts):
             _set_grads(model, grads)
-            for group in opt.param_groups:  # as PretextModule.on_train_batch_start
+            for group in opt.param_groups:  # as BaseMethod.on_train_batch_start
                 if "fixed_lr" not in group:
                     group["lr"] = 0.05 / (1 + step)
                 if group.get("scheduled_wd"):
@@ -115,7 +115,7 @@ def test_fp16_loss_scaling_unscales_a_fused_optimiser_before_clipping_and_skippi
     from helpers import RepeatBatch, fixed_views
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    import ssl_vit.pretext.base as base
+    import ssl_vit.methods.base as base
 
     seen: list[float] = []
     real = base.clip_gradients

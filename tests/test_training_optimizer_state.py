@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssl_vit.training.optimizer_state import materialize_adam_state
+from ssl_vit.methods.optimizer_state import materialize_adam_state
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -80,10 +80,10 @@ def test_other_optimizers_are_not_touched() -> None:
     assert materialize_adam_state(opt) == 0 and len(opt.state) == 0
 
 
-def test_pretext_adamw_has_its_state_before_the_first_step() -> None:
+def test_methods_adamw_has_its_state_before_the_first_step() -> None:
     from helpers import TINY_BACKBONE
 
-    from ssl_vit.pretext import MoCoV3
+    from ssl_vit.methods import MoCoV3
 
     model = MoCoV3(**TINY_BACKBONE, proj_hidden_dim=32, pred_hidden_dim=32, proj_output_dim=16)
     opt = model.configure_optimizers()

@@ -20,11 +20,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
-import ssl_vit.pretext.probe as probe_module
-from ssl_vit.pretext import Supervised
-from ssl_vit.pretext.probe import OnlineLinearProbe
+import ssl_vit.methods.probe as probe_module
+from ssl_vit.cli.recipe_checks import ConfigError, validate_run
+from ssl_vit.methods import Supervised
+from ssl_vit.methods.probe import OnlineLinearProbe
 from ssl_vit.training.preemption import PreemptionCheckpoint
-from ssl_vit.training.recipe_checks import ConfigError, validate_run
 from ssl_vit.training.step_checkpoint import newest_checkpoint
 
 # ---------------------------------------------------------------- global batch over devices x nodes

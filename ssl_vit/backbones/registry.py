@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ssl_vit.arguments import check_argument_types, did_you_mean
+from ssl_vit.errors import check_argument_types, did_you_mean
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ def run_isolated(job: Job) -> dict[str, Any]:
             return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
     ctx = mp.get_context(isolation)
     if isolation == "forkserver":
-        ctx.set_forkserver_preload([__name__, "ssl_vit.bench.data", "ssl_vit.pretext", "timm", "lightly.loss"])
+        ctx.set_forkserver_preload([__name__, "ssl_vit.bench.data", "ssl_vit.methods", "timm", "lightly.loss"])
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child_main, args=(sender, job), daemon=True)
     process.start()

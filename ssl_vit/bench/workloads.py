@@ -3,7 +3,7 @@
 Ours: the method's ``step(views, labels)``, backward, the optimiser it configures (AdamW with its
 parameter groups; torch's fused kernel unless ``fused_optimizer`` is off), ``zero_grad``, and the
 EMA update of its momentum encoder / teacher (``module.ema.update``), which is what
-``PretextModule.training_step`` and ``optimizer_step`` do inside Lightning. The Trainer's own
+``BaseMethod.training_step`` and ``optimizer_step`` do inside Lightning. The Trainer's own
 overhead (logging, callbacks, the progress bar) is left out, for the peers too; so are gradient
 clipping and DINO's first-epoch freezing of the head's last layer (the steady state after epoch
 1), which lightly's examples do not do either.
@@ -75,7 +75,7 @@ def autocast(cfg: BenchConfig, device: torch.device) -> contextlib.AbstractConte
 
 def our_module(row: str, cfg: BenchConfig) -> nn.Module:
     """Our pretext module (or bare backbone) for a row."""
-    from ssl_vit.pretext import DINO, MPP, MoCoV3, Supervised
+    from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
     lean = {"lean_backward": cfg.lean_backward}
     if row == "backbone":

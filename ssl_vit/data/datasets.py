@@ -215,7 +215,7 @@ class EvenShares(Dataset):
     twice. Padded here instead, every process still runs the same number of batches (an FSDP
     forward and the stop-signal check are collectives of all processes), and the padding,
     labelled -1, counts nowhere: the metrics are means over labelled images, summed with their
-    number over processes and divided once (``PretextModule.on_validation_epoch_end``).
+    number over processes and divided once (``BaseMethod.on_validation_epoch_end``).
     """
 
     def __init__(self, source: Dataset, num_processes: int) -> None:

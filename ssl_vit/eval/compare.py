@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ssl_vit.arguments import ArgumentParser
+from ssl_vit.errors import ArgumentParser
 from ssl_vit.eval.compare_figures import plot_bars, plot_compute
 from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, method_order, read_json
 

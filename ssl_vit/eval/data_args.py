@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ssl_vit.arguments import did_you_mean, init_parameters
+from ssl_vit.errors import did_you_mean, init_parameters
 
 DATASETS = {
     "fashion_mnist": "FashionMNISTDataModule",
@@ -82,7 +82,7 @@ class ArgText(str):
 def parse_data_args(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, each
     checked against a plain annotation (int, float, bool, str or an Optional of one)."""
-    from ssl_vit.arguments import annotations_of, check_argument_types, plain_type
+    from ssl_vit.errors import annotations_of, check_argument_types, plain_type
 
     cls = datamodule_class(name)
     hints = annotations_of(cls)

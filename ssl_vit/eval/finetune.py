@@ -44,8 +44,8 @@ from ssl_vit.eval.train_run import (
     nothing_to_learn,
     train_and_test,
 )
+from ssl_vit.methods.fused import fused_kwargs
 from ssl_vit.runtime import seed_training_step
-from ssl_vit.training.fused import fused_kwargs
 
 
 # ----------------------------------------------------------------------------- layer-wise decay
@@ -197,7 +197,7 @@ class FineTuneModule(L.LightningModule):
             0: off.
         img_size: fine-tune at this resolution (ViTs interpolate the position embedding).
         betas: AdamW betas (torch's fused AdamW kernel where the parameters allow it:
-            ``ssl_vit.training.fused``).
+            ``ssl_vit.methods.fused``).
         seed: base of each training batch's random draws (drop path, MixUp/CutMix), which
             depend only on the batch's position in training, so a resumed run draws the same.
         total_steps, steps_per_epoch: the length of the LR schedule in optimiser steps (None:

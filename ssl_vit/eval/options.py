@@ -7,7 +7,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ssl_vit.arguments import OptionRule, check_option_values
+from ssl_vit.errors import OptionRule, check_option_values
 
 
 def check_output_folder(folder: str | Path, what: str, create: bool = False) -> None:

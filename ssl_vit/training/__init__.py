@@ -1,3 +1,2 @@
-"""What ``ssl-vit fit`` runs around the pretext modules: the Lightning CLI of recipes, atomic step
-checkpoints and exact resume, pre-emption signals, gradient clipping and optimiser state under
-sharding, and the ``evaluate`` section of a recipe."""
+"""Lightning plumbing every training run shares: atomic step
+checkpoints and exact resume, pre-emption signals and progress lines."""

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MoCoV3PredictionHead, MoCoV3ProjectionHead
 from ssl_vit.losses import MoCoV3Loss, embedding_std
-from ssl_vit.pretext.base import PretextModule
-from ssl_vit.pretext.ema import EMAPairs, make_target
-from ssl_vit.pretext.optim import WeightDecayExempt
+from ssl_vit.methods.base import BaseMethod
+from ssl_vit.methods.ema import EMAPairs, make_target
+from ssl_vit.methods.optim import WeightDecayExempt
 
 
 def xavier_init_linears(vit: nn.Module) -> None:
@@ -48,7 +48,7 @@ def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-class MoCoV3(PretextModule):
+class MoCoV3(BaseMethod):
     """MoCo v3.
 
     Args:
@@ -63,10 +63,10 @@ class MoCoV3(PretextModule):
         reference_init: initialise the ViT's linear layers as the reference ``vits.py``:
             Xavier-uniform, the Q, K and V matrices each as its own layer, zero biases (timm's
             truncated normal(0.02) otherwise). Ignored for ResNets.
-        weight_decay, warmup_epochs, weight_decay_exempt: the :class:`PretextModule` arguments
+        weight_decay, warmup_epochs, weight_decay_exempt: the :class:`BaseMethod` arguments
             with MoCo v3's defaults (its ViT recipe: weight decay 0.1 on every parameter, as
             ``main_moco.py`` builds ``AdamW(model.parameters(), ...)``; 40 warm-up epochs).
-        **kwargs: the other shared arguments of :class:`PretextModule` (base LR 1.5e-4 per 256).
+        **kwargs: the other shared arguments of :class:`BaseMethod` (base LR 1.5e-4 per 256).
     """
 
     def __init__(

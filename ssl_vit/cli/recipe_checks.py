@@ -13,10 +13,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from ssl_vit.arguments import closest, did_you_mean, init_parameters
 from ssl_vit.backbones import is_vit
 from ssl_vit.backbones.registry import kwargs_differences
-from ssl_vit.pretext.base import NO_LENGTH, PretextModule
+from ssl_vit.errors import closest, did_you_mean, init_parameters
+from ssl_vit.methods.base import NO_LENGTH, BaseMethod
 from ssl_vit.training.step_checkpoint import load_record
 
 
@@ -43,10 +43,10 @@ def known_classes(message: str) -> str:
     if found is None:  # the class was found (its options may not be)
         return ""
     if 'key "model"' in message:
-        from ssl_vit.pretext import METHODS
+        from ssl_vit.methods import METHODS
 
         names = [cls.__name__ for cls in METHODS.values()]
-        return f"{did_you_mean(found.group(1), names)} (methods: {', '.join(names)}, or the dotted path of a PretextModule of your own)"
+        return f"{did_you_mean(found.group(1), names)} (methods: {', '.join(names)}, or the dotted path of a BaseMethod of your own)"
     if 'key "data"' in message:
         import ssl_vit.data
 
@@ -107,7 +107,7 @@ def _resolved_devices(trainer: L.Trainer) -> int:
     return int(trainer.num_devices) * int(trainer.num_nodes)
 
 
-def validate_run(model: PretextModule, datamodule: L.LightningDataModule, trainer: L.Trainer, global_batch_size: int | None) -> None:
+def validate_run(model: BaseMethod, datamodule: L.LightningDataModule, trainer: L.Trainer, global_batch_size: int | None) -> None:
     """Checks that need the instantiated objects; each failure is one clear line."""
     if trainer.max_steps == -1 and trainer.max_epochs == -1:
         raise ConfigError(NO_LENGTH)
@@ -246,7 +246,7 @@ def _dict_valued_settings(cfg: Any) -> list[tuple[str, dict]]:
 _SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backward"}
 
 
-def check_continuable(model: PretextModule, ckpt_path: str) -> None:
+def check_continuable(model: BaseMethod, ckpt_path: str) -> None:
     """A checkpoint continues only a run of the same method and backbone: say so in one line,
     before Lightning's wall of missing and unexpected state-dict keys."""
     if not Path(ckpt_path).is_file():

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import yaml
 
-from ssl_vit.arguments import ArgumentParser, did_you_mean
 from ssl_vit.backbones.registry import create_backbone, get_spec, list_backbones
+from ssl_vit.errors import ArgumentParser, did_you_mean
 from ssl_vit.eval.data_args import key_value
 
 

@@ -20,10 +20,10 @@ from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MPPHead
 from ssl_vit.losses import embedding_std, mpp_loss
 from ssl_vit.masking import TargetKind, check_corruption, make_corruption_plan, mpp_targets
-from ssl_vit.pretext.base import PretextModule
+from ssl_vit.methods.base import BaseMethod
 
 
-class MPP(PretextModule):
+class MPP(BaseMethod):
     """Masked patch prediction.
 
     Args:
@@ -35,7 +35,7 @@ class MPP(PretextModule):
             ``None`` takes them from the datamodule (its ``mean``/``std``) when training starts.
         base_lr: LR per 256 images; Appendix B.1.2's 2e-4 at batch 4096 (Adam, cosine decay).
         weight_decay: Appendix B.1.2 gives none for MPP; 0.1 is Table 3's JFT pre-training value.
-        **kwargs: the shared arguments of :class:`PretextModule` (backbone, optimiser, schedule).
+        **kwargs: the shared arguments of :class:`BaseMethod` (backbone, optimiser, schedule).
             The paper warms up for 10k of its 1M steps: ``warmup_steps=10000`` in the recipe
             (``recipes/imagenet/mpp_vit_base16.yaml``); the default is the shared 10 epochs.
     """

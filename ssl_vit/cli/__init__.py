@@ -14,14 +14,14 @@ import warnings
 
 # command: (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "fit": ("ssl_vit.training.cli", "pretrain (or train the supervised baseline) from YAML recipes via LightningCLI"),
-    "eval": ("ssl_vit.eval.cli", "evaluate a backbone: linear | knn | fewshot | frozen (all three) | finetune"),
+    "fit": ("ssl_vit.cli.fit", "pretrain (or train the supervised baseline) from YAML recipes via LightningCLI"),
+    "eval": ("ssl_vit.cli.eval", "evaluate a backbone: linear | knn | fewshot | frozen (all three) | finetune"),
     "compare": ("ssl_vit.eval.compare", "tabulate result JSONs (SSL vs supervised vs random init)"),
-    "demo": ("ssl_vit.demo", "the main job: pretrain MPP, MoCo v3, DINO + supervised on Fashion-MNIST and compare"),
-    "export": ("ssl_vit.export_cli", "extract a backbone: timm-compatible safetensors, config.json, TorchScript / torch.export / ONNX"),
-    "visualize": ("ssl_vit.analysis.cli", "the ViT paper's figures: filters, position embeddings, attention distance, maps"),
-    "benchmark": ("ssl_vit.bench.cli", "speed and memory against lightly+timm, and against the machine's matmul rate"),
-    "backbones": ("ssl_vit.backbones.cli", "list the registered backbones"),
+    "demo": ("ssl_vit.cli.demo", "the main job: pretrain MPP, MoCo v3, DINO + supervised on Fashion-MNIST and compare"),
+    "export": ("ssl_vit.cli.export", "extract a backbone: timm-compatible safetensors, config.json, TorchScript / torch.export / ONNX"),
+    "visualize": ("ssl_vit.cli.visualize", "the ViT paper's figures: filters, position embeddings, attention distance, maps"),
+    "benchmark": ("ssl_vit.cli.benchmark", "speed and memory against lightly+timm, and against the machine's matmul rate"),
+    "backbones": ("ssl_vit.cli.backbones", "list the registered backbones"),
 }
 
 

@@ -2,7 +2,7 @@
 LR / weight-decay schedules, EMA updates of declared (online, target) pairs, gradient clipping,
 the online linear probe, logging and the non-finite-loss guard (its checkpoint record: ``record.py``).
 
-A method subclasses ``PretextModule`` (or a method, to change a part of it), builds its heads and
+A method subclasses ``BaseMethod`` (or a method, to change a part of it), builds its heads and
 loss from typed ``__init__`` arguments, and implements ``step(views, labels) -> dict`` returning
 at least ``loss`` (and ``features``, the detached representation the online probe learns from);
 the other scalars it returns are logged as ``train/<key>``. A momentum encoder or teacher is
@@ -31,23 +31,23 @@ from torch import Tensor, nn
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.backbones.compile import check_backend, compile_backbone
 from ssl_vit.backbones.registry import as_plain
-from ssl_vit.pretext.ema import EMAPairs
-from ssl_vit.pretext.nonfinite import NonFiniteGuard, NonFinitePolicy
-from ssl_vit.pretext.optim import (
+from ssl_vit.methods.ema import EMAPairs
+from ssl_vit.methods.grad_clip import ClipMode, clip_gradients
+from ssl_vit.methods.nonfinite import NonFiniteGuard, NonFinitePolicy
+from ssl_vit.methods.optim import (
     OptimizerName,
     WeightDecayExempt,
     build_optimizer,
     lr_and_weight_decay,
     param_groups,
 )
-from ssl_vit.pretext.probe import OnlineLinearProbe
-from ssl_vit.pretext.record import checkpoint_record, data_info, restore_record
-from ssl_vit.pretext.start_notes import start_notes
+from ssl_vit.methods.optimizer_state import materialize_adam_state
+from ssl_vit.methods.probe import OnlineLinearProbe
+from ssl_vit.methods.record import checkpoint_record, data_info, restore_record
+from ssl_vit.methods.sharding import gradient_shard_group, unwrapped_name
+from ssl_vit.methods.start_notes import start_notes
+from ssl_vit.methods.sync_batchnorm import convert_sync_batchnorm
 from ssl_vit.runtime import global_seed, seed_training_step
-from ssl_vit.training.grad_clip import ClipMode, clip_gradients
-from ssl_vit.training.optimizer_state import materialize_adam_state
-from ssl_vit.training.sharding import gradient_shard_group, unwrapped_name
-from ssl_vit.training.sync_batchnorm import convert_sync_batchnorm
 
 Batch = tuple[list[Tensor], Tensor]
 
@@ -60,7 +60,7 @@ NO_LENGTH = (
 )
 
 
-class PretextModule(L.LightningModule):
+class BaseMethod(L.LightningModule):
     """Base of every method. Arguments shared by all methods:
 
     Args:
@@ -365,7 +365,7 @@ class PretextModule(L.LightningModule):
             self.cancel_gradients()
         # Parameters without a gradient this step get Adam's initial state now rather than at
         # their first gradient: numerically the same, and FSDP can then gather the optimizer
-        # state for a checkpoint (see ssl_vit.training.optimizer_state).
+        # state for a checkpoint (see ssl_vit.methods.optimizer_state).
         materialize_adam_state(optimizer)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
@@ -440,7 +440,7 @@ class PretextModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
-        if self.probe is None and type(self).validation_metrics is PretextModule.validation_metrics:
+        if self.probe is None and type(self).validation_metrics is BaseMethod.validation_metrics:
             return  # nothing to measure: skip the backbone pass
         with torch.no_grad():
             feats = self.backbone(images)  # [B, D]
@@ -518,7 +518,7 @@ def _check_not_shadowed(cls: type, received: dict[str, Any], hparams: Mapping[st
             shadowed.append(name)
     if shadowed:
         raise TypeError(
-            f"{cls.__name__}.__init__ has its own argument(s) {', '.join(shadowed)} with the name of a PretextModule "
+            f"{cls.__name__}.__init__ has its own argument(s) {', '.join(shadowed)} with the name of a BaseMethod "
             "argument it does not pass on; rename it (or pass it to super().__init__)"
         )
 

@@ -21,8 +21,8 @@ import re
 import sys
 from pathlib import Path
 
-from ssl_vit.arguments import ArgumentParser
-from ssl_vit.eval.cli import _json_dict
+from ssl_vit.cli.eval import _json_dict
+from ssl_vit.errors import ArgumentParser
 from ssl_vit.eval.data_args import DATASETS, datamodule_class, key_value
 from ssl_vit.eval.options import check_output_folder
 

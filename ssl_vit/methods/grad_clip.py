@@ -30,7 +30,7 @@ def clip_gradients(
     for ``global``, ``[len(params)]`` for ``per_param``, 0 where a parameter has no gradient).
 
     ``shard_group``: the group over which FSDP splits each gradient (see
-    :func:`ssl_vit.training.sharding.gradient_shard_group`); every process of it must call this
+    :func:`ssl_vit.methods.sharding.gradient_shard_group`); every process of it must call this
     with the same parameters in the same order (a parameter whose shard is empty here, or which
     has no gradient, counts 0)."""
     if mode not in ("global", "per_param"):

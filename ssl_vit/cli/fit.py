@@ -39,16 +39,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
-from ssl_vit.eval.train_run import EvalRunInterrupted
-from ssl_vit.flops import PretrainFlopsCounter
-from ssl_vit.io import stale_temporaries
-from ssl_vit.pretext.base import PretextModule
-from ssl_vit.runtime import release_process_group
-from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
-from ssl_vit.training.evaluate import RecipeEvaluation
-from ssl_vit.training.preemption import PreemptionCheckpoint
-from ssl_vit.training.progress import ProgressLog
-from ssl_vit.training.recipe_checks import (
+from ssl_vit.cli.recipe_checks import (
     ConfigError,
     check_continuable,
     check_yaml_files,
@@ -58,6 +49,15 @@ from ssl_vit.training.recipe_checks import (
     one_line,
     validate_run,
 )
+from ssl_vit.eval.evaluate import RecipeEvaluation
+from ssl_vit.eval.train_run import EvalRunInterrupted
+from ssl_vit.flops import PretrainFlopsCounter
+from ssl_vit.io import stale_temporaries
+from ssl_vit.methods.base import BaseMethod
+from ssl_vit.runtime import release_process_group
+from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.progress import ProgressLog
 from ssl_vit.training.step_checkpoint import (
     StepCheckpoint,
     default_checkpoint_dir,
@@ -129,7 +129,7 @@ def _fit(argv: list[str] | None) -> int:
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
     try:
         cli = SSLViTCLI(
-            PretextModule,
+            BaseMethod,
             L.LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,

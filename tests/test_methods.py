@@ -17,18 +17,18 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from ssl_vit.data import ImageFolderDataModule, SingleView, SyntheticDataModule
-from ssl_vit.pretext import (
+from ssl_vit.methods import (
     DINO,
     METHODS,
     MPP,
+    BaseMethod,
     MoCoV3,
     NonFiniteLossError,
-    PretextModule,
     Supervised,
 )
 
 
-def make(method: str, **overrides) -> PretextModule:
+def make(method: str, **overrides) -> BaseMethod:
     kwargs = {**TINY_BACKBONE, "num_classes": 4, "warmup_epochs": 0.0, "base_lr": 0.02, "weight_decay": 0.0, **SMALL_HEADS[method], **overrides}
     return METHODS[method](**kwargs)
 
@@ -79,11 +79,11 @@ def test_sgd_momentum_is_not_the_ema_momentum(method, optimizer):
 
 
 def test_a_method_argument_that_shadows_a_base_argument_is_an_error():
-    class Shadows(PretextModule):
+    class Shadows(BaseMethod):
         def __init__(self, weight_decay: float = 0.5, **kwargs):  # meant for something else
             super().__init__(**kwargs)
 
-    class Forwards(PretextModule):
+    class Forwards(BaseMethod):
         def __init__(self, weight_decay: float = 0.5, **kwargs):  # a new default: fine
             super().__init__(weight_decay=weight_decay, **kwargs)
 
@@ -453,7 +453,7 @@ def test_weight_decay_groups_exclude_norms_biases_and_embeddings():
 
 
 def test_a_mask_token_of_any_shape_is_a_token_the_rule_exempts():
-    from ssl_vit.pretext.optim import param_groups
+    from ssl_vit.methods.optim import param_groups
 
     params = {"head.mask_token": torch.nn.Parameter(torch.zeros(1, 1, 8)), "head.proj.weight": torch.nn.Parameter(torch.zeros(8, 8)),
               "backbone.cls_token": torch.nn.Parameter(torch.zeros(1, 1, 8))}
@@ -528,7 +528,7 @@ def test_gradient_clipping_leaves_the_online_probe_out(mode):
 
 
 def test_lars_is_refused_under_fsdp(monkeypatch):
-    import ssl_vit.pretext.base as base
+    import ssl_vit.methods.base as base
 
     model = make("supervised", optimizer="lars")
     model.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
@@ -596,7 +596,7 @@ def test_the_skip_policy_raises_once_its_budget_is_spent():
     (101, "the LR warm-up, warmup_epochs 10 = {w} steps, is longer than the run of 100 steps and is cut to it: its LR rises"),
 ])
 def test_the_start_note_on_a_warmup_as_long_as_the_run_or_longer(warmup, note):
-    from ssl_vit.pretext.start_notes import start_notes
+    from ssl_vit.methods.start_notes import start_notes
 
     lines = start_notes("DINO", "vit_small", 8, 2, 1, 5e-4, 5e-4 * 16 / 256, 100, 10, warmup, f"warmup_epochs 10 = {warmup} steps",
                         global_step=0, resumed_total_steps=None, resumed_global_batch=None)
@@ -740,7 +740,7 @@ def test_mocov3_contrasts_each_views_query_with_the_other_views_key():
 def test_mpp_head_reads_the_output_tokens_of_the_corrupted_patches(monkeypatch):
     # ViT paper B.1.2: each corrupted patch's colour is predicted from that patch's own output
     # token ([CLS] aside), not a neighbour's.
-    import ssl_vit.pretext.mpp as mpp_module
+    import ssl_vit.methods.mpp as mpp_module
 
     torch.manual_seed(0)
     model = make("mpp")
@@ -856,7 +856,7 @@ def test_a_checkpoints_record_restores_what_the_run_did_not_give_again():
     """The recipe of the resumed invocation (its new length or batch) wins over the checkpoint's;
     a module loaded from Python takes the checkpoint's. The epochs trained come from the loader's
     position, else from optimiser steps over steps per epoch (to 4 decimals)."""
-    from ssl_vit.pretext.record import epochs_done, restore_record
+    from ssl_vit.methods.record import epochs_done, restore_record
 
     record = {"recipe": "model: {old: 1}", "seed": 7, "skipped_batches": 2, "global_batch_size": 64, "total_steps": 100}
     resumed = Supervised(**TINY_BACKBONE, num_classes=4)
@@ -912,7 +912,7 @@ def test_steps_per_epoch_count_a_last_partial_accumulation_and_the_warmup_rounds
 
 
 def test_each_batch_is_seeded_from_the_run_seed_epoch_batch_and_process(monkeypatch):
-    import ssl_vit.pretext.base as base
+    import ssl_vit.methods.base as base
 
     keys = []
     monkeypatch.setattr(base, "seed_training_step", lambda *key: keys.append(key))

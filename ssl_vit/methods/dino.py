@@ -27,13 +27,13 @@ from ssl_vit.losses import (
     teacher_student_kl,
     teacher_temperature,
 )
-from ssl_vit.pretext.base import PretextModule
-from ssl_vit.pretext.ema import EMAPairs, make_target
-from ssl_vit.pretext.optim import WeightDecayExempt
-from ssl_vit.training.grad_clip import ClipMode
+from ssl_vit.methods.base import BaseMethod
+from ssl_vit.methods.ema import EMAPairs, make_target
+from ssl_vit.methods.grad_clip import ClipMode
+from ssl_vit.methods.optim import WeightDecayExempt
 
 
-class DINO(PretextModule):
+class DINO(BaseMethod):
     """DINO.
 
     Args:
@@ -49,10 +49,10 @@ class DINO(PretextModule):
         momentum, momentum_end: cosine schedule of the teacher EMA (0.996 -> 1).
         freeze_last_layer_epochs: the head's last layer gets no update in these first epochs.
         base_lr, min_lr, weight_decay, weight_decay_end, weight_decay_exempt, grad_clip,
-            grad_clip_mode: the :class:`PretextModule` arguments with DINO's defaults (reference
+            grad_clip_mode: the :class:`BaseMethod` arguments with DINO's defaults (reference
             ``main_dino.py``: LR 5e-4 per 256 cosine to 1e-6, weight decay cosine 0.04 -> 0.4 on
             all but biases and 1-D parameters, each parameter's gradient clipped to norm 3.0).
-        **kwargs: the other shared arguments of :class:`PretextModule`.
+        **kwargs: the other shared arguments of :class:`BaseMethod`.
     """
 
     default_encoder = "teacher"  # the paper evaluates the teacher (§3.1, Fig. 6)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.arguments import ArgumentParser
+from ssl_vit.errors import ArgumentParser
 
 
 def _kwargs(text: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.arguments import ArgumentParser
+from ssl_vit.errors import ArgumentParser
 
 # The backbone every method shares: a small ViT for 28-px grey images, 4x4 patches of 7 px. On
 # 2 CPU cores the supervised run trains at ~900 images/s, which is what a 15-minute budget buys.
@@ -48,25 +48,25 @@ class MethodRecipe:
 
 RECIPES: dict[str, MethodRecipe] = {
     "mpp": MethodRecipe(
-        "mpp", "ssl_vit.pretext.MPP",
+        "mpp", "ssl_vit.methods.MPP",
         {"target": "mean_color", "corruption_ratio": 0.5, "base_lr": 2e-3, "warmup_epochs": 0.2, "weight_decay": 0.05},
         "ssl_vit.data.SingleView", {"scale": (0.5, 1.0)}, epochs=2.0,
     ),
     "mocov3": MethodRecipe(
-        "mocov3", "ssl_vit.pretext.MoCoV3",
+        "mocov3", "ssl_vit.methods.MoCoV3",
         {"temperature": 0.2, "proj_hidden_dim": 512, "pred_hidden_dim": 512, "proj_output_dim": 128,
          "momentum": 0.99, "base_lr": 2e-3, "warmup_epochs": 0.2, "weight_decay": 0.1},
         "ssl_vit.data.TwoViews", {"scale": (0.3, 1.0)}, epochs=1.5,
     ),
     "dino": MethodRecipe(
-        "dino", "ssl_vit.pretext.DINO",
+        "dino", "ssl_vit.methods.DINO",
         {"out_dim": 1024, "hidden_dim": 512, "bottleneck_dim": 128, "momentum": 0.99, "warmup_teacher_temp_epochs": 0,
          "teacher_temp": 0.04, "base_lr": 2e-3, "warmup_epochs": 0.2, "weight_decay": 0.04, "weight_decay_end": 0.1,
          "grad_clip": 3.0, "grad_clip_mode": "per_param", "freeze_last_layer_epochs": 0},
         "ssl_vit.data.MultiCrop", {"n_local": 4, "local_size": 14}, epochs=1.5,
     ),
     "supervised": MethodRecipe(
-        "supervised", "ssl_vit.pretext.Supervised",
+        "supervised", "ssl_vit.methods.Supervised",
         {"label_smoothing": 0.1, "base_lr": 2e-3, "warmup_epochs": 0.2, "weight_decay": 0.05},
         "ssl_vit.data.SingleView", {"scale": (0.5, 1.0)}, epochs=1.5,
     ),
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace, budget: Budget) -> None:
     """The numeric options, before anything is trained: a value that cannot work is one line now,
     not a failure after the first method's pretraining."""
-    from ssl_vit.arguments import check_option_values
+    from ssl_vit.errors import check_option_values
 
     def within(low: int, high: int) -> Callable[[Any], bool]:
         return lambda v: v is None or low <= v <= high

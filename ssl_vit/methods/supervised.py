@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssl_vit.losses import embedding_std
-from ssl_vit.pretext.base import PretextModule
-from ssl_vit.pretext.probe import labelled_accuracy
+from ssl_vit.methods.base import BaseMethod
+from ssl_vit.methods.probe import labelled_accuracy
 
 
-class Supervised(PretextModule):
+class Supervised(BaseMethod):
     """Supervised training of the backbone.
 
     Args:
@@ -24,7 +24,7 @@ class Supervised(PretextModule):
             ``representation_size``); None: a single linear layer (the paper's fine-tuning head).
         base_lr, weight_decay, grad_clip: the ViT paper's ImageNet setting (Table 3, ViT-B/16: LR
             3e-3 at batch 4096, i.e. 1.875e-4 per 256; weight decay 0.3; global-norm clipping at 1).
-        **kwargs: the shared arguments of :class:`PretextModule`; ``num_classes`` is required.
+        **kwargs: the shared arguments of :class:`BaseMethod`; ``num_classes`` is required.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 naming the step and the last good checkpoint, or skip the batch (its optimiser step, its EMA
 update and what its forward changed in buffers) a bounded number of times.
 
-``PretextModule`` composes one; the decision is taken by all processes together before it is
+``BaseMethod`` composes one; the decision is taken by all processes together before it is
 handed here (``reduce_boolean_decision``), so every process skips or raises at the same step.
 """
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ssl_vit.eval.data_args import class_path
 
 # The attributes of a datamodule worth recording: export takes the normalisation from them, the
 # result records the dataset.
@@ -18,7 +17,7 @@ def data_info(datamodule: Any) -> dict[str, Any]:
     """What the data looked like: its class (by import path, as every record names it) and the
     attributes of ``_DATA_KEYS`` it has; an image folder's training directory too (result records
     tell datasets of the same class apart by it)."""
-    info: dict[str, Any] = {"name": type(datamodule).__name__, "class": class_path(type(datamodule))}
+    info: dict[str, Any] = {"name": type(datamodule).__name__, "class": f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"}
     for key in _DATA_KEYS:
         value = getattr(datamodule, key, None)
         if value is not None:
@@ -40,7 +39,7 @@ def epochs_done(trainer: Any, global_step: int, steps_per_epoch: int | None) -> 
 
 
 def checkpoint_record(module: Any) -> dict[str, Any]:
-    """The ``"ssl_vit"`` entry of a ``PretextModule``'s checkpoint."""
+    """The ``"ssl_vit"`` entry of a ``BaseMethod``'s checkpoint."""
     return {
         "method": type(module).__name__,
         "backbone": module.backbone_name,

@@ -12,11 +12,11 @@ from lightly.utils.lars import LARS
 from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
 from torch import Tensor
 
-from ssl_vit.training.fused import fused_kwargs
-from ssl_vit.training.optimizer_state import materialize_adam_state
-from ssl_vit.training.sharding import unwrapped_name
+from ssl_vit.methods.fused import fused_kwargs
+from ssl_vit.methods.optimizer_state import materialize_adam_state
+from ssl_vit.methods.sharding import unwrapped_name
 
-# Which parameters get no weight decay (see PretextModule's ``weight_decay_exempt``).
+# Which parameters get no weight decay (see BaseMethod's ``weight_decay_exempt``).
 WeightDecayExempt = Literal["bias_norm_tokens", "bias_norm", "none"]
 OptimizerName = Literal["adamw", "sgd", "lars"]
 

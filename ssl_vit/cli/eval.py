@@ -26,7 +26,7 @@ import signal
 import sys
 from typing import Any
 
-from ssl_vit.arguments import ArgumentParser
+from ssl_vit.errors import ArgumentParser
 from ssl_vit.eval.data_args import (
     DATASETS,
     build_datamodule,

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import lightning as L
 
-from ssl_vit.arguments import unexpected_keyword_hint
+from ssl_vit.errors import unexpected_keyword_hint
 
 Protocol = Literal["finetune", "linear_aug", "linear", "knn", "fewshot"]
 ON_IMAGES = ("finetune", "linear_aug")  # the protocols that train on images, on every process of the run

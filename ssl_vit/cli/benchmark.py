@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.arguments import ArgumentParser, OptionRule, check_option_values
 from ssl_vit.bench.config import METHOD_NAMES, RESULT_FORMAT, preset
 from ssl_vit.bench.report import format_report
+from ssl_vit.errors import ArgumentParser, OptionRule, check_option_values
 
 # The numeric options and the least value each takes (warm-up steps may be none at all).
 _AT_LEAST: dict[str, int] = {"steps": 1, "warmup": 0, "backbone_batch": 1, "method_batch": 1, "threads": 1}

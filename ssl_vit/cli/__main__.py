@@ -1,0 +1,5 @@
+import sys
+
+from ssl_vit.cli import main
+
+sys.exit(main())
