@@ -329,7 +329,7 @@ def test_visualize_hands_its_options_to_the_figures(tmp_path, monkeypatch):
     import ssl_vit.analysis.render as render
 
     calls = []
-    monkeypatch.setattr(render, "render_all", lambda backbone, shown, out, **kw: calls.append((shown, kw)) or SimpleNamespace(paths={}))
+    monkeypatch.setattr(render, "render_all", lambda backbone, shown, out, **kw: calls.append((shown, kw)) or {})
     for num_images, show in ((3, 5), (6, 2)):
         assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "synthetic", "--data-arg", "num_test_samples=16",
                          "--out", str(tmp_path / f"{num_images}_{show}"), "--num-images", str(num_images), "--show", str(show)]) == 0
@@ -346,7 +346,7 @@ def test_visualize_draws_what_applies_to_a_resnet(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["filters.png"]
     assert "not pos_embed, attention_distance" in capsys.readouterr().err
     assert cli_main([*args, "--figures", "pos_embed"]) == 1  # asked for explicitly: an error naming why
-    assert "needs a ViT or hybrid backbone" in capsys.readouterr().err
+    assert "has no attention or position embedding (a ViT's or hybrid's), which the pos_embed figure needs" in capsys.readouterr().err
 
 
 def test_visualize_names_a_backbone_it_can_draw_nothing_of(tmp_path, capsys):
@@ -408,7 +408,7 @@ def test_visualize_draws_no_cls_maps_of_a_token_backbone_without_an_output_token
         assert sorted(p.name for p in (tmp_path / "all").glob("*.png")) == ["attention_distance.png", "filters.png", "pos_embed.png"]
         # Asked for by name: refused, rather than the first patch's row drawn as the [CLS] map.
         assert cli_main([*args, "--out", str(tmp_path / "cls"), "--figures", "attention_rollout"]) == 1
-    assert "has no prefix token (num_prefix_tokens=0)" in capsys.readouterr().err
+    assert "has no output token ([CLS]) whose attention the maps show, which the attention_rollout figure needs" in capsys.readouterr().err
 
 
 def test_visualize_rejects_unknown_images(tmp_path, capsys):

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from ssl_vit.analysis import attention_distance, attention_maps, filters
+from ssl_vit.analysis import attention, embedding, render
 from ssl_vit.data import MultiCrop, SingleView, TwoViews
 from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.finetune import FineTuneModule
@@ -45,7 +45,7 @@ def defaults(fn) -> dict:
                     "hue": 0.1, "grayscale_p": 0.2, "blur_p": (1.0, 0.1), "solarize_p": (0.0, 0.2)}),
         # DINO main_dino.py DataAugmentationDINO: global crops (0.4, 1), 8 local crops (0.05, 0.4),
         # the same jitter, blur p 1.0 / 0.1 / 0.5 (global 1, global 2, local), solarise 0.2, bicubic.
-        (MultiCrop, {"n_local": 8, "global_scale": (0.4, 1.0), "local_scale": (0.05, 0.4), "flip_p": 0.5, "jitter_p": 0.8,
+        (MultiCrop, {"n_local_crops": 8, "global_scale": (0.4, 1.0), "local_scale": (0.05, 0.4), "flip_p": 0.5, "jitter_p": 0.8,
                      "brightness": 0.4, "contrast": 0.4, "saturation": 0.2, "hue": 0.1, "grayscale_p": 0.2,
                      "blur_p": (1.0, 0.1, 0.5), "solarize_p": 0.2, "interpolation": "bicubic"}),
         # Inception-style crop (0.08, 1) and flip for the supervised and MPP runs.
@@ -59,20 +59,19 @@ def defaults(fn) -> dict:
         (FineTuneModule, {"base_lr": 5e-4, "layer_decay": 0.65, "drop_path_rate": 0.1, "label_smoothing": 0.1,
                           "weight_decay": 0.05, "warmup_epochs": 5.0, "betas": (0.9, 0.999)}),
         # ViT paper Fig. 7: 28 principal components of E; Appendix D.7: attention distance over 128
-        # images (renormalised over the patches: the module docstring).
-        (filters.embedding_filters, {"k": 28}),
-        (attention_distance.compute_attention_distance, {"num_images": 128, "renormalize": True}),
+        # images (renormalised over the patches: mean_attention_distance says why).
+        (embedding.embedding_filters, {"k": 28}),
+        (attention.compute_attention_distance, {"num_images": 128, "renormalize": True}),
+        # DINO visualize_attention.py --threshold 0.6 (Fig. 3): the masks keep 60 % of the mass.
+        (attention.dino_attention, {"threshold": 0.6}),
+        (attention.keep_top_mass, {"threshold": 0.6}),
+        (render.compute_all, {"num_filters": 28, "num_distance_images": 128, "threshold": 0.6}),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
 def test_defaults_are_the_papers(fn, expected):
     got = defaults(fn)
     assert {k: got.get(k) for k in expected} == expected
-
-
-def test_dinos_attention_maps_keep_sixty_percent_of_the_mass():
-    # DINO visualize_attention.py --threshold 0.6 (Fig. 3)
-    assert attention_maps.DINO_THRESHOLD == 0.6
 
 
 def test_imagenet_normalisation_is_torchvisions():

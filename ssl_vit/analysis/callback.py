@@ -1,5 +1,5 @@
-"""Log the analysis figures to TensorBoard while training, to watch filters, position embeddings
-and attention take shape."""
+"""The analysis figures in TensorBoard while training: filters, position embeddings and attention
+taking shape."""
 
 from __future__ import annotations
 
@@ -10,180 +10,99 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import Tensor
 
-from ssl_vit.analysis.attention_maps import DINO_THRESHOLD
-from ssl_vit.analysis.draw import SHOWN_DINO_IMAGES, SHOWN_IMAGES, figure_to_array
-from ssl_vit.analysis.filters import PAPER_NUM_FILTERS
-from ssl_vit.analysis.inputs import batch_images
-from ssl_vit.analysis.render import (
-    FIGURES,
-    applicable_figures,
-    check_figures,
-    compute_all,
-    plot_all,
-    save_all,
-)
+from ssl_vit.analysis import attention, draw, embedding, render
 
 
 class AnalysisCallback(pl.Callback):
-    """Every ``every_n_epochs`` epochs, draw the analysis figures of ``pl_module.<backbone_attr>``
-    and log them as images (tag ``analysis/<figure>``) to every logger whose ``experiment`` has
-    ``add_image`` (TensorBoard).
+    """Every ``every_n_epochs`` epochs, draw the figures of ``pl_module.<backbone_attr>`` and log
+    them (tag ``analysis/<figure>``) to every logger whose ``experiment`` has ``add_image``.
 
-    The images are kept once and reused, so successive figures are comparable: the first
-    ``num_images`` of the first validation batch, else of the first training batch (for
-    multi-view training batches the first view), unless ``images`` is given. All figures are
-    computed from them (the mean attention distance too: a small-sample version of the paper's
-    128-image average). Only the global-zero process draws; the backbone runs in eval mode and its
-    training mode is restored.
-
-    Args:
-        every_n_epochs: log after epochs n, 2n, ... (1-based count of finished epochs).
-        num_images: images kept for the figures.
-        figures: a subset of ``FIGURES``; for a backbone without tokens (ResNet) only
-            ``"filters"`` is drawn.
-        mean, std: the normalisation of the images, undone for display; when not given, the
-            datamodule's ``mean``/``std`` attributes are used if it has them, else each image
-            is min-max scaled.
-        backbone_attr: attribute of the LightningModule holding the backbone.
-        num_filters: principal components of E to show.
-        threshold: share of attention mass kept by the DINO masks.
-        dino_max_images: rows of the per-head DINO figure.
-        save_dir: if set, also write the PNGs and CSV to ``save_dir/epoch_XXXX/``.
-        images: a fixed normalised batch ``[B, C, H, W]`` to use instead of a captured one.
+    The images are kept once, so that successive figures compare: ``images`` if given, else the
+    first ``num_images`` of the first validation batch, else of the first training batch (of a
+    list of views, the first); the mean attention distance is averaged over them too. ``figures``
+    that do not apply to the backbone are left out (a ResNet has the filters). ``mean``/``std``
+    (by default the datamodule's) undo the normalisation for display. ``save_dir`` also gets the
+    PNGs and the CSV in ``epoch_XXXX/``. Only the global-zero process draws; under a strategy that
+    shards the parameters (FSDP, DeepSpeed, model parallelism) none does, since the forward pass
+    would be a collective of every process.
     """
 
     def __init__(
         self,
         every_n_epochs: int = 10,
-        num_images: int = SHOWN_IMAGES,
-        figures: Sequence[str] = FIGURES,
+        num_images: int = draw.SHOWN_IMAGES,
+        figures: Sequence[render.FigureName] = render.FIGURES,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         backbone_attr: str = "backbone",
-        num_filters: int = PAPER_NUM_FILTERS,
-        threshold: float = DINO_THRESHOLD,
-        dino_max_images: int = SHOWN_DINO_IMAGES,
+        num_filters: int = embedding.PAPER_NUM_FILTERS,
+        threshold: float = attention.DINO_THRESHOLD,
+        dino_max_images: int = draw.SHOWN_DINO_IMAGES,
         save_dir: str | Path | None = None,
         images: Tensor | None = None,
     ) -> None:
         super().__init__()
-        if every_n_epochs < 1 or num_images < 1:
-            raise ValueError(f"every_n_epochs and num_images must be >= 1, got {every_n_epochs} and {num_images}")
-        self.every_n_epochs = every_n_epochs
-        self.num_images = num_images
-        self.figures = tuple(sorted(check_figures(figures), key=FIGURES.index))
-        self.mean, self.std = mean, std
-        self.backbone_attr = backbone_attr
-        self.num_filters = num_filters
-        self.threshold = threshold
-        self.dino_max_images = dino_max_images
+        self.every_n_epochs, self.num_images, self.figures = every_n_epochs, num_images, tuple(figures)
+        self.mean, self.std, self.backbone_attr = mean, std, backbone_attr
+        self.num_filters, self.threshold, self.dino_max_images = num_filters, threshold, dino_max_images
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self._fixed = self._keep(images) if images is not None else None
         self._val_images: Tensor | None = None
         self._train_images: Tensor | None = None
-        self._warned = False
-        self._warned_sharded = False
+        self._warned: set[str] = set()
 
     def _keep(self, images: Tensor) -> Tensor:
         return images[: self.num_images].detach().cpu().clone()
 
-    # ------------------------------------------------------------------ capture
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"AnalysisCallback: {message}", stacklevel=3)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._val_images is None and batch_idx == 0 and dataloader_idx == 0:
-            self._val_images = self._keep(batch_images(batch))
+            self._val_images = self._keep(attention.batch_images(batch))
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._train_images is None:
-            self._train_images = self._keep(batch_images(batch))
+            self._train_images = self._keep(attention.batch_images(batch))
 
-    # ------------------------------------------------------------------ log
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning 2 runs the epoch-end validation before this hook, so a validation batch
-        # has been seen by now whenever there is one.
-        if (trainer.current_epoch + 1) % self.every_n_epochs != 0:
+        # Lightning runs the epoch's validation before this hook: a validation batch is kept by now.
+        if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
-        if _sharded(trainer):
-            # Under FSDP the backbone's parameters are shards and its forward pass is a collective
-            # of every process: one process drawing alone would read shards and wait forever.
-            if not self._warned_sharded:
-                warnings.warn(
-                    f"AnalysisCallback: no figures under {type(trainer.strategy).__name__} (the backbone is sharded); "
-                    "draw them from the checkpoint with `ssl-vit visualize`",
-                    stacklevel=2,
-                )
-                self._warned_sharded = True
-            return
-        if trainer.is_global_zero:
+        if isinstance(getattr(trainer, "strategy", None), FSDPStrategy | DeepSpeedStrategy | ModelParallelStrategy):
+            # One process drawing alone would read parameter shards and wait forever in the forward pass.
+            self._warn_once(f"no figures under {type(trainer.strategy).__name__} (the backbone is sharded); "
+                            "draw them from the checkpoint with `ssl-vit visualize`")
+        elif trainer.is_global_zero:
             self.log_figures(trainer, pl_module)
 
     def kept_images(self) -> Tensor | None:
-        """The batch the figures are drawn from (fixed, else validation, else training)."""
-        for imgs in (self._fixed, self._val_images, self._train_images):
-            if imgs is not None:
-                return imgs
-        return None
+        """The batch the figures are drawn from: fixed, else validation, else training."""
+        return next((x for x in (self._fixed, self._val_images, self._train_images) if x is not None), None)
 
     def log_figures(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, np.ndarray]:
         """Compute, draw and log the figures now; returns them as ``[H, W, 3]`` uint8 arrays."""
         images = self.kept_images()
         if images is None:
-            if not self._warned:
-                warnings.warn("AnalysisCallback: no batch seen yet, nothing to draw", stacklevel=2)
-                self._warned = True
+            self._warn_once("no batch seen yet, nothing to draw")
             return {}
-        backbone = getattr(pl_module, self.backbone_attr, None)
-        if backbone is None:
-            raise AttributeError(
-                f"AnalysisCallback: {type(pl_module).__name__} has no attribute {self.backbone_attr!r}"
-            )
-        figures = applicable_figures(backbone, self.figures)
-        if not figures:
-            return {}
+        backbone = getattr(pl_module, self.backbone_attr)
         datamodule = getattr(trainer, "datamodule", None)
         mean = self.mean if self.mean is not None else getattr(datamodule, "mean", None)
         std = self.std if self.std is not None else getattr(datamodule, "std", None)
-        if mean is None or std is None:
-            mean = std = None
-        arrays = compute_all(
-            backbone,
-            images,
-            mean=mean,
-            std=std,
-            figures=figures,
-            num_filters=self.num_filters,
-            max_images=self.num_images,
-            threshold=self.threshold,
-            num_distance_images=images.shape[0],
-        )
-        figs = plot_all(arrays, self.num_images, self.dino_max_images)
+        arrays = render.compute_all(backbone, images, mean, std, render.applicable_figures(backbone, self.figures), self.num_filters,
+                             self.num_images, self.threshold, num_distance_images=len(images))
+        figs = render.plot_all(arrays, self.num_images, self.dino_max_images)
         if self.save_dir is not None:
-            save_all(arrays, figs, self.save_dir / f"epoch_{trainer.current_epoch:04d}")
-        logged = {name: figure_to_array(fig) for name, fig in figs.items()}
+            render.save_all(arrays, figs, self.save_dir / f"epoch_{trainer.current_epoch:04d}")
+        logged = {name: draw.figure_to_array(fig) for name, fig in figs.items()}
         for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_image"):
+            if hasattr(experiment := getattr(logger, "experiment", None), "add_image"):
                 for name, pixels in logged.items():
-                    experiment.add_image(
-                        f"analysis/{name}", pixels, global_step=trainer.global_step, dataformats="HWC"
-                    )
+                    experiment.add_image(f"analysis/{name}", pixels, global_step=trainer.global_step, dataformats="HWC")
         return logged
-
-
-def _sharded(trainer: pl.Trainer) -> bool:
-    """Whether the strategy shards the parameters over the processes (FSDP, DeepSpeed, model
-    parallelism)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
-    return isinstance(getattr(trainer, "strategy", None), FSDPStrategy | DeepSpeedStrategy | ModelParallelStrategy)

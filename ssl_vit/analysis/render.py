@@ -1,117 +1,63 @@
-"""All the "looking inside" figures at once: compute the arrays, then draw them.
-
-``compute_all`` -> :class:`AnalysisArrays` (tensors only), ``plot_all`` -> figures,
-``render_all`` -> PNGs + CSV in a folder. The CLI and the training callback share these.
-"""
+"""Every figure at once, for ``ssl-vit visualize`` and the training callback: ``compute_all`` gives
+the arrays (tensors only), ``plot_all`` the figures, ``save_all`` the PNGs and the CSV."""
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, get_args
 
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from ssl_vit.analysis.attention_distance import (
-    CHUNK_SIZE,
-    PAPER_NUM_IMAGES,
-    compute_attention_distance,
-)
-from ssl_vit.analysis.attention_maps import (
-    DINO_THRESHOLD,
-    DinoAttention,
-    dino_attention,
-    rollout_map,
-)
-from ssl_vit.analysis.draw import (
-    SHOWN_DINO_IMAGES,
-    SHOWN_IMAGES,
-    plot_attention_distance,
-    plot_dino_attention,
-    plot_filters,
-    plot_position_similarity,
-    plot_rollout,
-    save_figure,
-    write_attention_distance_csv,
-)
-from ssl_vit.analysis.filters import PAPER_NUM_FILTERS, FilterPCA, backbone_filters, filter_weight
-from ssl_vit.analysis.inputs import denormalize, has_tokens, image_grid, require_vit
-from ssl_vit.analysis.pos_embed import position_similarity
+from ssl_vit.analysis import attention, draw, embedding
 from ssl_vit.backbones import eval_mode
 
-FIGURES: tuple[str, ...] = ("filters", "pos_embed", "attention_distance", "attention_rollout", "attention_dino")
-"""Names of the figures (``figures=`` selects a subset); also the PNG file stems."""
-TOKEN_FIGURES: tuple[str, ...] = ("pos_embed", "attention_distance", "attention_rollout", "attention_dino")
-"""The figures that need a token sequence (ViT, hybrid); a ResNet has the filters only."""
-OUTPUT_TOKEN_FIGURES: tuple[str, ...] = ("attention_rollout", "attention_dino")
-"""The figures drawn from the output token's ([CLS]) attention row: not for a backbone without one."""
-
-
-def applicable_figures(backbone: nn.Module, figures: Sequence[str] = FIGURES) -> tuple[str, ...]:
-    """The ``figures`` this backbone can be drawn in: all of them for a ViT or hybrid, the
-    filters only for a backbone without tokens (ResNet), no [CLS] attention maps for a token
-    backbone of one's own without an output token (``num_prefix_tokens = 0``), none for one with
-    neither tokens nor a first convolution the filters figure knows."""
-    return tuple(f for f in figures if not missing_for(backbone, f))
+FigureName = Literal["filters", "pos_embed", "attention_distance", "attention_rollout", "attention_dino"]
+FIGURES: tuple[FigureName, ...] = get_args(FigureName)  # in the paper's order; also the PNG names
 
 
 def missing_for(backbone: nn.Module, figure: str) -> str:
-    """What ``backbone`` lacks for ``figure`` ("" when it can be drawn), in words for a message."""
+    """What ``backbone`` lacks for ``figure``, in words ("" if nothing): a ResNet has only the
+    filters, a token backbone without an output token (``num_prefix_tokens = 0``) no [CLS] maps."""
     if figure == "filters":
-        try:
-            filter_weight(backbone)
-        except ValueError:
-            return "no first convolution the filters figure knows (patch_embed.proj, patch_embed.backbone.conv1 or conv1)"
-        return ""
-    if not has_tokens(backbone):
+        return "" if embedding.filter_weight(backbone) else "no first convolution the filters figure knows (patch_embed.proj, patch_embed.backbone.conv1 or conv1)"
+    if not (hasattr(backbone, "get_attention_maps") and hasattr(backbone, "pos_embed")):
         return "no attention or position embedding (a ViT's or hybrid's)"
-    if figure in OUTPUT_TOKEN_FIGURES and getattr(backbone, "num_prefix_tokens", 1) < 1:
+    if figure in ("attention_rollout", "attention_dino") and getattr(backbone, "num_prefix_tokens", 1) < 1:
         return "no output token ([CLS]) whose attention the maps show"
     return ""
 
 
+def applicable_figures(backbone: nn.Module, figures: Sequence[str] = FIGURES) -> tuple[str, ...]:
+    """The ``figures`` this backbone can be drawn in (see :func:`missing_for`)."""
+    return tuple(f for f in figures if not missing_for(backbone, f))
+
+
+def denormalize(images: Tensor, mean: Sequence[float] | None = None, std: Sequence[float] | None = None) -> Tensor:
+    """Normalised images ``[B, C, H, W]`` back in [0, 1] on the CPU, for display: the normalisation
+    undone with ``mean`` and ``std`` (per channel, or one for all), else each image min-max scaled."""
+    x = images.detach().float().cpu()
+    if mean is None or std is None:
+        lo, hi = x.amin(dim=(1, 2, 3), keepdim=True), x.amax(dim=(1, 2, 3), keepdim=True)
+        return (x - lo) / (hi - lo).clamp_min(1e-12)
+    m, s = (torch.as_tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in (mean, std))
+    return (x * s + m).clamp(0.0, 1.0)
+
+
 @dataclass
 class AnalysisArrays:
-    """What ``compute_all`` computed (``None`` for figures not asked for).
+    """What :func:`compute_all` computed (None for figures not asked for)."""
 
-    Attributes:
-        filters: principal components of the embedding filters, ``components`` [k, C, P, P].
-        pos_similarity: ``[h, w, h, w]`` cosine similarities of the position embeddings.
-        attention_distance: ``[depth, heads]`` mean attention distance in pixels.
-        rollout: ``[B', H, W]`` rollout [CLS] maps at image resolution (B' = shown images).
-        dino: last-layer per-head [CLS] maps and masks, ``[B', heads, h, w]``.
-        images: ``[B', C, H, W]`` the shown images in [0, 1].
-    """
-
-    filters: FilterPCA | None = None
-    pos_similarity: Tensor | None = None
-    attention_distance: Tensor | None = None
-    rollout: Tensor | None = None
-    dino: DinoAttention | None = None
-    images: Tensor | None = None
-
-
-@dataclass
-class RenderResult:
-    """Files written by ``render_all`` (figure name -> path; the CSV is
-    ``"attention_distance_csv"``) and the arrays they were drawn from."""
-
-    paths: dict[str, Path] = field(default_factory=dict)
-    arrays: AnalysisArrays = field(default_factory=AnalysisArrays)
-
-
-def check_figures(figures: Sequence[str]) -> set[str]:
-    """The selected figure names as a set; a clear error for unknown names or none."""
-    if isinstance(figures, str):
-        figures = [figures]
-    unknown = set(figures) - set(FIGURES)
-    if unknown:
-        raise ValueError(f"unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}")
-    if not figures:
-        raise ValueError(f"no figures selected; choose from {', '.join(FIGURES)}")
-    return set(figures)
+    filters: embedding.FilterPCA | None = None
+    pos_similarity: Tensor | None = None  # [h, w, h, w] cosine similarities
+    attention_distance: Tensor | None = None  # [depth, heads] in pixels
+    rollout: Tensor | None = None  # [B', H, W] rollout [CLS] maps of the shown images
+    dino: attention.DinoAttention | None = None  # [B', heads, h, w] maps and masks
+    images: Tensor | None = None  # [B', C, H, W] the shown images in [0, 1]
 
 
 @torch.no_grad()
@@ -120,121 +66,84 @@ def compute_all(
     images: Tensor,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
-    figures: Sequence[str] = FIGURES,
-    num_filters: int = PAPER_NUM_FILTERS,
-    max_images: int = SHOWN_IMAGES,
-    threshold: float = DINO_THRESHOLD,
+    figures: Sequence[FigureName] = FIGURES,
+    num_filters: int = embedding.PAPER_NUM_FILTERS,
+    max_images: int = draw.SHOWN_IMAGES,
+    threshold: float = attention.DINO_THRESHOLD,
     distance_images: Tensor | Iterable[object] | None = None,
-    num_distance_images: int = PAPER_NUM_IMAGES,
-    chunk_size: int = CHUNK_SIZE,
+    num_distance_images: int = attention.PAPER_NUM_IMAGES,
+    chunk_size: int = attention.CHUNK_SIZE,
 ) -> AnalysisArrays:
-    """Compute the arrays behind the figures.
+    """The arrays behind ``figures`` of a ViT or hybrid (a ResNet has the filters only).
 
-    Args:
-        backbone: a ViT or hybrid (a ResNet supports only ``"filters"``).
-        images: normalised images ``[B, C, H, W]``; the first ``max_images`` are shown in the
-            attention-map figures, and all of them (up to ``num_distance_images``) feed the
-            mean attention distance unless ``distance_images`` is given.
-        mean, std: the normalisation of ``images``, undone for display (per-image min-max
-            scaling without them).
-        figures: which of :data:`FIGURES` to compute.
-        num_filters: principal components of E to show (ViT paper: 28).
-        max_images: images in the attention-map figures.
-        threshold: share of attention mass the DINO masks keep (DINO: 0.6).
-        distance_images: a DataLoader/iterable of batches for the mean attention distance
-            (streamed; the paper averages 128 images).
-        num_distance_images: how many images the mean attention distance averages.
-        chunk_size: images per forward pass for the attention distance.
+    ``images`` are normalised ``[B, C, H, W]`` (``mean``, ``std`` undo it for display): the first
+    ``max_images`` are shown in the attention maps, and they feed the mean attention distance
+    unless ``distance_images`` (an image tensor or batches, a DataLoader) are given, of which the
+    first ``num_distance_images`` count, ``chunk_size`` per forward pass.
     """
-    wanted = check_figures(figures)
-    if images.ndim != 4:
-        raise ValueError(f"expected images [B, C, H, W], got shape {tuple(images.shape)}")
+    for figure in figures:
+        if missing := missing_for(backbone, figure):
+            raise ValueError(f"{type(backbone).__name__} has {missing}, which the {figure} figure needs")
     out = AnalysisArrays()
-    if "filters" in wanted:
-        out.filters = backbone_filters(backbone, k=num_filters)
-    if wanted == {"filters"}:
-        return out
-    require_vit(backbone, "figures " + ", ".join(sorted(wanted - {"filters"})))
     prefix = getattr(backbone, "num_prefix_tokens", 1)
-    if "pos_embed" in wanted:
-        out.pos_similarity = position_similarity(backbone.pos_embed, backbone.grid_size, prefix)
-    if "attention_distance" in wanted:
-        source = distance_images if distance_images is not None else images
-        out.attention_distance = compute_attention_distance(
-            backbone, source, num_images=num_distance_images, chunk_size=chunk_size
-        )
-    if wanted & {"attention_rollout", "attention_dino"}:
+    if "filters" in figures:
+        out.filters = embedding.backbone_filters(backbone, num_filters)
+    if "pos_embed" in figures:
+        out.pos_similarity = embedding.position_similarity(backbone.pos_embed, backbone.grid_size, prefix)
+    if "attention_distance" in figures:
+        source = images if distance_images is None else distance_images
+        out.attention_distance = attention.compute_attention_distance(backbone, source, num_distance_images, chunk_size)
+    if "attention_rollout" in figures or "attention_dino" in figures:
         shown = images[:max_images]
         out.images = denormalize(shown, mean, std)
         with eval_mode(backbone) as device:
-            shown = shown.to(device)
-            grid = image_grid(backbone, shown)
-            attns = backbone.get_attention_maps(shown)  # depth × [B', heads, 1+N, 1+N]
-        if "attention_rollout" in wanted:
-            out.rollout = rollout_map(attns, grid, tuple(shown.shape[-2:]), prefix).cpu()
-        if "attention_dino" in wanted:
-            out.dino = dino_attention(attns[-1], grid, threshold, prefix)
+            attns = backbone.get_attention_maps(shown.to(device))  # depth × [B', heads, T, T]
+        grid = attention.image_grid(backbone, shown)
+        if "attention_rollout" in figures:
+            out.rollout = attention.rollout_map(attns, grid, shown.shape[-2:], prefix).cpu()
+        if "attention_dino" in figures:
+            out.dino = attention.dino_attention(attns[-1], grid, threshold, prefix)
     return out
 
 
-def plot_all(arrays: AnalysisArrays, max_images: int = SHOWN_IMAGES, dino_max_images: int = SHOWN_DINO_IMAGES) -> dict[str, Figure]:
-    """Figures for whatever ``arrays`` holds, keyed by the names in :data:`FIGURES`."""
+def plot_all(arrays: AnalysisArrays, max_images: int = draw.SHOWN_IMAGES, dino_max_images: int = draw.SHOWN_DINO_IMAGES) -> dict[str, Figure]:
+    """The figures of whatever ``arrays`` holds, by their names in :data:`FIGURES`."""
     figs: dict[str, Figure] = {}
     if arrays.filters is not None:
-        figs["filters"] = plot_filters(arrays.filters)
+        figs["filters"] = draw.plot_filters(arrays.filters)
     if arrays.pos_similarity is not None:
-        figs["pos_embed"] = plot_position_similarity(arrays.pos_similarity)
+        figs["pos_embed"] = draw.plot_position_similarity(arrays.pos_similarity)
     if arrays.attention_distance is not None:
-        figs["attention_distance"] = plot_attention_distance(arrays.attention_distance)
-    if arrays.rollout is not None and arrays.images is not None:
-        figs["attention_rollout"] = plot_rollout(arrays.images, arrays.rollout, max_images)
-    if arrays.dino is not None and arrays.images is not None:
-        figs["attention_dino"] = plot_dino_attention(arrays.images, arrays.dino, dino_max_images)
+        figs["attention_distance"] = draw.plot_attention_distance(arrays.attention_distance)
+    if arrays.rollout is not None:
+        figs["attention_rollout"] = draw.plot_rollout(arrays.images, arrays.rollout, max_images)
+    if arrays.dino is not None:
+        figs["attention_dino"] = draw.plot_dino_attention(arrays.images, arrays.dino, dino_max_images)
     return figs
 
 
-def render_all(
-    backbone: nn.Module,
-    images: Tensor,
-    out_dir: str | Path,
-    mean: Sequence[float] | None = None,
-    std: Sequence[float] | None = None,
-    figures: Sequence[str] = FIGURES,
-    num_filters: int = PAPER_NUM_FILTERS,
-    max_images: int = SHOWN_IMAGES,
-    dino_max_images: int = SHOWN_DINO_IMAGES,
-    threshold: float = DINO_THRESHOLD,
-    distance_images: Tensor | Iterable[object] | None = None,
-    num_distance_images: int = PAPER_NUM_IMAGES,
-    chunk_size: int = CHUNK_SIZE,
-) -> RenderResult:
-    """Compute and draw the figures into ``out_dir``: ``<name>.png`` for each name in
-    ``figures`` plus ``attention_distance.csv``. Arguments as in :func:`compute_all`;
-    ``dino_max_images`` bounds the rows of the per-head DINO figure."""
-    arrays = compute_all(
-        backbone,
-        images,
-        mean=mean,
-        std=std,
-        figures=figures,
-        num_filters=num_filters,
-        max_images=max_images,
-        threshold=threshold,
-        distance_images=distance_images,
-        num_distance_images=num_distance_images,
-        chunk_size=chunk_size,
-    )
-    paths = save_all(arrays, plot_all(arrays, max_images, dino_max_images), out_dir)
-    return RenderResult(paths=paths, arrays=arrays)
+def write_attention_distance_csv(dist: Tensor, path: str | Path) -> Path:
+    """Rows ``layer,head,mean_attention_distance_px``, layer and head 1-based as in the figure."""
+    with Path(path).open("w", newline="") as f:
+        csv.writer(f).writerows([("layer", "head", "mean_attention_distance_px")] + [
+            (layer + 1, head + 1, f"{d:.6g}") for layer, row in enumerate(dist.tolist()) for head, d in enumerate(row)])
+    return Path(path)
 
 
 def save_all(arrays: AnalysisArrays, figs: dict[str, Figure], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``figs`` as ``out_dir/<name>.png`` and the attention distances (if computed) as
-    ``out_dir/attention_distance.csv``; returns name -> path (the CSV as ``"attention_distance_csv"``)."""
+    """``out_dir/<name>.png`` per figure and ``attention_distance.csv`` when computed; returns
+    name -> path (the CSV's name: ``"attention_distance_csv"``)."""
     out_dir = Path(out_dir)
-    paths = {name: save_figure(fig, out_dir / f"{name}.png") for name, fig in figs.items()}
+    paths = {name: draw.save_figure(fig, out_dir / f"{name}.png") for name, fig in figs.items()}
     if arrays.attention_distance is not None:
-        paths["attention_distance_csv"] = write_attention_distance_csv(
-            arrays.attention_distance, out_dir / "attention_distance.csv"
-        )
+        paths["attention_distance_csv"] = write_attention_distance_csv(arrays.attention_distance, out_dir / "attention_distance.csv")
     return paths
+
+
+def render_all(
+    backbone: nn.Module, images: Tensor, out_dir: str | Path, dino_max_images: int = draw.SHOWN_DINO_IMAGES, **compute: Any
+) -> dict[str, Path]:
+    """:func:`compute_all` (``compute``: its arguments), :func:`plot_all` and :func:`save_all` into
+    ``out_dir``; ``dino_max_images`` bounds the rows of the DINO figure."""
+    arrays = compute_all(backbone, images, **compute)
+    return save_all(arrays, plot_all(arrays, compute.get("max_images", draw.SHOWN_IMAGES), dino_max_images), out_dir)

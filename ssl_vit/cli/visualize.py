@@ -96,10 +96,10 @@ def main(argv: list[str]) -> int:
     check_output_folder(out, f"--out {args.out}", create=True)
     pool = subsample(test if test is not None else train, max(args.num_images, args.show), args.seed)
     shown = torch.stack([pool[i][0] for i in range(min(args.show, len(pool)))])  # [S, C, H, W]
-    result = render_all(
+    paths = render_all(
         backbone, shown, args.out, mean=dm.mean, std=dm.std, figures=figures, max_images=args.show,
         distance_images=DataLoader(pool, batch_size=64), num_distance_images=args.num_images,
     )
-    for fig, path in result.paths.items():
+    for fig, path in paths.items():
         print(f"{fig:<24} {path}")
     return 0
