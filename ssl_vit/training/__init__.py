@@ -1,2 +1,2 @@
-"""Lightning plumbing every training run shares: atomic step
-checkpoints and exact resume, pre-emption signals and progress lines."""
+"""Lightning plumbing every training run shares: atomic step checkpoints and exact resume,
+stop requests between steps, and progress lines."""
