@@ -16,7 +16,7 @@ import torchvision.transforms as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
-from ssl_vit.data import MultiCrop, SingleView, TwoViews, ViewRecipe, augment
+from ssl_vit.data import Augmentation, MultiCrop, SingleView, TwoViews, augment
 from ssl_vit.data.augment import (
     CROP_RATIO,
     adjust_brightness,
@@ -253,7 +253,7 @@ def test_gaussian_blur_radius_is_sigma(sigma):
     assert _blur_sigma_of(profile) == pytest.approx(sigma, rel=0.1)
 
 
-# -- view recipes -----------------------------------------------------------------------------
+# -- augmentation chains ---------------------------------------------------------------------
 
 
 def test_flip_p_one_mirrors_and_zero_keeps_the_image():
@@ -274,7 +274,7 @@ def _plain(cls, **kw):
     if cls is TwoViews:
         base.update(size=32, blur_p=(0.0, 0.0), solarize_p=(0.0, 0.0))
     else:
-        base = dict(global_size=32, local_size=32, n_local=1, global_scale=(1.0, 1.0), local_scale=(1.0, 1.0),
+        base = dict(global_size=32, local_size=32, n_local_crops=1, global_scale=(1.0, 1.0), local_scale=(1.0, 1.0),
                     flip_p=0.0, jitter_p=0.0, grayscale_p=0.0, blur_p=(0.0, 0.0, 0.0), solarize_p=0.0)
     return cls(**{**base, **kw})
 
@@ -327,11 +327,11 @@ def test_view_is_the_sampled_box_cropped_and_resized(interpolation):
     """torchvision RandomResizedCrop: resized_crop(img, top, left, h, w, size) of the sampled box."""
     img = _rgb(48, 40, seed=12)
     mode = {"nearest": TF.InterpolationMode.NEAREST, "bilinear": TF.InterpolationMode.BILINEAR}[interpolation]
-    recipe = ViewRecipe(16, (0.1, 0.6), interpolation, flip_p=0.0)
+    augmentation = Augmentation(16, (0.1, 0.6), interpolation, flip_p=0.0)
     for seed in range(10):
         random.seed(seed)
-        out, solarize = recipe(img)
-        random.seed(seed)  # the box is the recipe's first draw
+        out, solarize = augmentation(img)
+        random.seed(seed)  # the box is the augmentation's first draw
         left, top, right, bottom = random_resized_crop_box(48, 40, (0.1, 0.6))
         assert (right - left, bottom - top) != (48, 40)
         ref = np.asarray(TF.resized_crop(img, top, left, bottom - top, right - left, [16, 16], interpolation=mode))
@@ -340,18 +340,18 @@ def test_view_is_the_sampled_box_cropped_and_resized(interpolation):
         np.testing.assert_array_equal(got, ref)  # (no pixel outside the box reaches the border)
 
 
-def test_recipes_use_their_scales_and_sizes():
+def test_augmentations_use_their_scales_and_sizes():
     """DINO DataAugmentationDINO: global crops at global_crops_scale, local crops at local_crops_scale."""
-    mc = MultiCrop(global_size=32, local_size=16, n_local=3, global_scale=(0.5, 1.0), local_scale=(0.1, 0.3))
-    assert [(r.size, r.scale) for r in mc.recipes()] == [(32, (0.5, 1.0))] * 2 + [(16, (0.1, 0.3))] * 3
-    default = MultiCrop(global_size=224).recipes()
+    mc = MultiCrop(global_size=32, local_size=16, n_local_crops=3, global_scale=(0.5, 1.0), local_scale=(0.1, 0.3))
+    assert [(r.size, r.scale) for r in mc.augmentations()] == [(32, (0.5, 1.0))] * 2 + [(16, (0.1, 0.3))] * 3
+    default = MultiCrop(global_size=224).augmentations()
     assert [r.scale for r in default] == [(0.4, 1.0)] * 2 + [(0.05, 0.4)] * 8
-    assert [r.scale for r in TwoViews(size=32, scale=(0.2, 0.9)).recipes()] == [(0.2, 0.9)] * 2
-    assert [r.scale for r in SingleView(size=32, scale=(0.3, 0.8)).recipes()] == [(0.3, 0.8)]
+    assert [r.scale for r in TwoViews(size=32, scale=(0.2, 0.9)).augmentations()] == [(0.2, 0.9)] * 2
+    assert [r.scale for r in SingleView(size=32, scale=(0.3, 0.8)).augmentations()] == [(0.3, 0.8)]
     # and the local crops sample from local_scale: a 1/4 .. 1/2 side crop of a 64-px ramp image
     ramp = Image.fromarray(np.tile(np.arange(64, dtype=np.uint8) * 4, (64, 1)), "L")
     random.seed(7)
-    views = MultiCrop(global_size=64, local_size=16, n_local=40, global_scale=(1.0, 1.0),
+    views = MultiCrop(global_size=64, local_size=16, n_local_crops=40, global_scale=(1.0, 1.0),
                       local_scale=(0.05, 0.2), flip_p=0.0, jitter_p=0.0, blur_p=(0.0, 0.0, 0.0),
                       solarize_p=0.0)(ramp)
     spans = np.array([float(v[0, 8, -1] - v[0, 8, 0]) * 255 / 4 for v in views[2:]])  # columns covered

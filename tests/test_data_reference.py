@@ -442,5 +442,3 @@ def test_even_shares_pad_to_a_multiple_of_the_processes_with_unlabelled_copies(s
     assert items[:size] == source
     # the padding: the images again from the first on (round again if the split is small), unlabelled
     assert items[size:] == [(f"img{i % size}", -1) for i in range(padded - size)]
-    with pytest.raises(ValueError, match="num_processes must be >= 1, got 0"):
-        EvenShares(source, 0)

@@ -73,7 +73,7 @@ def build(name: str) -> BaseMethod:
 
 
 def datamodule(name: str, batch_size: int) -> SyntheticDataModule:
-    views = {"mocov3": TwoViews(), "dino": MultiCrop(n_local=2, local_size=8)}.get(name)
+    views = {"mocov3": TwoViews(), "dino": MultiCrop(n_local_crops=2, local_size=8)}.get(name)
     return SyntheticDataModule(num_samples=STEPS * WORLD * PER_DEVICE, num_test_samples=KNN_IMAGES, num_classes=4,
                                img_size=16, in_chans=1, batch_size=batch_size, num_workers=0, views=views)
 

@@ -71,7 +71,7 @@ def recipe(tmp_path: Path, *, data: dict[str, Any] | None = None, model: dict[st
         "data": {"class_path": "ssl_vit.data.SyntheticDataModule", "init_args": {
             "num_samples": 8 * STEPS_PER_EPOCH, "num_test_samples": 0, "num_classes": 4, "img_size": 16, "in_chans": 1,
             "batch_size": 8, "num_workers": 0,
-            "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local": 2}}, **(data or {})}},
+            "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local_crops": 2}}, **(data or {})}},
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -579,7 +579,7 @@ def test_unreadable_images_are_skipped_and_listed_in_the_summary(tmp_path, caplo
     bad[2].write_bytes(b"")
     data = {"class_path": "ssl_vit.data.ImageFolderDataModule", "init_args": {
         "train_dir": str(tmp_path / "images"), "img_size": 16, "in_chans": 1, "batch_size": 19, "drop_last": False,
-        "num_workers": 1, "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local": 2}}}}
+        "num_workers": 1, "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local_crops": 2}}}}
     cfg = yaml.safe_load(recipe(tmp_path, max_epochs=2).read_text())
     cfg["data"] = data
     (tmp_path / "folder.yaml").write_text(yaml.safe_dump(cfg))
@@ -597,7 +597,7 @@ def test_a_missing_or_empty_image_folder_is_one_clear_error(tmp_path, capsys, fo
     cfg = yaml.safe_load(recipe(tmp_path).read_text())
     cfg["data"] = {"class_path": "ssl_vit.data.ImageFolderDataModule", "init_args": {
         "train_dir": str(tmp_path / folder), "img_size": 16, "in_chans": 1, "batch_size": 8, "num_workers": 0,
-        "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local": 2}}}}
+        "views": {"class_path": "ssl_vit.data.MultiCrop", "init_args": {"local_size": 8, "n_local_crops": 2}}}}
     (tmp_path / "folder.yaml").write_text(yaml.safe_dump(cfg))
     assert fit("--config", str(tmp_path / "folder.yaml")) == 1
     err = capsys.readouterr().err

@@ -28,7 +28,7 @@ SMALL_HEADS = {
     "ssl_vit.methods.Supervised": {},
 }
 VIEW_SIZES = {
-    "ssl_vit.data.MultiCrop": {"global_size": 32, "local_size": 16, "n_local": 2},
+    "ssl_vit.data.MultiCrop": {"global_size": 32, "local_size": 16, "n_local_crops": 2},
     "ssl_vit.data.TwoViews": {"size": 32},
     "ssl_vit.data.SingleView": {"size": 32},
 }

@@ -38,7 +38,7 @@ SMALL_HEADS = {
     "helpers.ReconstructCounted": {},
 }
 VIEW_SIZE_KEYS = {
-    "ssl_vit.data.MultiCrop": {"global_size": 16, "local_size": 8, "n_local": 2},
+    "ssl_vit.data.MultiCrop": {"global_size": 16, "local_size": 8, "n_local_crops": 2},
     "ssl_vit.data.TwoViews": {"size": 16},
     "ssl_vit.data.SingleView": {"size": 16},
 }

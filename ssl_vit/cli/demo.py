@@ -63,7 +63,7 @@ RECIPES: dict[str, MethodRecipe] = {
         {"out_dim": 1024, "hidden_dim": 512, "bottleneck_dim": 128, "momentum": 0.99, "warmup_teacher_temp_epochs": 0,
          "teacher_temp": 0.04, "base_lr": 2e-3, "warmup_epochs": 0.2, "weight_decay": 0.04, "weight_decay_end": 0.1,
          "grad_clip": 3.0, "grad_clip_mode": "per_param", "freeze_last_layer_epochs": 0},
-        "ssl_vit.data.MultiCrop", {"n_local": 4, "local_size": 14}, epochs=1.5,
+        "ssl_vit.data.MultiCrop", {"n_local_crops": 4, "local_size": 14}, epochs=1.5,
     ),
     "supervised": MethodRecipe(
         "supervised", "ssl_vit.methods.Supervised",

@@ -1,18 +1,9 @@
-"""Fast per-image augmentation primitives on 8-bit PIL images.
-
-The view transforms in ``views.py`` are built from these. They reproduce the operations of the
-torchvision PIL backend that DINO's and MoCo v3's reference code use (RandomResizedCrop,
-ColorJitter, RandomGrayscale, PIL GaussianBlur, ImageOps.solarize), with two changes made for speed:
-
-* no per-transform wrapper objects: parameters are drawn with the ``random`` module (which
-  PyTorch's DataLoader seeds differently in every worker) and each operation is one call into
-  Pillow's C code;
-* the hue shift goes through a cached 3-D colour lookup table instead of Pillow's HSV round trip,
-  which alone was the largest cost of a 224-px view; solarisation is folded into the final
-  conversion to float.
-
-Throughput against lightly's DINOTransform and torchvision.transforms.v2: see ``bench.py``.
-"""
+"""Augmentation operations on 8-bit PIL images, the building blocks of ``views.py``: the torchvision
+PIL backend that DINO's and MoCo v3's code use (RandomResizedCrop, ColorJitter, RandomGrayscale, PIL
+GaussianBlur, ImageOps.solarize), written for speed. Parameters are drawn with Python's ``random``
+(seeded per sample), each operation is one call into Pillow's C code, the hue shift is a cached
+colour lookup table instead of Pillow's HSV round trip, and solarisation is folded into the
+conversion to float. ``tests/test_data_augment_reference.py`` checks each against torchvision."""
 
 from __future__ import annotations
 
@@ -24,76 +15,39 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torchvision.transforms.functional as TF
 from PIL import Image, ImageFilter, ImageStat
 
-# Aspect-ratio range of the Inception-style random resized crop, the same in timm, DINO
-# (main_dino.py DataAugmentationDINO) and MoCo v3 (main_moco.py): torchvision's default.
+# The random resized crop's aspect-ratio range: torchvision's default, used by timm, DINO and MoCo v3.
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 
 ImageLike = Image.Image | torch.Tensor | np.ndarray
 Interpolation = Literal["nearest", "bilinear", "bicubic"]
 
-RESAMPLE = {
-    "nearest": Image.Resampling.NEAREST,
-    "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC,
-}
+RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 
 
 def to_pil(image: ImageLike) -> Image.Image:
-    """Return an 8-bit "L" or "RGB" PIL image.
-
-    Accepts a PIL image of any mode, a uint8 tensor ``[C, H, W]`` or ``[H, W]`` (C in {1, 3}),
-    or a uint8 numpy array ``[H, W]`` / ``[H, W, C]``.  16-bit grey images (modes ``I;16*`` and ``I``) are
-    scaled to 8 bits, not clipped.
-    """
-    if isinstance(image, Image.Image):
-        if image.mode in ("L", "RGB"):
-            return image
-        if image.mode == "I" or image.mode.startswith("I;16"):
-            # 16-bit grey: scaled to 8 bits (PIL's convert("L") clips every value above 255).
-            # Pillow opens 16-bit PNG and TIFF files as "I;16", 16-bit PGM / PPM files as "I"
-            # (32-bit integers holding 16-bit values); "I" is read as 16-bit too.
-            array = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
-            return Image.fromarray((array >> 8).astype(np.uint8), mode="L")
-        # Modes without colour become grey ("F": values taken on the 0-255 scale), everything
-        # else (P, RGBA, CMYK, YCbCr, ...) RGB.
-        grey = image.mode in ("1", "F", "LA", "La")
-        return image.convert("L" if grey else "RGB")
-    if isinstance(image, torch.Tensor):
-        if image.dtype != torch.uint8:
-            raise TypeError(
-                f"image tensors must be uint8 in [0, 255], got dtype {image.dtype}; "
-                "convert with (x * 255).round().to(torch.uint8)"
-            )
-        if image.ndim == 3:
-            if image.shape[0] not in (1, 3):
-                raise ValueError(f"image tensor must be [C, H, W] with C in (1, 3), got {tuple(image.shape)}")
-            image = image.permute(1, 2, 0)  # [H, W, C]
-        array = image.numpy()
-    elif isinstance(image, np.ndarray):
-        if image.dtype != np.uint8:
-            raise TypeError(f"image arrays must be uint8, got dtype {image.dtype}")
-        array = image
-    else:
-        raise TypeError(f"expected a PIL image, uint8 tensor or uint8 array, got {type(image).__name__}")
-    if array.ndim == 3 and array.shape[2] == 1:
-        array = array[:, :, 0]
-    if array.ndim == 2:
-        return Image.fromarray(np.ascontiguousarray(array), "L")
-    if array.ndim == 3 and array.shape[2] == 3:
-        return Image.fromarray(np.ascontiguousarray(array), "RGB")
-    raise ValueError(f"image array must be [H, W] or [H, W, 3], got shape {array.shape}")
+    """An 8-bit "L" or "RGB" PIL image of a PIL image of any mode, a tensor ``[C, H, W]`` /
+    ``[H, W]`` or an array ``[H, W(, C)]`` (read as torchvision's ``to_pil_image`` reads them).
+    16-bit grey images are scaled to 8 bits, not clipped."""
+    if not isinstance(image, Image.Image):
+        image = TF.to_pil_image(image)
+    if image.mode in ("L", "RGB"):
+        return image
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        # Pillow opens 16-bit PNG / TIFF files as "I;16" and 16-bit PGM / PPM files as "I";
+        # its convert("L") would clip every value above 255.
+        array = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+        return Image.fromarray((array >> 8).astype(np.uint8), mode="L")
+    # Modes without colour become grey ("F": values on the 0-255 scale), the others (P, RGBA, CMYK, ...) RGB.
+    return image.convert("L" if image.mode in ("1", "F", "LA", "La") else "RGB")
 
 
-def random_resized_crop_box(
-    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
-) -> tuple[int, int, int, int]:
+def random_resized_crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO) -> tuple[int, int, int, int]:
     """(left, top, right, bottom) of an Inception-style crop: area fraction ~ U(scale), log aspect
-    ratio ~ U(log ratio); 10 tries, then the central crop clipped to the ratio range.
-
-    The same sampling as torchvision's ``RandomResizedCrop.get_params``, drawn from ``random``.
-    """
+    ratio ~ U(log ratio); 10 tries, then the central crop clipped to the ratio range. The sampling
+    of torchvision's ``RandomResizedCrop.get_params``, drawn from ``random``."""
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
@@ -116,23 +70,15 @@ def random_resized_crop_box(
     return left, top, left + w, top + h
 
 
-def resize_center_crop(img: Image.Image, size: int, crop_pct: float, resample: int) -> Image.Image:
-    """Deterministic evaluation geometry: images already ``size`` × ``size`` are kept as they are
-    (a dataset evaluated at its own resolution, e.g. 28-px Fashion-MNIST); every other image is
-    resized so the short side is ``size / crop_pct`` and centre-cropped to ``size`` (timm/DeiT's
-    224-from-256 protocol), a non-square one with short side ``size`` included, so the zoom
-    does not jump between short sides ``size`` and ``size + 1``."""
-    w, h = img.size
-    if (w, h) != (size, size):
-        short = int(math.floor(size / crop_pct))
-        # torchvision's Resize(int): the long side truncated, int(short * long / short side).
-        w, h = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
-        img = img.resize((w, h), resample)
-    if (w, h) == (size, size):
+def resize_center_crop(img: Image.Image, size: int, crop_pct: float, interpolation: Interpolation) -> Image.Image:
+    """timm's / DeiT's evaluation geometry (224 from 256): short side to ``size / crop_pct``, then
+    the centre crop (torchvision's Resize and CenterCrop). An image already ``size`` x ``size`` is
+    kept (28-px Fashion-MNIST at its own resolution); a non-square one with short side ``size`` is
+    resized too, so the zoom does not jump between short sides ``size`` and ``size + 1``."""
+    if img.size == (size, size):
         return img
-    # Offsets rounded as torchvision's CenterCrop does, so both give the same pixels.
-    left, top = int(round((w - size) / 2.0)), int(round((h - size) / 2.0))
-    return img.crop((left, top, left + size, top + size))
+    img = TF.resize(img, int(size / crop_pct), interpolation=TF.InterpolationMode(interpolation))
+    return TF.center_crop(img, [size, size])
 
 
 def adjust_brightness(img: Image.Image, factor: float) -> Image.Image:
@@ -142,7 +88,7 @@ def adjust_brightness(img: Image.Image, factor: float) -> Image.Image:
 
 def adjust_contrast(img: Image.Image, factor: float) -> Image.Image:
     # ImageEnhance.Contrast: blend with a flat image at the mean grey level rounded half up, as
-    # Pillow rounds it (a box reduction to one pixel rounds otherwise: up to a level apart).
+    # Pillow rounds it.
     grey = img if img.mode == "L" else img.convert("L")
     mean = int(ImageStat.Stat(grey).mean[0] + 0.5)
     fill = mean if img.mode == "L" else (mean, mean, mean)
@@ -156,8 +102,7 @@ def adjust_saturation(img: Image.Image, factor: float) -> Image.Image:
     return Image.blend(img.convert("L").convert("RGB"), img, factor)
 
 
-# Grid points per axis of the 3-D colour lookup table used for the hue shift (see adjust_hue).
-_HUE_LUT_SIZE = 17
+_HUE_LUT_SIZE = 17  # grid points per axis of the hue shift's colour lookup table
 
 
 def _hsv_hue_shift(rgb: np.ndarray, shift: float) -> np.ndarray:
@@ -180,9 +125,8 @@ def _hsv_hue_shift(rgb: np.ndarray, shift: float) -> np.ndarray:
     return np.stack(out, axis=-1)
 
 
-@functools.cache
+@functools.cache  # one table per 1/255-turn level and process
 def _hue_lut(level: int) -> ImageFilter.Color3DLUT:
-    # Cached per process (a worker builds at most 2 * 255 * hue + 1 tables of 59 kB, ~1 ms each).
     axis = np.linspace(0.0, 1.0, _HUE_LUT_SIZE, dtype=np.float32)
     b, g, r = np.meshgrid(axis, axis, axis, indexing="ij")  # Color3DLUT wants R varying fastest
     grid = np.stack([r, g, b], axis=-1).reshape(-1, 3)
@@ -193,14 +137,11 @@ def _hue_lut(level: int) -> ImageFilter.Color3DLUT:
 def adjust_hue(img: Image.Image, shift: float) -> Image.Image:
     """Rotate the HSV hue by ``shift`` turns (in [-0.5, 0.5]); a no-op on grey images.
 
-    The operation of torchvision's adjust_hue, which on PIL images (the path DINO's and MoCo v3's
-    code take) shifts Pillow's 8-bit H channel by int(shift * 255) and converts back. Here the
-    shift is rounded to the same 1/255-turn steps and the exact HSV rotation is applied through a
-    17^3 colour lookup table with trilinear interpolation in Pillow's C code (the rotation is
-    piecewise linear in RGB, so the table is exact away from the hue-sector boundaries). That is
-    2-2.5x faster than Pillow's HSV round trip and closer to the exact result than it (max error
-    ~4 vs ~11 grey levels, mean ~0.4 vs ~0.7). Grey pixels stay grey within one level (the
-    interpolation weights are symmetric, only the fixed-point rounding differs per channel).
+    torchvision's adjust_hue on PIL images (the path of DINO's and MoCo v3's code) shifts Pillow's
+    8-bit H channel by int(shift * 255). Here the shift is rounded to the same 1/255-turn steps and
+    the exact rotation is applied through a 17^3 colour lookup table, interpolated trilinearly by
+    Pillow (the rotation is piecewise linear in RGB, so the table is exact away from the hue-sector
+    boundaries). Grey pixels stay grey within one level.
     """
     level = int(round(shift * 255))
     if img.mode == "L" or level == 0:
@@ -208,9 +149,7 @@ def adjust_hue(img: Image.Image, shift: float) -> Image.Image:
     return img.filter(_hue_lut(level))
 
 
-def color_jitter(
-    img: Image.Image, brightness: float, contrast: float, saturation: float, hue: float
-) -> Image.Image:
+def color_jitter(img: Image.Image, brightness: float, contrast: float, saturation: float, hue: float) -> Image.Image:
     """torchvision ColorJitter(brightness, contrast, saturation, hue): factors drawn uniformly
     from [1 - s, 1 + s] (hue shift from [-hue, hue]) and applied in a random order."""
     order = [0, 1, 2, 3]
@@ -229,17 +168,13 @@ def color_jitter(
 
 def gaussian_blur(img: Image.Image, sigma: float) -> Image.Image:
     # Pillow's GaussianBlur takes the standard deviation as "radius"; DINO's and MoCo v3's
-    # GaussianBlur classes call it exactly like this with sigma ~ U(0.1, 2.0).
+    # GaussianBlur classes call it exactly like this.
     return img.filter(ImageFilter.GaussianBlur(radius=sigma))
 
 
 def to_float_tensors(images: Sequence[Image.Image], solarize: Sequence[bool]) -> list[torch.Tensor]:
-    """Convert 8-bit images to float tensors ``[C, H, W]`` in [0, 1], solarising the flagged ones.
-
-    Solarisation is ImageOps.solarize's: values >= 128 are inverted (v -> 255 - v), done here in
-    float as 1 - v / 255. Images of equal size are converted as one stacked array to save
-    per-call overhead (DINO's local crops).
-    """
+    """8-bit images -> float tensors ``[C, H, W]`` in [0, 1], solarising the flagged ones
+    (ImageOps.solarize: v >= 128 becomes 255 - v). Images of one size convert as one array."""
     out: list[torch.Tensor | None] = [None] * len(images)
     groups: dict[tuple[str, tuple[int, int]], list[int]] = {}
     for i, img in enumerate(images):
@@ -252,7 +187,7 @@ def to_float_tensors(images: Sequence[Image.Image], solarize: Sequence[bool]) ->
         for j, i in enumerate(idx):
             if solarize[i]:
                 x[j] = np.where(arr[j] >= 128, 1.0 - x[j], x[j])
-        tensors = torch.from_numpy(x)  # contiguous [K, C, H, W]
+        tensors = torch.from_numpy(x)  # [K, C, H, W]
         for j, i in enumerate(idx):
             out[i] = tensors[j]
     return out  # type: ignore[return-value]

@@ -1,12 +1,6 @@
-"""Dataset building blocks shared by the datamodules.
-
-* ``InMemoryImages`` — a whole dataset as one uint8 tensor (cheap to hand to workers).
-* ``ImageFiles``     — images decoded from files; unreadable ones are skipped, logged and counted.
-* ``TransformedDataset`` — applies a view transform (training) or the evaluation transform,
-  converts channels and normalises; what the dataloaders and evaluators iterate over. Indexed with
-  a ``SeededIndex`` (the training sampler's items), an item's random augmentations are drawn from
-  its own seed.
-"""
+"""The datasets under the datamodules: the raw splits (``InMemoryImages``, ``ImageFiles``), a split
+through a transform, normalised (``TransformedDataset``), an evaluation split shared evenly over
+processes (``EvenShares``)."""
 
 from __future__ import annotations
 
@@ -25,33 +19,23 @@ from ssl_vit.data.sampler import SeededIndex
 
 log = logging.getLogger(__name__)
 
-# A file that fails to decode is replaced by another sample; give up (it is not a few bad files
-# but a broken dataset) after this many failures in a row.
-_MAX_CONSECUTIVE_FAILURES = 100
+_MAX_CONSECUTIVE_FAILURES = 100  # unreadable files in a row: not a few bad files but a broken dataset
+
+
+def _labels(n: int, labels: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
+    return torch.full((n,), -1, dtype=torch.long) if labels is None else torch.as_tensor(labels, dtype=torch.long)
 
 
 class InMemoryImages(Dataset):
-    """uint8 images ``[N, H, W]`` (grey) or ``[N, H, W, 3]`` (RGB) with int64 labels ``[N]``
-    (-1 where unlabelled). Items are ``(PIL image, label)``.
-
-    One contiguous tensor pickles to DataLoader workers as a single buffer (or is shared by fork)
-    instead of N Python objects.
-    """
+    """uint8 images ``[N, H, W]`` (grey; ``[N, H, W, 1]`` too) or ``[N, H, W, 3]`` (RGB) with
+    labels ``[N]`` (None: all -1, unlabelled). Items are ``(PIL image, label)``. One contiguous
+    tensor goes to DataLoader workers as a single buffer instead of N Python objects."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        if images.dtype != torch.uint8:
-            raise TypeError(f"images must be a uint8 tensor, got {images.dtype}")
         if images.ndim == 4 and images.shape[-1] == 1:
             images = images[..., 0]
-        if not (images.ndim == 3 or (images.ndim == 4 and images.shape[-1] == 3)):
-            raise ValueError(f"images must be [N, H, W] or [N, H, W, 3], got {tuple(images.shape)}")
-        if labels is None:
-            labels = torch.full((len(images),), -1, dtype=torch.long)
-        labels = torch.as_tensor(labels, dtype=torch.long)
-        if labels.shape != (len(images),):
-            raise ValueError(f"{len(images)} images but labels of shape {tuple(labels.shape)}")
         self.images = images.contiguous()
-        self.labels = labels
+        self.labels = _labels(len(images), labels)
         self.mode = "L" if images.ndim == 3 else "RGB"
 
     def __len__(self) -> int:
@@ -61,16 +45,7 @@ class InMemoryImages(Dataset):
         return Image.fromarray(self.images[index].numpy(), self.mode), int(self.labels[index])
 
     def subset(self, indices: torch.Tensor) -> InMemoryImages:
-        # A compact copy, so workers receive only the subset.
-        return InMemoryImages(self.images[indices], self.labels[indices])
-
-    @property
-    def num_skipped(self) -> int:
-        return 0
-
-    @property
-    def skipped_paths(self) -> list[str]:
-        return []
+        return InMemoryImages(self.images[indices], self.labels[indices])  # a compact copy for the workers
 
 
 class ImageFiles(Dataset):
@@ -78,57 +53,41 @@ class ImageFiles(Dataset):
 
     A file that cannot be decoded (corrupt, truncated, not an image) is logged once with its path,
     marked, and replaced by a random other sample, so a few bad files never stop a run. The marks
-    live in a shared-memory tensor, so ``num_skipped`` / ``skipped_paths`` read in the main
-    process include what the DataLoader workers found.
+    live in shared memory: ``skipped_paths`` in the main process includes what the workers found.
 
-    For evaluation a stand-in would count some image twice (and shift the accuracy), so
-    :meth:`for_evaluation` returns the same files with ``replace_unreadable=False``: an unreadable
-    file is then a 1x1 black image labelled -1, which the evaluators and the online probe drop.
+    For evaluation a stand-in would count some image twice, so :meth:`for_evaluation` returns the
+    same files with ``replace_unreadable=False``: an unreadable file is then a 1x1 black image
+    labelled -1, which the evaluators and the online probe drop.
     """
 
     def __init__(self, paths: Sequence[str], labels: Sequence[int] | None = None, replace_unreadable: bool = True) -> None:
-        if len(paths) == 0:
-            raise ValueError("ImageFiles needs at least one file")
         self.paths = list(paths)
-        if labels is None:
-            self.labels = torch.full((len(self.paths),), -1, dtype=torch.long)
-        else:
-            if len(labels) != len(self.paths):
-                raise ValueError(f"{len(self.paths)} files but {len(labels)} labels")
-            self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.labels = _labels(len(self.paths), labels)
         self.replace_unreadable = replace_unreadable
         self._bad = torch.zeros(len(self.paths), dtype=torch.uint8).share_memory_()
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _decode(self, path: str) -> Image.Image:
-        # load() raises OSError on truncated data (unless PIL.ImageFile.LOAD_TRUNCATED_IMAGES was
-        # switched on, in which case the missing part comes back grey, as the user asked).
-        with Image.open(path) as img:
-            img.load()
-            return to_pil(img)
-
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
         for _ in range(_MAX_CONSECUTIVE_FAILURES):
             if not self._bad[index]:
-                path = self.paths[index]
                 try:
-                    return self._decode(path), int(self.labels[index])
+                    # load() raises OSError on truncated data (unless PIL.ImageFile.LOAD_TRUNCATED_IMAGES is on)
+                    with Image.open(self.paths[index]) as img:
+                        img.load()
+                        return to_pil(img), int(self.labels[index])
                 except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
                     self._bad[index] = 1
-                    log.warning("skipping unreadable image %s (%s: %s)", path, type(err).__name__, err)
+                    log.warning("skipping unreadable image %s (%s: %s)", self.paths[index], type(err).__name__, err)
             if not self.replace_unreadable:
                 return Image.new("RGB", (1, 1)), -1
             index = random.randrange(len(self.paths))
-        raise RuntimeError(
-            f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row ({self.num_skipped} of "
-            f"{len(self)} marked so far, e.g. {self.skipped_paths[:3]}); the dataset looks broken"
-        )
+        raise RuntimeError(f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row ({len(self.skipped_paths)} of {len(self)} "
+                           f"marked so far, e.g. {self.skipped_paths[:3]}); the dataset looks broken")
 
     def subset(self, indices: torch.Tensor) -> ImageFiles:
-        idx = indices.tolist()
-        return ImageFiles([self.paths[i] for i in idx], self.labels[indices].tolist(), self.replace_unreadable)
+        return ImageFiles([self.paths[i] for i in indices.tolist()], self.labels[indices], self.replace_unreadable)
 
     def for_evaluation(self) -> ImageFiles:
         """These files (sharing the marks of unreadable ones) with ``replace_unreadable=False``."""
@@ -137,37 +96,24 @@ class ImageFiles(Dataset):
         return twin
 
     @property
-    def num_skipped(self) -> int:
-        """Number of files found unreadable so far (in this process and its workers)."""
-        return int(self._bad.sum())
-
-    @property
     def skipped_paths(self) -> list[str]:
+        """The files found unreadable so far (in this process and its workers)."""
         return [self.paths[i] for i in self._bad.nonzero().flatten().tolist()]
 
 
 class TransformedDataset(Dataset):
-    """``source`` items ``(PIL image, label)`` -> ``(views, label)`` or ``(image, label)``.
+    """``source`` items ``(PIL image, label)`` -> ``(views, label)`` (``multi_view``: a list of
+    ``[C, H, W]``) or ``(image [C, H, W], label)``: what the loaders and evaluators read.
 
-    ``transform`` returns un-normalised float tensors in [0, 1]: a list of views (``multi_view``)
-    or one tensor. Here the image is converted to ``in_chans`` (RGB -> grey by luma before the
-    transform; grey -> RGB by repeating the channel after it, which is the same result at a third
-    of the cost since colour jitter does nothing to grey pixels) and normalised with mean/std.
+    ``transform`` gives float tensors in [0, 1]: one, or a list of views (of one view where one image
+    is wanted). The image is converted to ``in_chans`` (RGB -> grey by luma before the transform;
+    grey -> RGB by repeating the channel after it: the same, at a third of the cost, since colour
+    jitter does nothing to grey pixels), then normalised. Indexed with a ``SeededIndex`` (the
+    training sampler's items), an item's augmentations are drawn from its own seed.
     """
 
-    def __init__(
-        self,
-        source: Any,
-        transform: Callable[[Image.Image], Any],
-        mean: Sequence[float],
-        std: Sequence[float],
-        in_chans: int,
-        multi_view: bool,
-    ) -> None:
-        if in_chans not in (1, 3):
-            raise ValueError(f"in_chans must be 1 or 3, got {in_chans}")
-        if len(mean) != in_chans or len(std) != in_chans:
-            raise ValueError(f"mean/std need {in_chans} values, got {list(mean)} / {list(std)}")
+    def __init__(self, source: Any, transform: Callable[[Image.Image], Any], mean: Sequence[float], std: Sequence[float],
+                 in_chans: int, multi_view: bool) -> None:
         self.source = source
         self.transform = transform
         self.in_chans = in_chans
@@ -178,17 +124,11 @@ class TransformedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [c, H, W] in [0, 1] with c = 1 or in_chans
-        if x.shape[0] != self.in_chans:
-            x = x.expand(self.in_chans, -1, -1)
-        return (x - self.mean) * self.inv_std  # [C, H, W]
-
     def __getitem__(self, index: int | SeededIndex) -> tuple[Any, int]:
         if not isinstance(index, SeededIndex):
             return self._item(index)
         # The augmentations (and the stand-in for an unreadable file) draw from Python's `random`:
-        # seed it for this sample, and leave the caller's stream as it was.
+        # seeded for this sample, the caller's stream left as it was.
         state = random.getstate()
         random.seed(index.seed)
         try:
@@ -201,9 +141,11 @@ class TransformedDataset(Dataset):
         if self.in_chans == 1 and img.mode != "L":
             img = img.convert("L")
         out = self.transform(img)
+        views = [(x.expand(self.in_chans, -1, -1) - self.mean) * self.inv_std for x in (out if isinstance(out, list) else [out])]
         if self.multi_view:
-            return [self._normalise(v) for v in out], label
-        return self._normalise(out), label
+            return views, label
+        (image,) = views
+        return image, label
 
 
 class EvenShares(Dataset):
@@ -211,19 +153,16 @@ class EvenShares(Dataset):
     copies of its items from the first on (round again when the split is smaller than the padding).
 
     ``DistributedSampler(shuffle=False)``, which Lightning puts under a validation loader, pads
-    each process's share with repeats of the first images, which the metrics would then count
-    twice. Padded here instead, every process still runs the same number of batches (an FSDP
-    forward and the stop-signal check are collectives of all processes), and the padding,
-    labelled -1, counts nowhere: the metrics are means over labelled images, summed with their
-    number over processes and divided once (``BaseMethod.on_validation_epoch_end``).
+    each process's share with repeats of the first images, which the metrics would count twice.
+    Padded here, every process still runs as many batches (an FSDP forward and the stop-signal
+    check are collectives), and the padding, labelled -1, counts nowhere: the metrics are means
+    over labelled images, summed with their number over processes (``BaseMethod``).
     """
 
     def __init__(self, source: Dataset, num_processes: int) -> None:
-        if num_processes < 1:
-            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
         self.source = source
         self.size = len(source)  # type: ignore[arg-type]
-        self.padded = -(-self.size // num_processes) * num_processes if self.size else 0
+        self.padded = -(-self.size // num_processes) * num_processes
 
     def __len__(self) -> int:
         return self.padded

@@ -1,18 +1,22 @@
-"""Fashion-MNIST (Xiao et al., 2017): 60k/10k grey 28x28 images of 10 clothing classes (MIT).
-
-Read from the IDX files of the Debian/Ubuntu package ``dataset-fashion-mnist`` when it is
-installed; otherwise from torchvision's download into the user cache directory (or ``root``).
-"""
+"""Fashion-MNIST (Xiao et al., 2017): 60k/10k grey 28x28 images of 10 clothing classes (MIT), read
+from IDX files: the Debian/Ubuntu package ``dataset-fashion-mnist``'s when it is installed,
+otherwise torchvision's download into the user cache directory (or ``root``)."""
 
 from __future__ import annotations
 
+import gzip
+import math
+import struct
+import zlib
+from os import PathLike
 from pathlib import Path
+from typing import Literal
 
+import numpy as np
 import torch
 
-from ssl_vit.data.base import ImageDataModule, default_root, download_advice, option_hint
+from ssl_vit.data.base import ImageDataModule, data_root, download_advice, option_hint
 from ssl_vit.data.datasets import InMemoryImages
-from ssl_vit.data.idx import read_idx_images_labels
 
 # Where `apt-get install dataset-fashion-mnist` puts the IDX files.
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -21,18 +25,48 @@ _FILES = {
     True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
+# IDX element type byte -> numpy dtype (big-endian for multi-byte types)
+_IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def _find_split(directory: Path, train: bool) -> tuple[Path, Path] | None:
-    found = []
-    for name in _FILES[train]:
-        for candidate in (directory / f"{name}.gz", directory / name):
-            if candidate.is_file():
-                found.append(candidate)
-                break
-        else:
-            return None
-    return found[0], found[1]
+def read_idx(path: str | PathLike[str], expected_ndim: int | None = None) -> np.ndarray:
+    """An IDX file (optionally gzipped) as a numpy array of native byte order.
+
+    The format (LeCun's MNIST page): a magic number ``00 00 TT DD`` (TT: element type, 0x08 =
+    unsigned byte; DD: number of dimensions), DD big-endian uint32 sizes, then the elements in C
+    order. A file that is corrupt, truncated or no IDX file is a ValueError naming it.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b" or path.suffix.lower() == ".gz":  # gzip's magic, whatever the name
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as err:
+            raise ValueError(f"{path}: cannot read IDX file ({err}); the file is corrupt or truncated") from err
+    magic = int.from_bytes(data[:4], "big")
+    ndim = data[3] if len(data) >= 4 else 0
+    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] not in _IDX_DTYPES or ndim == 0:
+        raise ValueError(f"{path}: bad magic number 0x{magic:08x}, not an IDX file (expected 0x00000803 for images or 0x00000801 for labels)")
+    if expected_ndim is not None and ndim != expected_ndim:
+        raise ValueError(f"{path}: magic number 0x{magic:08x} says {ndim} dimensions, expected {expected_ndim} (magic 0x{0x0800 | expected_ndim:08x})")
+    header = 4 + 4 * ndim
+    shape = struct.unpack(f">{ndim}I", data[4:header]) if len(data) >= header else ()
+    dtype = np.dtype(_IDX_DTYPES[data[2]])
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) < header or len(data) - header != expected:
+        raise ValueError(f"{path}: header says shape {shape} ({expected} bytes of data) but the file holds {len(data) - header} bytes; "
+                         "the file is truncated or not what it claims")
+    return np.frombuffer(data, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="), copy=False)
+
+
+def read_idx_images_labels(images_path: str | PathLike[str], labels_path: str | PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A pair of IDX files: uint8 images ``[N, H, W]`` and int64 labels ``[N]``."""
+    images, labels = read_idx(images_path, expected_ndim=3), read_idx(labels_path, expected_ndim=1)
+    if images.dtype != np.uint8 or labels.dtype != np.uint8:
+        raise ValueError(f"{images_path}, {labels_path}: expected unsigned-byte IDX files, got {images.dtype} / {labels.dtype}")
+    if len(images) != len(labels):
+        raise ValueError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
+    return images, labels.astype(np.int64)
 
 
 class FashionMNISTDataModule(ImageDataModule):
@@ -49,70 +83,53 @@ class FashionMNISTDataModule(ImageDataModule):
     """
 
     num_classes = 10
-    class_names = [
-        "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-        "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-    ]
-    # Pixel mean/std of the 60k training images in [0, 1], computed once from the IDX files
-    # (0.28604, 0.35302).
+    class_names = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    # Pixel mean / std of the 60k training images in [0, 1] (0.28604, 0.35302).
     dataset_mean = (0.2860,)
     dataset_std = (0.3530,)
 
-    def __init__(
-        self,
-        root: str | None = None,
-        download: bool = True,
-        img_size: int = 28,
-        in_chans: int = 1,
-        **kwargs,
-    ) -> None:
+    def __init__(self, root: str | None = None, download: bool = True, img_size: int = 28, in_chans: Literal[1, 3] = 1, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
         self.root = root
         self.download = download
 
     def _search_dirs(self) -> list[Path]:
         if self.root is not None:
-            root = Path(self.root).expanduser()
-            return [root, root / "FashionMNIST" / "raw"]
-        return [DEBIAN_DIR, default_root() / "FashionMNIST" / "raw"]
-
-    def _download_root(self) -> Path:
-        return Path(self.root).expanduser() if self.root is not None else default_root()
+            return [data_root(self.root), data_root(self.root) / "FashionMNIST" / "raw"]
+        return [DEBIAN_DIR, data_root(None) / "FashionMNIST" / "raw"]
 
     def _locate(self, train: bool) -> tuple[Path, Path] | None:
         for directory in self._search_dirs():
-            files = _find_split(directory, train)
-            if files is not None:
-                return files
+            found = [next((p for p in (directory / f"{name}.gz", directory / name) if p.is_file()), None) for name in _FILES[train]]
+            if None not in found:
+                return found[0], found[1]
         return None
 
     def prepare_data(self) -> None:
         if self._locate(True) is not None and self._locate(False) is not None:
             return
-        looked = ", ".join(str(d) for d in self._search_dirs())
-        help_ = (
-            f"Fashion-MNIST not found (looked in: {looked}). Get it by one of: "
+        advice = (
+            f"Fashion-MNIST not found (looked in: {', '.join(map(str, self._search_dirs()))}). Get it by one of: "
             "`sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu, no download at run time); "
-            f"running once with {download_advice(self.download)} (saves to {self._download_root()}); "
+            f"running once with {download_advice(self.download)} (saves to {data_root(self.root)}); "
             f"or {option_hint('root', '<dir>')} holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
             "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz."
         )
         if not self.download:
-            raise FileNotFoundError(help_ + " (download=False)")
+            raise FileNotFoundError(f"{advice} (download=False)")
         from torchvision.datasets import FashionMNIST
 
         try:
             for train in (True, False):
-                FashionMNIST(str(self._download_root()), train=train, download=True)
+                FashionMNIST(str(data_root(self.root)), train=train, download=True)
         except Exception as err:  # network errors come in many types (URLError, HTTPError, OSError)
-            raise FileNotFoundError(f"{help_} The download failed: {type(err).__name__}: {err}") from err
+            raise FileNotFoundError(f"{advice} The download failed: {type(err).__name__}: {err}") from err
 
     def _load_split(self, train: bool) -> InMemoryImages:
         files = self._locate(train)
         if files is None:
             self.prepare_data()  # raises the explanatory error, or downloads
             files = self._locate(train)
-            assert files is not None
         images, labels = read_idx_images_labels(*files)
         if images.shape[1:] != (28, 28):
             raise ValueError(f"{files[0]}: expected 28x28 images, got shape {images.shape}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
@@ -15,18 +16,13 @@ from ssl_vit.data.datasets import ImageFiles
 log = logging.getLogger(__name__)
 
 
-def _is_image(name: str) -> bool:
-    return name.lower().endswith(IMG_EXTENSIONS)
+def scan_image_dir(directory: str | Path, class_to_idx: dict[str, int] | None = None) -> tuple[list[str], list[int] | None, dict[str, int] | None]:
+    """The images under ``directory``: ``(paths, labels, class_to_idx)``.
 
-
-def scan_image_dir(
-    directory: str | Path, class_to_idx: dict[str, int] | None = None
-) -> tuple[list[str], list[int] | None, dict[str, int] | None]:
-    """List the images under ``directory``: ``(paths, labels, class_to_idx)``.
-
-    Class subfolders (ImageFolder layout, searched recursively) give labels; without any, the
-    images directly in ``directory`` are returned unlabelled (labels and class_to_idx None).
-    Passing ``class_to_idx`` (from the training folder) labels a validation folder consistently.
+    Class subfolders (ImageFolder layout, searched recursively; hidden folders are none) give
+    labels; without any, the images directly in ``directory`` are returned unlabelled (labels and
+    class_to_idx None). ``class_to_idx`` (the training folder's) labels a validation folder alike.
+    Extensions match in any case.
     """
     root = Path(directory).expanduser()
     if not root.is_dir():
@@ -34,32 +30,25 @@ def scan_image_dir(
     with os.scandir(root) as it:
         entries = sorted(it, key=lambda e: e.name)
     subdirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
-    top_files = [e.path for e in entries if e.is_file() and _is_image(e.name)]
-
+    top_files = [e.path for e in entries if e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS)]
     if subdirs:
         if class_to_idx is None:
             class_to_idx = {name: i for i, name in enumerate(subdirs)}
-        else:
-            unknown = sorted(set(subdirs) - set(class_to_idx))
-            if unknown:
-                raise ValueError(f"{root} has class folders not in the training folder: {unknown[:10]}")
-        samples = make_dataset(str(root), {c: i for c, i in class_to_idx.items() if c in subdirs},
-                               extensions=IMG_EXTENSIONS, allow_empty=True)
+        elif unknown := sorted(set(subdirs) - set(class_to_idx)):
+            raise ValueError(f"{root} has class folders not in the training folder: {unknown[:10]}")
+        samples = make_dataset(str(root), {c: i for c, i in class_to_idx.items() if c in subdirs}, extensions=IMG_EXTENSIONS, allow_empty=True)
         if samples:
             if top_files:
                 log.warning("%s: ignoring %d images outside the class folders", root, len(top_files))
             return [p for p, _ in samples], [y for _, y in samples], class_to_idx
     if top_files:
         return top_files, None, None
-    raise FileNotFoundError(
-        f"no images found in {root} (neither directly nor in class subfolders; "
-        f"extensions: {', '.join(IMG_EXTENSIONS)})"
-    )
+    raise FileNotFoundError(f"no images found in {root} (neither directly nor in class subfolders; extensions: {', '.join(IMG_EXTENSIONS)})")
 
 
 class ImageFolderDataModule(ImageDataModule):
     """Images decoded from files on the fly; unreadable files are skipped, logged and counted
-    (``num_skipped``, ``skipped_paths``).
+    (``skipped_paths``).
 
     Args:
         train_dir: an ImageFolder tree (``train_dir/<class>/<image>``), or a flat folder of images
@@ -68,49 +57,40 @@ class ImageFolderDataModule(ImageDataModule):
             None: no validation / test split.
         img_size: 224 by default.
         in_chans: 3 (RGB) by default; 1 converts to grey.
-        **kwargs: the common arguments of ``ImageDataModule`` (views, batch_size, ...); mean/std
+        **kwargs: the common arguments of ``ImageDataModule`` (views, batch_size, ...); mean / std
             default to ImageNet's.
     """
 
-    def __init__(
-        self,
-        train_dir: str,
-        val_dir: str | None = None,
-        img_size: int = 224,
-        in_chans: int = 3,
-        **kwargs,
-    ) -> None:
+    def __init__(self, train_dir: str, val_dir: str | None = None, img_size: int = 224, in_chans: Literal[1, 3] = 3, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
         self.train_dir = train_dir
         self.val_dir = val_dir
         self._scanned: tuple[list[str], list[int] | None, dict[str, int] | None] | None = None
 
-    def _scan_train(self) -> tuple[list[str], list[int] | None, dict[str, int] | None]:
+    @property
+    def _classes(self) -> dict[str, int] | None:
         if self._scanned is None:
             self._scanned = scan_image_dir(self.train_dir)
-        return self._scanned
+        return self._scanned[2]
 
     @property
     def num_classes(self) -> int | None:  # type: ignore[override]
-        class_to_idx = self._scan_train()[2]
-        return None if class_to_idx is None else len(class_to_idx)
+        return None if self._classes is None else len(self._classes)
 
     @property
     def class_names(self) -> list[str] | None:  # type: ignore[override]
-        class_to_idx = self._scan_train()[2]
-        return None if class_to_idx is None else sorted(class_to_idx, key=class_to_idx.__getitem__)
+        return None if self._classes is None else sorted(self._classes, key=self._classes.__getitem__)
 
     def has_labelled_test_split(self) -> bool:
         return self.val_dir is not None and self.num_classes is not None
 
     def _load_split(self, train: bool) -> ImageFiles | None:
+        classes = self._classes
         if train:
-            paths, labels, _ = self._scan_train()
-            return ImageFiles(paths, labels)
+            return ImageFiles(*self._scanned[:2])
         if self.val_dir is None:
             return None
-        class_to_idx = self._scan_train()[2]
-        paths, labels, _ = scan_image_dir(self.val_dir, class_to_idx)
-        if class_to_idx is not None and labels is None:
+        paths, labels, _ = scan_image_dir(self.val_dir, classes)
+        if classes is not None and labels is None:
             raise ValueError(f"{self.train_dir} has class folders but {self.val_dir} does not")
         return ImageFiles(paths, labels)

@@ -1,19 +1,12 @@
-"""A training data order that a resumed run continues exactly.
+"""A training data order that a run resumed mid-epoch continues exactly: the same images,
+augmented the same way, as the run that was never interrupted.
 
-An interrupted run resumed from a mid-epoch checkpoint should see the same images, augmented the
-same way, as the run that was never interrupted. Two things make that hold:
-
-* the order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s permutation, sharded
-  over the processes), and the loader's checkpointed state says how many batches of the epoch the
-  training loop consumed, so the resumed epoch skips exactly those;
-* every sample carries its own augmentation seed, derived from ``(seed, epoch, index)``
-  (:class:`SeededIndex`), so an image's views depend neither on which worker process decodes it
-  nor on where a run was resumed.
-
-Lightning saves and restores a training loader that has ``state_dict`` / ``load_state_dict``
-(``CombinedLoader._state_dicts``), which :class:`ResumableLoader` provides. It keeps
-:class:`ResumableSampler` a ``DistributedSampler``, so Lightning uses it as it is instead of
-injecting its own, and calls ``set_epoch`` on it every epoch.
+The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s permutation, sharded
+over the processes) and the loader's state says how many images of the epoch the training loop
+consumed, so the resumed epoch skips exactly those. Every sample carries its own augmentation seed,
+a hash of ``(seed, epoch, index)``, so its views depend neither on the worker that decodes it nor
+on where a run was resumed. Lightning saves and restores a training loader's ``state_dict``
+(``CombinedLoader._state_dicts``), and keeps a ``DistributedSampler`` instead of injecting its own.
 """
 
 from __future__ import annotations
@@ -38,8 +31,8 @@ class SeededIndex(NamedTuple):
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    # SplitMix64's finaliser (Steele et al. 2014; the seeding hash of xoshiro / SplittableRandom):
-    # nearby inputs give unrelated 64-bit outputs. uint64 arrays wrap on overflow, as it needs.
+    # SplitMix64's finaliser (Steele, Lea & Flood 2014): nearby inputs give unrelated 64-bit
+    # outputs. uint64 arrays wrap on overflow, as it needs.
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -47,42 +40,23 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def sample_seeds(seed: int, epoch: int, indices: Sequence[int]) -> list[int]:
-    """The augmentation seeds of samples ``indices`` in ``epoch``: a hash of (seed, epoch, index),
-    vectorised, as the main process computes one per sample."""
+    """The augmentation seeds of samples ``indices`` in ``epoch``: SplitMix64 chained over (seed, epoch, index)."""
     key = _splitmix64(_splitmix64(np.array([seed % 2**64], dtype=np.uint64)) ^ np.uint64(epoch))  # [1]
     return _splitmix64(key ^ np.asarray(indices, dtype=np.uint64)).tolist()
 
 
 class ResumableSampler(DistributedSampler):
-    """Shuffled (per ``(seed, epoch)``), sharded over ``num_replicas`` processes, resumable, and
-    yielding :class:`SeededIndex` items.
+    """Shuffled per ``(seed, epoch)``, sharded over ``num_replicas`` processes (None: from
+    ``torch.distributed``), resumable, yielding :class:`SeededIndex` items. Lightning sets the epoch
+    (``set_epoch``); a loop that iterates again without it gets the next epoch, not a repeat."""
 
-    Args:
-        dataset: the dataset to sample from (only its length is used).
-        num_replicas, rank: the process layout; None: from ``torch.distributed`` (one process when
-            it is not initialised).
-        shuffle: permute every epoch (False: dataset order).
-        seed: base of the permutation and of the per-sample augmentation seeds; the same on every
-            process.
-
-    As with ``DistributedSampler``, the epoch is set with :meth:`set_epoch` (Lightning does it);
-    a loop that iterates again without calling it gets the next epoch rather than a repeat.
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
+                 seed: int = 0) -> None:
         default_rank, default_world = world_info()
-        num_replicas = default_world if num_replicas is None else num_replicas
-        rank = default_rank if rank is None else rank
-        # Pad rather than drop (drop_last=False), as Lightning's own distributed sampler does; the
+        # Padded rather than dropped (drop_last=False), as Lightning's own distributed sampler; the
         # loader's drop_last still drops an incomplete final batch.
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        super().__init__(dataset, num_replicas=default_world if num_replicas is None else num_replicas,
+                         rank=default_rank if rank is None else rank, shuffle=shuffle, seed=seed, drop_last=False)
         self._epoch_set = True
         self._skip = 0  # samples of this process's share to skip at the start of the next pass
         self._skip_epoch = 0
@@ -99,9 +73,8 @@ class ResumableSampler(DistributedSampler):
         self._skip, self._skip_epoch = num_samples, epoch
 
     def resume_offset(self) -> int:
-        """This process's samples of the current epoch that come before its pass: the position
-        a resume asked for (until the pass begins), or where the pass under way began; 0 for a
-        fresh epoch."""
+        """This process's samples of the current epoch before its pass: the position a resume asked
+        for (until the pass begins), or where the pass under way began; 0 for a fresh epoch."""
         if self._skip and self._skip_epoch == self.epoch:
             return self._skip
         return self.start if self._start_epoch == self.epoch else 0
@@ -119,14 +92,11 @@ class ResumableSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's
-    position: ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch handed out so
-    far and the images they held over all processes.
-
-    The count is of batches *returned by the iterator*, not indices drawn by worker processes
-    ahead of time, so a checkpoint written after step k resumes at batch k + 1. (Lightning fetches
-    no batch ahead for loaders with a length.) A run resumed with another per-process batch size
-    or number of processes (a requeued job on fewer GPUs, other gradient accumulation) continues
-    the epoch after the images already seen, since every process shards the same permutation.
+    position: ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch handed out and
+    the images they held over all processes. The count is of batches *returned by the iterator*,
+    not indices drawn by workers ahead of time, so a checkpoint written after step k resumes at
+    batch k + 1. Resumed with another batch size or number of processes, the epoch continues after
+    the images already seen, since every process shards the same permutation.
     """
 
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, **kwargs: Any) -> None:
@@ -134,8 +104,6 @@ class ResumableLoader(DataLoader):
             # Lightning rebuilds the loader with a SequentialSampler to turn shuffling off
             # (overfit_batches): the same order, kept resumable.
             sampler = ResumableSampler(dataset, shuffle=False)
-        if not isinstance(sampler, ResumableSampler):
-            raise TypeError(f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}")
         super().__init__(dataset, sampler=sampler, **kwargs)
         self._batches = 0  # batches of epoch ``_pass_epoch`` handed out
         self._samples = 0  # and this process's samples in them (with those skipped on a resume)
@@ -161,24 +129,18 @@ class ResumableLoader(DataLoader):
             batches, samples = self._batches, self._samples
         else:
             # No batch of this epoch handed out yet: a fresh epoch (0), or a resumed one whose
-            # position must survive a checkpoint written before its first batch (Lightning
-            # reruns an interrupted validation pass first, and a requeue can save there).
+            # position must survive a checkpoint written before its first batch (Lightning reruns
+            # an interrupted validation pass first, and a requeue can save there).
             samples = sampler.resume_offset()
             batches = -(-samples // (self.batch_size or 1))
-        return {
-            "seed": sampler.seed,
-            "epoch": sampler.epoch,
-            "batches": batches,
-            # Process p's share is positions p, p + R, p + 2R ... of the epoch's permutation, so
-            # s samples from each of R processes are its first s * R positions.
-            "samples": samples * sampler.num_replicas,
-        }
+        # Process p's share is positions p, p + R, p + 2R ... of the epoch's permutation, so s
+        # samples from each of R processes are its first s * R positions.
+        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches": batches, "samples": samples * sampler.num_replicas}
 
     def epochs_done(self) -> float:
-        """Passes over the training set so far, with the part of the current one: the epochs a run
-        trained, also across a resume with another batch size or number of processes (a step count
-        over steps per epoch is not). An epoch whose last batch is handed out counts whole, with
-        ``drop_last``'s remainder too."""
+        """Passes over the training set so far, with the part of the current one (also across a
+        resume with another batch size or number of processes); an epoch whose last batch is
+        handed out counts whole."""
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         state = self.state_dict()
         seen = state["samples"] / sampler.num_replicas  # this process's share of the epoch
@@ -187,24 +149,22 @@ class ResumableLoader(DataLoader):
         return state["epoch"] + seen / sampler.num_samples
 
     def _epoch_ended(self, seen: float) -> bool:
-        """Whether a process that has read ``seen`` samples of its share has no batch of the epoch
-        left (with ``drop_last``, fewer than a batch remaining is none)."""
+        """Whether ``seen`` samples of this process's share leave no batch (``drop_last``: a whole one)."""
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         return sampler.num_samples - seen < ((self.batch_size or 1) if self.drop_last else 1)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        epoch, batch_size = int(state["epoch"]), self.batch_size or 1
+        epoch = int(state["epoch"])
         if "samples" in state:
             seen = int(state["samples"])
             skip = -(-seen // sampler.num_replicas)  # this process's share of the images seen
             if seen % sampler.num_replicas:
-                log.warning("resuming on %d processes after %d images of the epoch: each process skips %d, "
-                            "so %d images of the epoch are left out", sampler.num_replicas, seen, skip, skip * sampler.num_replicas - seen)
+                log.warning("resuming on %d processes after %d images of the epoch: each process skips %d, so %d images of "
+                            "the epoch are left out", sampler.num_replicas, seen, skip, skip * sampler.num_replicas - seen)
         else:  # a checkpoint from before the sample count: the batch size is assumed unchanged
-            skip = int(state["batches"]) * batch_size
+            skip = int(state["batches"]) * (self.batch_size or 1)
         if self._epoch_ended(skip):
             epoch, skip = epoch + 1, 0  # saved after the epoch's last batch: the next starts afresh
-        # The checkpoint's seed wins, so a run seeded at random continues the same order.
-        sampler.seed = int(state["seed"])
+        sampler.seed = int(state["seed"])  # the checkpoint's: a run seeded at random continues its order
         sampler.skip(epoch, skip)

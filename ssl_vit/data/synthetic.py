@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
@@ -10,9 +11,7 @@ from ssl_vit.data.base import ImageDataModule
 from ssl_vit.data.datasets import InMemoryImages
 
 
-def make_synthetic_images(
-    num_samples: int, img_size: int, in_chans: int, num_classes: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def make_synthetic_images(num_samples: int, img_size: int, in_chans: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Class-dependent oriented stripes plus noise: uint8 ``[N, S, S]`` (grey) or ``[N, S, S, 3]``
     and labels ``[N]`` (balanced, shuffled).
 
@@ -20,10 +19,6 @@ def make_synthetic_images(
     The phase only jitters a little, so each class stays close to a fixed template and a linear
     probe on raw pixels already separates the classes; crops and flips make it a real task.
     """
-    if num_samples < 1 or num_classes < 1 or img_size < 2:
-        raise ValueError(f"need num_samples >= 1, num_classes >= 1, img_size >= 2; got {num_samples}, {num_classes}, {img_size}")
-    if in_chans not in (1, 3):
-        raise ValueError(f"in_chans must be 1 or 3, got {in_chans}")
     gen = torch.Generator().manual_seed(seed)
     labels = (torch.arange(num_samples) % num_classes)[torch.randperm(num_samples, generator=gen)]
     k = labels.double()
@@ -47,11 +42,11 @@ def make_synthetic_images(
 
 
 class SyntheticDataModule(ImageDataModule):
-    """Generated, labelled images (see ``make_synthetic_images``), reproducible from ``seed``.
+    """Generated, labelled images (``make_synthetic_images``), reproducible from ``seed``.
 
     Args:
         num_samples: training images.
-        num_test_samples: test images (drawn with a different stream of the same seed).
+        num_test_samples: test images (drawn with another stream of the same seed; 0: no test split).
         num_classes: number of classes.
         img_size: image side (the images are generated at this size).
         in_chans: 1 or 3.
@@ -62,15 +57,8 @@ class SyntheticDataModule(ImageDataModule):
     dataset_mean = (0.5,)
     dataset_std = (0.25,)
 
-    def __init__(
-        self,
-        num_samples: int = 1024,
-        num_test_samples: int = 256,
-        num_classes: int = 10,
-        img_size: int = 32,
-        in_chans: int = 3,
-        **kwargs,
-    ) -> None:
+    def __init__(self, num_samples: int = 1024, num_test_samples: int = 256, num_classes: int = 10, img_size: int = 32,
+                 in_chans: Literal[1, 3] = 3, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
         self.num_samples = num_samples
         self.num_test_samples = num_test_samples
@@ -83,6 +71,6 @@ class SyntheticDataModule(ImageDataModule):
         n = self.num_samples if train else self.num_test_samples
         if n == 0 and not train:
             return None
-        images, labels = make_synthetic_images(n, self.img_size, self.in_chans, self.num_classes,
-                                               seed=2 * self.seed + (0 if train else 1))
+        # seeds 2s and 2s + 1: seed s's splits never share a stream with another seed's
+        images, labels = make_synthetic_images(n, self.img_size, self.in_chans, self.num_classes, seed=2 * self.seed + (0 if train else 1))
         return InMemoryImages(images, labels)
