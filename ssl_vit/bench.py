@@ -47,7 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssl_vit.backbones import compile_backbone, create_backbone
 from ssl_vit.errors import one_line
+from ssl_vit.flops import count_flops
 from ssl_vit.io import read_json
 from ssl_vit.runtime import allocator_note, keep_freed_memory
 
@@ -61,6 +63,7 @@ TARGET_SPEED, TARGET_MEMORY, TARGET_BACKBONE, TARGET_MATMUL = 1.0, 1.0, 0.95, 0.
 VIT_S16 = {"embed_dim": 384, "depth": 12, "num_heads": 6, "patch_size": 16, "mlp_ratio": 4.0, "in_chans": 3}
 VIT_TI16 = {**VIT_S16, "embed_dim": 192, "num_heads": 3}
 _VIT_NAMES = {(192, 12, 3): "Ti", (384, 12, 6): "S", (768, 12, 12): "B", (1024, 24, 16): "L", (1280, 32, 16): "H"}  # DeiT Table 1, ViT Table 1
+MIN_UTILIZATION = 0.75  # of the best CPU utilisation seen: below it, other load took cores away (time_interleaved)
 _SCHEDULE_STEPS = 100_000  # a long schedule: the EMA momentum stays in its realistic range while timed
 MiB = 2**20
 
@@ -148,15 +151,14 @@ def _timed(step: Callable[[], Any], device: torch.device) -> tuple[float, float]
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int, device: torch.device,
-                     min_utilization: float = 0.75) -> dict[str, Any]:
+def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int, device: torch.device) -> dict[str, Any]:
     """Time step functions against each other: ``warmup`` untimed calls of each, then rounds that
     call each once, in reverse order on odd rounds (ABBA), until ``rounds`` rounds were undisturbed
     (at most ``2 * rounds + 1``).
 
     Disturbed: on a shared CPU a step loses cores to another job, and its utilisation
     ``cpu / (wall * threads)`` drops (to about half when it loses one of two). A small step never
-    keeps every core busy, so a round counts when each step reached ``min_utilization`` of the
+    keeps every core busy, so a round counts when each step reached ``MIN_UTILIZATION`` of the
     best utilisation seen for it (warm-up calls after the first included; capped at 1). With too
     few such rounds all count and the result says ``disturbed``. On CUDA every round counts.
     Returns per name ``step_s``, ``cpu_utilization``, ``median_step_s`` over the counted rounds;
@@ -178,7 +180,7 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: i
             walls[name].append(wall)
             utils[name].append(cpu / (wall * threads))
             best[name] = max(best[name], utils[name][-1])
-        if device.type == "cuda" or all(utils[n][r] >= min_utilization * min(best[n], 1.0) for n in names):
+        if device.type == "cuda" or all(utils[n][r] >= MIN_UTILIZATION * min(best[n], 1.0) for n in names):
             kept.append(r)
         r += 1
     disturbed = len(kept) < rounds
@@ -252,8 +254,7 @@ def saved_activation_bytes(step: Callable[[], Any], params: Sequence[Tensor]) ->
     return sum(storages.values())
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 10,
-                min_utilization: float = 0.75) -> dict[str, Any]:
+def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> dict[str, Any]:
     """FLOP/s of ``[m, k] @ [k, n]`` (2·m·k·n FLOPs): the best of ``repeats`` products that kept
     every thread busy (up to ``4 * repeats`` tried); the best, because other load only lowers it."""
     gen = torch.Generator().manual_seed(0)
@@ -267,7 +268,7 @@ def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device
     while len(kept) < repeats and len(times) < 4 * repeats:
         wall, cpu = _timed(lambda: torch.mm(a, b, out=out), device)
         times.append(wall)
-        if device.type == "cuda" or cpu >= min_utilization * wall * threads:
+        if device.type == "cuda" or cpu >= MIN_UTILIZATION * wall * threads:
             kept.append(wall)
     return {"mkn": [m, k, n], "flops_per_s": 2.0 * m * k * n / min(kept or times), "disturbed": not kept, "tries": len(times)}
 
@@ -334,7 +335,6 @@ def row_label(row: str, cfg: BenchConfig) -> str:
 
 def _ours(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
     """Our model of ``row``, its loss and its EMA update."""
-    from ssl_vit.backbones import create_backbone
     from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
     if row == "backbone":
@@ -392,9 +392,9 @@ def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int]
         with warnings.catch_warnings():  # lightly's head still uses the deprecated nn.utils.weight_norm
             warnings.simplefilter("ignore", FutureWarning)
             # two heads, the teacher's loaded from the student's: deepcopy fails on weight_norm's non-leaf weight
-            heads = [heads.DINOProjectionHead(d, cfg.dino_hidden_dim, cfg.dino_bottleneck_dim, cfg.dino_out_dim, batch_norm=False) for _ in range(2)]
-        heads[1].load_state_dict(heads[0].state_dict())
-        m = nn.ModuleDict({"student_backbone": vit, "student_head": heads[0], "teacher_backbone": copy.deepcopy(vit), "teacher_head": heads[1],
+            student, teacher = (heads.DINOProjectionHead(d, cfg.dino_hidden_dim, cfg.dino_bottleneck_dim, cfg.dino_out_dim, batch_norm=False) for _ in range(2))
+        teacher.load_state_dict(student.state_dict())
+        m = nn.ModuleDict({"student_backbone": vit, "student_head": student, "teacher_backbone": copy.deepcopy(vit), "teacher_head": teacher,
                            "criterion": DINOLoss(output_dim=cfg.dino_out_dim, warmup_teacher_temp=0.04, teacher_temp=0.04)})
 
         def loss(views: list[Tensor], labels: Tensor) -> Tensor:
@@ -438,17 +438,15 @@ def workload(row: str, impl: Literal["ours", "peer"], cfg: BenchConfig, device: 
     ``torch.compile`` (inductor), as ``compile_backbone: true`` trains them."""
     from timm.models.vision_transformer import VisionTransformer
 
-    from ssl_vit.backbones import compile_backbone
-
     gen = torch.Generator().manual_seed(cfg.seed)
     views = [torch.randn(shape, generator=gen).to(device) for shape in row_views(row, cfg)]
     labels = torch.randint(0, cfg.num_classes, (views[0].shape[0],), generator=gen).to(device)
     model, loss_fn, update = (_ours if impl == "ours" else _peer)(row, cfg)
     model.to(device).train()
-    if compile and impl == "ours":
-        compile_backbone(model, "inductor") if row == "backbone" else model.compile_backbones("inductor")
-    elif compile:
-        for vit in [m for m in model.modules() if isinstance(m, VisionTransformer)]:
+    if compile and impl == "ours" and row != "backbone":
+        model.compile_backbones("inductor")  # its backbone, momentum encoder, teacher
+    elif compile:  # our bare ViT, or each of the peer's timm ViTs
+        for vit in [model] if impl == "ours" else [m for m in model.modules() if isinstance(m, VisionTransformer)]:
             compile_backbone(vit, "inductor")
     optimizer = None
     if row != "backbone":
@@ -541,8 +539,6 @@ def memory_job(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> dic
     """Peak memory of one side alone: its model, the optimiser state (made by the first step), the
     activations of ``memory_steps`` steps. Then one step whose saved tensors are counted and one
     under FlopCounterMode."""
-    from ssl_vit.flops import count_flops
-
     device = torch.device(cfg.device)
     with peak_memory(device) as out:
         work = workload(row, impl, cfg, device)
