@@ -1,24 +1,23 @@
-"""Weights from elsewhere into our backbones: one filter function, as timm's
-``checkpoint_filter_fn``, and a strict loader whose errors fit on one line.
+"""Weights from elsewhere into our backbones: one filter, as timm's ``checkpoint_filter_fn``, and a
+strict loader whose errors fit on one line.
 
-Layouts understood by :func:`filter_foreign_state_dict`:
+:func:`filter_foreign_state_dict` reads
 
-* timm ViT state dicts (our parameter names are timm's): ``head.*`` and ``fc_norm.*`` dropped;
-  a position embedding without the class-token position (timm ``no_embed_class=True``) gets a
-  zero entry for it, which is the same model (the [CLS] token then carries no position).
-* the official DINO checkpoints: ``{"teacher": ..., "student": ...}`` with ``backbone.`` /
-  ``module.backbone.`` prefixes (``--checkpoint_key teacher`` by default), and the released
-  backbone-only files (plain timm layout).
-* the official MoCo v3 checkpoints: ``state_dict`` with ``module.base_encoder.`` /
-  ``module.momentum_encoder.`` prefixes; their ``head.*`` is the projector and is dropped
-  (reference ``convert_to_deit.py``).
-* ``{"model": ...}`` wrappers (DeiT, MAE), ``module.`` (DistributedDataParallel) prefixes,
-  torchvision ResNets (``fc.*`` dropped), and our own Lightning / export state dicts (a DINO
-  state dict gives its ``teacher_backbone.*`` unless the student is asked for, as its checkpoint).
+* timm ViT state dicts (our parameter names are timm's), ``head.*`` and ``fc_norm.*`` dropped; a
+  position table without the class token's entry (timm ``no_embed_class=True``) gets a zero one,
+  the same model ([CLS] then carries no position);
+* official DINO checkpoints, ``{"teacher": ..., "student": ...}`` with ``backbone.`` /
+  ``module.backbone.`` prefixes (the teacher by default, as its ``--checkpoint_key``), and the
+  released backbone-only files (timm's layout);
+* official MoCo v3 checkpoints, a ``state_dict`` with ``module.base_encoder.`` /
+  ``module.momentum_encoder.`` prefixes whose ``head.*`` is the projector (dropped, as reference
+  ``convert_to_deit.py`` does);
+* ``{"model": ...}`` wrappers (DeiT, MAE), ``module.`` (DDP) prefixes, torchvision ResNets
+  (``fc.*`` dropped) and our own checkpoints' state dicts (DINO's gives its teacher by default).
 
-Then, whatever the source: the position embedding is resampled (bicubic, ViT paper §3.2) when its
-grid differs from the model's, and the patch projection is adapted (timm's ``adapt_input_conv``)
-when the channel count differs, e.g. RGB weights for grey images.
+Whatever the source, the position table is resampled (bicubic, ViT paper §3.2) to the model's grid
+and the first convolution adapted to its channel count (timm's ``adapt_input_conv``: RGB filters
+summed for grey images).
 """
 
 from __future__ import annotations
@@ -32,132 +31,88 @@ from torch import Tensor, nn
 
 from ssl_vit.backbones.pos_embed import resample_pos_embed, sincos_2d_pos_embed
 
-# Classifier / projector parameters that a backbone never has (timm head and fc_norm,
-# torchvision fc, DINO / MoCo v3 heads).
+# Classifier and projector parameters no backbone has (timm's head and fc_norm, torchvision's fc).
 _DROP_PREFIXES = ("head.", "fc_norm.", "fc.", "pre_logits.")
+_MOCO_BASE = ("module.base_encoder.", "base_encoder.")
 
 
-def _select_prefix(sd: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any] | None:
+def _select(sd: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any] | None:
+    """The keys under the first of ``prefixes`` that has any, the prefix stripped."""
     for prefix in prefixes:
-        sub = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-        if sub:
+        if sub := {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}:
             return sub
     return None
 
 
-_TEACHER_PREFIXES = ("teacher_backbone.", "module.teacher_backbone.")
-
-
-def _is_official_dino(obj: Mapping[str, Any]) -> bool:
-    return "teacher" in obj or "student" in obj  # main_dino.py's save_dict
-
-
 def _inner(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     """The state dict inside a MoCo v3 / Lightning / DeiT / MAE wrapper (else ``obj``)."""
-    for key in ("state_dict", "model"):
-        if isinstance(obj.get(key), Mapping):
-            return obj[key]
-    return obj
+    return next((obj[k] for k in ("state_dict", "model") if isinstance(obj.get(k), Mapping)), obj)
 
 
 def default_encoder(obj: Mapping[str, Any]) -> str | None:
-    """The encoder :func:`filter_foreign_state_dict` gives when none is asked for, where the
-    weights hold two: DINO's teacher (the official checkpoints' ``teacher`` entry, our
-    ``teacher_backbone.*``), as DINO evaluates it and as our checkpoints default to; None
-    otherwise (one encoder, or MoCo v3's base encoder, the default's own name)."""
-    if _is_official_dino(obj) or any(str(k).startswith(_TEACHER_PREFIXES) for k in _inner(obj)):
-        return "teacher"
-    return None
+    """``teacher`` for DINO's weights (official or ours), the encoder DINO evaluates; None for
+    anything else (one encoder, or MoCo v3's base encoder, the default's own name)."""
+    official = "teacher" in obj or "student" in obj  # main_dino.py's save_dict
+    return "teacher" if official or _select(_inner(obj), ("teacher_backbone.", "module.teacher_backbone.")) else None
 
 
 def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
-    """Container and prefixes -> the encoder's own keys."""
+    """Container and prefixes -> the keys of the encoder ``which`` (see the module docstring)."""
     which = which or default_encoder(obj)
-    official_dino = _is_official_dino(obj)
-    if official_dino:
+    if "teacher" in obj or "student" in obj:  # official DINO: its entry holds the encoder as backbone.*
         key = "student" if which == "student" else "teacher"
+        if which not in (None, "student", "teacher"):
+            raise ValueError(f"which={which!r} but this DINO checkpoint holds a teacher and a student")
         if key not in obj:
             raise ValueError(f"DINO checkpoint has no {key!r} entry (it has {', '.join(map(str, obj))})")
-        obj = obj[key]
+        obj, which = obj[key], None
     sd = {k: v for k, v in _inner(obj).items() if isinstance(v, Tensor)}
-    if which == "momentum":
-        picked = _select_prefix(sd, ("module.momentum_encoder.", "momentum_encoder.", "momentum_backbone."))
-        if picked is None:
-            raise ValueError("which='momentum' but the state dict has no momentum encoder (momentum_encoder.* keys)")
+    if which not in (None, "student"):  # teacher_backbone.*, momentum_backbone.* (official: momentum_encoder.*), NAME_backbone.*
+        prefixes = (f"{which}_backbone.", f"module.{which}_backbone.") + (("momentum_encoder.", "module.momentum_encoder.") if which == "momentum" else ())
+        if (picked := _select(sd, prefixes)) is None:
+            moco = which == "teacher" and _select(sd, _MOCO_BASE)
+            hint = "; this is a MoCo v3 checkpoint: choose student (its base encoder) or momentum" if moco else ""
+            raise ValueError(f"which={which!r} but the state dict has no {' / '.join(p + '*' for p in prefixes[::2])} weights{hint}")
         return picked
-    moco_base = ("module.base_encoder.", "base_encoder.")  # official MoCo v3
-    if which == "teacher":
-        picked = _select_prefix(sd, _TEACHER_PREFIXES)
-        if picked is not None:
-            return picked
-        # Only an official DINO checkpoint's "teacher" entry (chosen above) holds the teacher as
-        # backbone.*; anywhere else backbone.* is the online encoder, not what was asked for.
-        if not official_dino:
-            if _select_prefix(sd, moco_base) is not None:
-                raise ValueError("which='teacher' but this is a MoCo v3 checkpoint; choose student (base encoder) or momentum")
-            raise ValueError("which='teacher' but the state dict has no teacher backbone (teacher_backbone.* keys; "
-                             "only DINO's checkpoints hold one); choose student")
-    elif which not in (None, "student"):  # a method's own NAME_backbone
-        picked = _select_prefix(sd, (f"{which}_backbone.", f"module.{which}_backbone."))
-        if picked is None:
-            raise ValueError(f"which={which!r} but the state dict has no {which}_backbone.* weights")
-        return picked
-    picked = _select_prefix(sd, moco_base)
-    if picked is not None:
+    if (picked := _select(sd, _MOCO_BASE)) is not None:
         return picked
     if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module.") :]: v for k, v in sd.items()}
-    return _select_prefix(sd, ("backbone.",)) or sd  # DINO heads / our probe live beside backbone.*
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return _select(sd, ("backbone.",)) or sd  # DINO's heads and our probe live beside backbone.*
 
 
-def _grid_of(tokens: int) -> tuple[int, int] | None:
+def _square(tokens: int) -> tuple[int, int] | None:
     side = math.isqrt(tokens)
-    return (side, side) if side * side == tokens and side > 0 else None
+    return (side, side) if side and side * side == tokens else None
 
 
-def _fit_pos_embed(pos: Tensor, model: nn.Module, source_grid: tuple[int, int] | None = None) -> Tensor:
-    """Bring a ``[1, T, D]`` position embedding to the model's prefix count and grid;
-    ``source_grid``: the grid it was made for when known (else a square one is inferred)."""
-    target = model.pos_embed
-    if pos.shape == target.shape:
-        return pos
-    if pos.ndim != 3 or pos.shape[-1] != target.shape[-1]:
-        return pos  # another width: the strict load reports it with every other mismatch
-    prefix = int(getattr(model, "num_prefix_tokens", 1))
-    if getattr(model, "pos_embed_type", "learn") == "sincos":  # a fixed table: recompute it for the grid
+def _fit_pos_embed(pos: Tensor, model: nn.Module, source_grid: tuple[int, int] | None) -> Tensor:
+    """A ``[1, T, D]`` position table brought to the model's grid from ``source_grid`` (the grid
+    it was trained at when recorded, e.g. a non-square one; else a square grid is inferred)."""
+    target, prefix = model.pos_embed, int(getattr(model, "num_prefix_tokens", 1))
+    if pos.shape == target.shape or pos.ndim != 3 or pos.shape[-1] != target.shape[-1]:
+        return pos  # (another width: the strict load names it with every other mismatch)
+    if getattr(model, "pos_embed_type", "learn") == "sincos":  # a fixed function of the grid (MoCo v3 §4.2): recomputed
         return sincos_2d_pos_embed(target.shape[-1], tuple(model.grid_size), prefix).to(pos.dtype)
-    if source_grid is not None and prefix + source_grid[0] * source_grid[1] == pos.shape[1]:
-        return resample_pos_embed(pos, tuple(model.grid_size), tuple(source_grid), prefix)
-    if _grid_of(pos.shape[1] - prefix) is None and _grid_of(pos.shape[1]) is not None:
-        # No class-token position (timm no_embed_class): [CLS] got no position, i.e. zeros.
-        pos = torch.cat([pos.new_zeros(1, prefix, pos.shape[-1]), pos], dim=1)
-    old_grid = _grid_of(pos.shape[1] - prefix)
-    if old_grid is None:
-        raise ValueError(f"position embedding with {pos.shape[1]} tokens is not {prefix} prefix + a square grid")
-    return resample_pos_embed(pos, tuple(model.grid_size), old_grid, prefix)
+    if source_grid is None or prefix + source_grid[0] * source_grid[1] != pos.shape[1]:
+        if _square(pos.shape[1] - prefix) is None and _square(pos.shape[1]) is not None:  # timm no_embed_class
+            pos = torch.cat([pos.new_zeros(1, prefix, pos.shape[-1]), pos], dim=1)
+        if (source_grid := _square(pos.shape[1] - prefix)) is None:
+            raise ValueError(f"position embedding with {pos.shape[1]} tokens is not {prefix} prefix + a square grid")
+    return resample_pos_embed(pos, tuple(model.grid_size), tuple(source_grid), prefix)
 
 
 def filter_foreign_state_dict(state_dict: Mapping[str, Any], model: nn.Module, which: str | None = None) -> dict[str, Tensor]:
-    """Map a checkpoint of another layout onto ``model``'s parameter names and shapes (see the
-    module docstring for the layouts).
-
-    Args:
-        state_dict: the loaded object: a flat state dict or one of the checkpoint containers.
-        model: the backbone the weights are for (only its names, grid and channels are read).
-        which: for checkpoints with two encoders: ``teacher`` (the default for DINO's, official
-            or ours) / ``student``, or ``momentum`` (MoCo v3; the base encoder by default).
-
-    Returns:
-        a state dict for ``model.load_state_dict(..., strict=True)``.
-    """
+    """A checkpoint of another layout (a flat state dict or one of the containers of the module
+    docstring) mapped onto ``model``'s names and shapes, for ``load_state_dict(strict=True)``.
+    ``which``: of two encoders, ``teacher`` (default for DINO's) / ``student``, or ``momentum``
+    (MoCo v3's; the base encoder by default)."""
     return fit_state_dict(_unwrap(state_dict, which), model)
 
 
 def fit_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module, source_grid: tuple[int, int] | None = None) -> dict[str, Tensor]:
-    """The shape fixes of :func:`filter_foreign_state_dict` for an already prefix-free state dict:
-    drop classifier keys the model lacks, fit the position embedding (from ``source_grid``, the
-    patch grid the weights were trained at when it is recorded, e.g. a non-square one) and the
-    input channels."""
+    """The shape fixes of :func:`filter_foreign_state_dict` for a prefix-free state dict: drop the
+    classifier keys the model lacks, fit the position table and the first convolution's channels."""
     own = model.state_dict()
     sd = {k: v for k, v in state_dict.items() if k in own or not k.startswith(_DROP_PREFIXES)}
     if "pos_embed" in sd and "pos_embed" in own:
@@ -170,26 +125,23 @@ def fit_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module, source_gr
     return sd
 
 
-def _listed(keys: list[str], limit: int = 4) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
-
-
 def load_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str, assign: bool = False) -> nn.Module:
     """``load_state_dict(strict=True)`` with a one-line error naming the source and the mismatch.
-
-    ``assign=True`` makes the loaded tensors the module's own (cast to its dtypes): how a model
-    built on the meta device gets its weights without a wasted random initialisation."""
+    ``assign=True`` makes the tensors the module's own (in its dtypes): how a model built on the
+    meta device gets its weights without a wasted random initialisation."""
     own = model.state_dict()
-    # BatchNorm counters are absent from older checkpoints and do not change the function.
+    # (BatchNorm's counters are absent from older checkpoints and do not change the function)
     missing = [k for k in own if k not in state_dict and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state_dict if k not in own]
-    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}" for k in own if k in state_dict and state_dict[k].shape != own[k].shape]
+    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state_dict and state_dict[k].shape != v.shape]
     if missing or unexpected or shapes:
+        def listed(keys: list[str], limit: int) -> str:
+            return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+        parts = [f"{what} {listed(keys, limit)}" for what, keys, limit in (("missing", missing, 4), ("unexpected", unexpected, 4),
+                                                                            ("shape mismatch", shapes, 2)) if keys]
         name = getattr(model, "backbone_name", type(model).__name__)
-        kwargs = getattr(model, "backbone_kwargs", {})
-        parts = [f"missing {_listed(missing)}" if missing else "", f"unexpected {_listed(unexpected)}" if unexpected else "", f"shape mismatch {_listed(shapes, 2)}" if shapes else ""]
-        raise ValueError(f"{source}: weights do not fit backbone {name!r} {kwargs}: {'; '.join(p for p in parts if p)}")
+        raise ValueError(f"{source}: weights do not fit backbone {name!r} {getattr(model, 'backbone_kwargs', {})}: {'; '.join(parts)}")
     state = dict(state_dict)
     if assign:
         for k, v in own.items():
