@@ -3,8 +3,9 @@ import re
 
 import pytest
 
-from ssl_vit.eval.compare import build_comparison, load_results, main
-from ssl_vit.eval.compare_figures import backbone_family, compute_ticks
+from ssl_vit.cli.compare import main
+from ssl_vit.eval.compare import build_comparison, load_results
+from ssl_vit.eval.report import backbone_family, compute_ticks
 from ssl_vit.eval.results import EvalResult
 
 BACKBONE = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}
@@ -90,7 +91,7 @@ def test_what_a_sweep_picked_is_a_column_beside_its_score_and_absent_without_swe
 
 
 def test_another_representation_is_another_row_and_another_file(tmp_path):
-    from ssl_vit.eval.run import result_path
+    from ssl_vit.eval.results import result_path
 
     def linear(method, features, top1):
         return EvalResult(method, BACKBONE, DATA, "linear", {"top1": top1}, protocol_args={"features": features})
@@ -123,17 +124,17 @@ def test_main_writes_report_and_figures(results_dir, tmp_path, capsys):
 
 def spy_on_axes(monkeypatch) -> list:
     """The axes of every figure compare draws from now on (filled as they are made)."""
-    from ssl_vit.eval import compare_figures
+    from ssl_vit.eval import report
 
     axes: list = []
-    real_figure = compare_figures._figure
+    real_figure = report._figure
 
     def spy(*args, **kwargs):
         fig, made = real_figure(*args, **kwargs)
         axes.extend(made)
         return fig, made
 
-    monkeypatch.setattr(compare_figures, "_figure", spy)
+    monkeypatch.setattr(report, "_figure", spy)
     return axes
 
 
@@ -177,8 +178,8 @@ def test_a_folder_without_records_says_why_each_file_was_skipped(tmp_path, resul
 def test_another_encoder_is_another_row_compared_with_the_same_baseline(tmp_path):
     # DINO's student beside its teacher (the default): two rows and two files, both compared
     # with the supervised row of the same backbone.
-    from ssl_vit.eval.results import chosen_encoder
-    from ssl_vit.eval.run import result_path
+    from ssl_vit.eval.results import result_path
+    from ssl_vit.export import chosen_encoder
 
     assert chosen_encoder({"method": "dino", "which": "student"}) == "student"
     assert chosen_encoder({"method": "dino", "which": "teacher"}) is None
@@ -200,7 +201,7 @@ def test_another_encoder_is_another_row_compared_with_the_same_baseline(tmp_path
 def test_metric_columns_are_in_numeric_order_and_right_aligned():
     # compare.py: top-k columns by k (top5 before top10), then the few-shot ones by shots; the
     # Markdown table right-aligns every number column.
-    from ssl_vit.eval.compare import format_markdown
+    from ssl_vit.eval.report import format_markdown
 
     cmp = build_comparison([EvalResult("dino", BACKBONE, DATA, "knn", {"top10": 0.9, "top5": 0.8, "top1": 0.5})])
     assert [c for p, c in cmp.columns] == ["top1", "top5", "top10"]
@@ -229,7 +230,7 @@ def test_compute_axis_ticks_are_few_and_round(lo, hi, want):
 
 
 def test_a_range_narrower_than_any_round_step_is_ticked_at_its_ends():
-    # compute_figures.compute_ticks promises two to six ticks: 1.05e9..1.15e9 holds only 1.1e9 of
+    # report.compute_ticks promises two to six ticks: 1.05e9..1.15e9 holds only 1.1e9 of
     # the finest round steps, so the ends are the ticks.
     assert compute_ticks(1.05e9, 1.15e9) == [1.05e9, 1.15e9]
 
@@ -239,8 +240,8 @@ def test_backbone_families_of_figure_5():
 
 
 def test_image_folder_datasets_are_told_apart_in_rows_baselines_files_and_the_compute_plot(tmp_path, monkeypatch):
-    from ssl_vit.eval import compare_figures
-    from ssl_vit.eval.run import result_path
+    from ssl_vit.eval import report
+    from ssl_vit.eval.results import result_path
 
     def record(method, train_dir, top1, flops):
         data = {"name": "imagefolder", "train_dir": train_dir, "val_dir": train_dir.replace("train", "val")}
@@ -255,7 +256,7 @@ def test_image_folder_datasets_are_told_apart_in_rows_baselines_files_and_the_co
     assert cmp.get(flowers, "linear", "Δ sup") == pytest.approx(0.90 - 0.95)
     assert len({result_path(tmp_path, r) for r in records}) == 3  # no record overwrites another on disk
     axes = spy_on_axes(monkeypatch)
-    compare_figures.plot_compute(records, tmp_path / "compute.png")
+    report.plot_compute(records, tmp_path / "compute.png")
     lines = sorted((line.get_label(), len(line.get_xdata())) for ax in axes for line in ax.get_lines())
     assert lines == [("dino, imagefolder:flowers/train", 1), ("dino, imagefolder:imagenet/train", 1),
                      ("supervised, imagefolder:flowers/train", 1)]
@@ -278,7 +279,7 @@ def knn_of(source, top1, created="2025-01-01T00:00:00", method="dino", **pretrai
 def test_each_pretraining_is_a_row_of_its_own_and_a_point_of_the_compute_plot(tmp_path, monkeypatch):
     # The same run's last.ckpt at two lengths and another run: three rows told apart by their
     # epochs, each compared with the supervised row; re-evaluating one pretraining replaces it.
-    from ssl_vit.eval import compare_figures
+    from ssl_vit.eval import report
 
     records = [knn_of("runs/a/last.ckpt", 0.70, steps=100, epochs=10, flops=1e15),
                knn_of("runs/a/last.ckpt", 0.80, steps=300, epochs=30, flops=3e15),
@@ -292,7 +293,7 @@ def test_each_pretraining_is_a_row_of_its_own_and_a_point_of_the_compute_plot(tm
     assert cmp.get(rows["vit_tiny/4 (10 ep)"], "knn", "Δ sup") == pytest.approx(0.70 - 0.85)
     assert ("supervised", "vit_tiny/4", "fashion_mnist") in cmp.rows  # one pretraining: no tag
     axes = spy_on_axes(monkeypatch)
-    compare_figures.plot_compute(cmp.results, tmp_path / "compute.png")
+    report.plot_compute(cmp.results, tmp_path / "compute.png")
     (dino_line,) = [line for line in axes[0].get_lines() if line.get_label() == "dino"]
     assert list(dino_line.get_xdata()) == [1e15, 2e15, 3e15]
 
@@ -312,7 +313,7 @@ def test_pretraining_tags_say_what_differs():
 
 
 def test_a_results_folder_keeps_each_pretrainings_record(tmp_path):
-    from ssl_vit.eval.run import result_path
+    from ssl_vit.eval.results import result_path
 
     first, longer, again = knn_of("runs/a/last.ckpt", 0.7, steps=100), knn_of("runs/a/last.ckpt", 0.8, steps=300), knn_of("runs/a/last.ckpt", 0.71, steps=100)
     other = knn_of("runs/b/last.ckpt", 0.75, steps=100)
@@ -419,7 +420,7 @@ def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_
     """Supervised runs of a ViT, a ResNet and a hybrid (the ViT paper's Figure 5 setting): no
     Δ sup column (each row would be compared with itself: all zeros), one point per run in both
     panels, and one legend for the figure with one entry per family, below the panels."""
-    from ssl_vit.eval import compare_figures
+    from ssl_vit.eval import report
 
     backbones = [{"name": "vit", "kwargs": {"patch_size": 7, "embed_dim": 128, "depth": 4, "num_heads": 4}},
                  {"name": "resnet18", "kwargs": {"num_stages": 2}},
@@ -430,7 +431,7 @@ def test_an_equal_compute_comparison_of_one_method_has_no_delta_columns_and_one_
     assert [c for c in cmp.columns if c[1].startswith("Δ")] == []
     assert sorted(r[1] for r in cmp.rows) == ["hybrid-r18-S1-D64-L4-H2", "resnet18-S2", "vit-D128-L4-H4/7"]
     axes = spy_on_axes(monkeypatch)
-    compare_figures.plot_compute(records, tmp_path / "compute.png")
+    report.plot_compute(records, tmp_path / "compute.png")
     assert [sorted(line.get_label() for line in ax.get_lines()) for ax in axes] == [["supervised, ResNet", "supervised, ViT", "supervised, hybrid"]] * 2
     assert all(ax.get_legend() is None for ax in axes)
     (legend,) = axes[0].figure.legends
@@ -447,10 +448,10 @@ def test_no_plots_writes_the_report_alone(results_dir, tmp_path, capsys):
 
 
 def test_compute_axis_is_logarithmic(results_dir, tmp_path, monkeypatch):
-    from ssl_vit.eval import compare_figures
+    from ssl_vit.eval import report
 
     axes = spy_on_axes(monkeypatch)
-    compare_figures.plot_compute(load_results([results_dir]), tmp_path / "compute.png")
+    report.plot_compute(load_results([results_dir]), tmp_path / "compute.png")
     assert axes and all(ax.get_xscale() == "log" for ax in axes)  # Figure 5: FLOPs on a log axis
 
 
@@ -495,7 +496,7 @@ def test_records_of_two_checkpoints_alike_in_all_else_are_both_kept(tmp_path):
 
 
 def test_a_checkpoints_other_encoder_is_a_line_of_its_own_in_the_compute_plot(tmp_path, monkeypatch):
-    from ssl_vit.eval import compare_figures
+    from ssl_vit.eval import report
 
     student = {**BACKBONE, "encoder": "student"}
     records = [EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.80}, pretrain={"flops": 1e15}),
@@ -504,6 +505,6 @@ def test_a_checkpoints_other_encoder_is_a_line_of_its_own_in_the_compute_plot(tm
                EvalResult("dino", {**BACKBONE, "encoder": "student"}, DATA, "knn", {"top1": 0.75}, pretrain={"flops": 2e15},
                           source="long.ckpt")]
     axes = spy_on_axes(monkeypatch)
-    compare_figures.plot_compute(records, tmp_path / "compute.png")
+    report.plot_compute(records, tmp_path / "compute.png")
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in axes for line in ax.get_lines()}
     assert lines == {"dino": ([1e15, 2e15], [80.0, 85.0]), "dino, [student]": ([1e15, 2e15], [70.0, 75.0])}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssl_vit.eval import compare, compare_figures
+from ssl_vit.eval import report
 from ssl_vit.eval.compare import build_comparison, load_results
 from ssl_vit.eval.results import MAIN_METRIC, EvalResult
 
@@ -24,14 +24,14 @@ def record(method, protocol, metrics, created="2025-01-01T00:00:00", source=None
 def axes(monkeypatch) -> list:
     """The axes of every figure compare draws during the test."""
     made: list = []
-    real = compare_figures._figure
+    real = report._figure
 
     def spy(*args, **kwargs):
         fig, ax = real(*args, **kwargs)
         made.extend(ax)
         return fig, ax
 
-    monkeypatch.setattr(compare_figures, "_figure", spy)
+    monkeypatch.setattr(report, "_figure", spy)
     return made
 
 
@@ -61,7 +61,7 @@ def test_compute_plot_draws_the_main_metric_in_percent(axes, tmp_path):
     # Hand-written expectation: points at (FLOPs, 100 x main metric); few-shot's is 5-shot.
     records = [record("dino", "knn", {"top1": 0.80, "top5": 0.99}, flops=2e15),
                record("dino", "fewshot", {"1shot": 0.40, "5shot": 0.60}, flops=2e15)]
-    assert compare_figures.plot_compute(records, tmp_path / "compute.png") is not None
+    assert report.plot_compute(records, tmp_path / "compute.png") is not None
     knn_ax, fewshot_ax = axes
     (knn_line,) = knn_ax.get_lines()
     assert list(knn_line.get_xdata()) == pytest.approx([2e15]) and list(knn_line.get_ydata()) == pytest.approx([80.0])
@@ -75,7 +75,7 @@ def test_bars_show_each_protocols_own_main_metric(axes, tmp_path):
     # accuracy (60%), not a top-1 it does not have nor its 1-shot.
     records = [record("dino", "linear", {"top1": 0.83, "top5": 0.99}), record("dino", "fewshot", {"1shot": 0.40, "5shot": 0.60})]
     cmp = build_comparison(records)
-    compare_figures.plot_bars(cmp, tmp_path / "bars.png")
+    report.plot_bars(cmp, tmp_path / "bars.png")
     (ax,) = axes
     (bars,) = ax.containers
     assert [b.get_height() for b in bars] == pytest.approx([83.0, 60.0])
@@ -96,7 +96,7 @@ def test_records_without_their_main_metric_are_left_out_not_fatal(axes, tmp_path
     assert cmp.get(sup, "knn", "Δ rand") is None
     assert cmp.get(dino, "knn", "Δ rand") == pytest.approx(0.80 - 0.70)
     assert cmp.get(dino, "fewshot", "1shot") == pytest.approx(0.40)
-    out = compare.write_report(cmp, tmp_path / "report.md")
+    out = report.write_report(cmp, tmp_path / "report.md")
     assert [p.name for p in out] == ["report.md", "report_bars.png", "report_compute.png"]
     bars_ax, compute_ax = axes  # one compute panel: k-NN (the few-shot record has no 5-shot)
     assert compute_ax.get_title() == "knn"
@@ -105,7 +105,7 @@ def test_records_without_their_main_metric_are_left_out_not_fatal(axes, tmp_path
     heights = {c.get_label(): [b.get_height() for b in c] for c in bars_ax.containers}
     assert heights == {f"dino {ROW}": pytest.approx([80.0]), f"supervised {ROW}": [], f"random {ROW}": pytest.approx([70.0])}
     # with FLOPs only on records without a main metric there is nothing to plot: no file
-    assert compare_figures.plot_compute([records[1], records[3]], tmp_path / "none.png") is None
+    assert report.plot_compute([records[1], records[3]], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 
 
@@ -129,7 +129,7 @@ def test_a_record_repeated_at_another_time_is_kept_and_the_newest_wins(tmp_path,
     assert sorted(r.created for r in records) == [old, new]
     cmp = build_comparison(records)
     assert [r.created for r in cmp.results] == [new]
-    assert f", {new})" in compare.format_markdown(cmp) and f", {old})" not in compare.format_markdown(cmp)
+    assert f", {new})" in report.format_markdown(cmp) and f", {old})" not in report.format_markdown(cmp)
     (tmp_path / "c.json").write_text((tmp_path / "a.json").read_text())
     assert len(load_results([tmp_path])) == 2
 
@@ -152,7 +152,7 @@ def test_compute_plot_tick_labels_do_not_collide_and_datasets_keep_their_line_st
                EvalResult("mocov3", BACKBONE, fm, "linear", {"top1": 0.54}, pretrain={"flops": 7.4e9}),
                EvalResult("dino", BACKBONE, folder, "knn", {"top1": 0.49}, pretrain={"flops": 1.0e10}),
                EvalResult("mocov3", BACKBONE, fm, "knn", {"top1": 0.60}, pretrain={"flops": 7.4e9})]
-    compare_figures.plot_compute(records, tmp_path / "compute.png")
+    report.plot_compute(records, tmp_path / "compute.png")
     for ax in axes:
         fig = ax.figure
         renderer = fig.canvas.get_renderer()

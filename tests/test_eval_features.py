@@ -62,14 +62,15 @@ class _NoCls(VisionTransformer):
 
     def prepare_tokens(self, x, patch_hook=None):
         tokens, grid = self.patch_embed(x)  # [B, N, D]
-        return self.pos_drop(tokens + self._pos_embed_for(grid))
+        return self.pos_drop(tokens + self._pos_embed_for(grid)[:, 1:])  # (the table less its [CLS] row)
 
 
 def test_modes_reading_cls_are_refused_for_a_backbone_without_it(data):
     x, y = data
     vit = _NoCls(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=2, global_pool="avg").eval()
     f, _ = extract_features(vit, TensorDataset(x, y), mode="avg", batch_size=4)
-    torch.testing.assert_close(f, vit(x), rtol=1e-5, atol=1e-5)  # all 16 tokens are patches
+    with torch.no_grad():
+        torch.testing.assert_close(f, vit.forward_features(x).mean(dim=1), rtol=1e-5, atol=1e-5)  # all 16 tokens are patches
     for mode in ("last4", "cls_avg"):  # would read the first patch as [CLS]
         with pytest.raises(ValueError, match=f"feature mode '{mode}' reads the \\[CLS\\] token, and this backbone has none"):
             feature_dim(vit, mode, n_last_blocks=2)
@@ -103,14 +104,14 @@ def test_resnet_only_has_pooled_features(data):
 
 
 def test_a_backbone_with_broken_weights_is_an_error_not_a_score(data):
-    from ssl_vit.eval.run import evaluate_features
+    from ssl_vit.eval.evaluate import labelled_features
 
     broken = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
     with torch.no_grad():
         broken.blocks[0].mlp.fc1.weight[0, 0] = float("nan")
-    images = TensorDataset(*data)
+    features, labels = extract_features(broken, TensorDataset(*data), batch_size=8)
     with pytest.raises(ValueError, match=r"non-finite \(NaN/Inf\) features for 11 of 11 train images"):
-        evaluate_features(broken, images, images, {"knn": {"k": 3}}, method="dino", data={"name": "synthetic"}, num_classes=3, batch_size=8)
+        labelled_features(features, labels, "train")
 
 
 def test_gathered_shares_come_back_in_dataset_order_without_the_padding(monkeypatch):
@@ -131,19 +132,19 @@ def test_gathered_shares_come_back_in_dataset_order_without_the_padding(monkeypa
     assert features.gather_in_sampler_order(3)(torch.arange(5)).tolist() == [0, 1, 2]  # one process: the first num_samples
 
 
-def test_feature_protocols_record_the_encoder_and_refuse_two_records_in_one_file(tmp_path):
-    # run.py evaluate_features: the caller's backbone record (a chosen encoder: DINO's student)
-    # is the record's, and one --out FILE.json cannot take two protocols' records.
-    from ssl_vit.eval.run import evaluate_features
+def test_feature_protocols_record_the_encoder_and_refuse_two_results_in_one_file(tmp_path):
+    # evaluate.py Evaluation.run: the backbone's chosen encoder (DINO's student) is the result's,
+    # and one --out FILE.json cannot take two protocols' results.
+    from ssl_vit.data import SyntheticDataModule
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.knn import KNNClassifier
 
     torch.manual_seed(0)
     vit = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
-    g = torch.Generator().manual_seed(0)
-    images = TensorDataset(torch.randn(11, 1, 16, 16, generator=g), torch.arange(11) % 3)
-    record = {"name": "vit_tiny", "kwargs": {"patch_size": 4}, "encoder": "student"}
-    (result,) = evaluate_features(vit, images, images, {"knn": {"k": 3}}, method="dino", data={"name": "synthetic"}, num_classes=3,
-                                  batch_size=8, backbone_record=record)
-    assert result.backbone == record and result.encoder == "student"
-    with pytest.raises(ValueError, match="2 protocols write 2 records"):
-        evaluate_features(torch.nn.Identity(), None, None, {"knn": {}, "fewshot": {}}, method="dino", data={"name": "synthetic"},
-                          num_classes=2, out_dir=tmp_path / "one.json")
+    dm = SyntheticDataModule(num_samples=12, num_test_samples=6, num_classes=3, img_size=16, in_chans=1, num_workers=0)
+    info = {"method": "dino", "which": "student", "source": "run/last.ckpt"}
+    ((result, path),) = Evaluation(["knn"], knn=KNNClassifier(k=3)).run(vit, info, dm, tmp_path, device="cpu")
+    assert result.backbone["encoder"] == "student" and result.source == "run/last.ckpt"
+    assert path.name.startswith("dino_") and "-student_" in path.name
+    with pytest.raises(ValueError, match="2 protocols write 2 results"):
+        Evaluation(["knn", "fewshot"]).run(vit, info, dm, tmp_path / "one.json")

@@ -1,5 +1,4 @@
 import math
-import re
 
 import pytest
 import torch
@@ -130,7 +129,7 @@ def test_a_sweep_picks_on_held_out_training_features_and_trains_again_on_all():
             scores[lr] = (head(xtr[held]).argmax(1) == ytr[held]).float().mean().item()
     best = max(SWEEP, key=lambda lr: scores[lr])
     assert len(set(scores.values())) > 1  # the LRs do differ here: the choice is a real one
-    assert probe.record_args == {"selected_base_lr": best, "select_top1": {f"{lr:g}": pytest.approx(s) for lr, s in scores.items()},
+    assert probe.picked == {"selected_base_lr": best, "select_top1": {f"{lr:g}": pytest.approx(s) for lr, s in scores.items()},
                                  "select_fraction": 0.2}
     assert metrics == LinearProbe(**settings, base_lr=best).evaluate(xtr, ytr, xte, yte, num_classes=4)
 
@@ -145,7 +144,7 @@ def test_a_sweep_breaks_ties_to_the_first_lr_listed_and_trains_the_last_probe_on
     for order in ([0.05, 0.2, 0.1], [0.2, 0.1, 0.05]):
         probe = LinearProbe(epochs=3, batch_size=16, base_lr=order, warmup_epochs=0)
         assert probe.evaluate(x, y, x, y)["top1"] == 1.0
-        assert set(probe.record_args["select_top1"].values()) == {1.0} and probe.record_args["selected_base_lr"] == order[0]
+        assert set(probe.picked["select_top1"].values()) == {1.0} and probe.picked["selected_base_lr"] == order[0]
         assert fitted[-1] == 90  # the picked LR's probe trains on all 90 training features, the held-out ones too
 
 
@@ -156,19 +155,8 @@ def test_the_test_split_chooses_nothing():
     for labels in (yte, (yte + 1) % 4):  # a test set the probe gets right, and one it gets wrong
         probe = LinearProbe(epochs=3, batch_size=32, base_lr=SWEEP, warmup_epochs=1)
         probe.evaluate(xtr, ytr, xte, labels, num_classes=4)
-        picked.append(probe.record_args)
+        picked.append(probe.picked)
     assert picked[0] == picked[1]
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"base_lr": [0.1, 0.1]}, "several distinct ones"),
-    ({"base_lr": []}, "give one LR"),
-    ({"base_lr": [0.1, -1.0]}, "base_lr > 0"),
-    ({"base_lr": [0.1, 1.0], "select_fraction": 0.0}, "select_fraction must be in (0, 1)"),
-])
-def test_a_sweep_that_cannot_run_is_refused_when_configured(kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        LinearProbe(**kwargs)
 
 
 def test_a_sweep_needs_examples_left_to_train_on():

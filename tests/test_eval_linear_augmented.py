@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ssl_vit import create_backbone
 from ssl_vit.backbones import VisionTransformer
-from ssl_vit.eval.linear_augmented import AugmentedLinearProbe, run_linear_augmented
-from ssl_vit.eval.train_run import EvalRunInterrupted
+from ssl_vit.eval.linear_augmented import AugmentedLinearProbe, LinearAugSettings
+from ssl_vit.eval.train_run import EvalRunInterrupted, ImageRun
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),  # lightning internals, not ours
@@ -48,7 +48,7 @@ def test_it_trains_the_head_on_frozen_features_as_the_protocol_states():
     backbone = tiny_vit()
     frozen = {k: v.clone() for k, v in backbone.state_dict().items()}
     torch.manual_seed(1)
-    probe = AugmentedLinearProbe(backbone, 3, base_lr=base_lr, batch_size=batch, warmup_epochs=1, total_steps=total,
+    probe = AugmentedLinearProbe(backbone, 3, LinearAugSettings(base_lr=base_lr, batch_size=batch, warmup_epochs=1), total_steps=total,
                                  steps_per_epoch=steps_per_epoch)
     init = {k: v.clone() for k, v in probe.head.state_dict().items()}
     _trainer(total).fit(probe, DataLoader(data, batch_size=batch))
@@ -84,17 +84,20 @@ def test_it_trains_the_head_on_frozen_features_as_the_protocol_states():
 def test_a_resnet_backbone_keeps_its_batchnorm_statistics():
     backbone = create_backbone("resnet18", in_chans=1, img_size=16, small_input=True, num_stages=1)
     stats = {k: v.clone() for k, v in backbone.state_dict().items() if "running" in k}
-    probe = AugmentedLinearProbe(backbone.train(), 3, batch_size=8, total_steps=2, steps_per_epoch=2)
+    probe = AugmentedLinearProbe(backbone.train(), 3, LinearAugSettings(batch_size=8), total_steps=2, steps_per_epoch=2)
     _trainer(2).fit(probe, DataLoader(_data(16), batch_size=8))
     assert stats and all(torch.equal(backbone.state_dict()[k], v) for k, v in stats.items())
     assert probe.head.training and not backbone.training
 
 
 def test_an_interrupted_probe_resumes_to_the_uninterrupted_head(tmp_path, monkeypatch):
-    common = {"num_classes": 3, "epochs": 2, "batch_size": 8, "accelerator": "cpu", "checkpoint_every": 1000, "features": "avg",
-              "warmup_epochs": 0.5}
     train, test = _data(24), _data(12)
-    want = run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "whole", **common)
+
+    def run_probe(run_dir, resume=False, seed=0):
+        settings = LinearAugSettings(epochs=2, batch_size=8, checkpoint_every=1000, warmup_epochs=0.5)
+        return settings.run(tiny_vit(), train, test, 3, ImageRun(accelerator="cpu", seed=seed, run_dir=run_dir, resume=resume), features="avg")
+
+    want = run_probe(tmp_path / "whole")
     whole_head = torch.load(tmp_path / "whole" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert whole_head and not any(k.startswith("backbone.") for k in whole_head)  # the head only
 
@@ -108,12 +111,12 @@ def test_an_interrupted_probe_resumes_to_the_uninterrupted_head(tmp_path, monkey
 
     monkeypatch.setattr(AugmentedLinearProbe, "training_step", signalled)
     with pytest.raises(EvalRunInterrupted, match="linear probe stopped by SIGUSR1 at step 2"):
-        run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", **common)
+        run_probe(tmp_path / "cut")
     monkeypatch.setattr(AugmentedLinearProbe, "training_step", step)
     # another seed would change the data order and crops the checkpoint's position counts in
     with pytest.raises(ValueError, match=r"started with other settings: .*seed: 0 there, 1 here"):
-        run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **{**common, "seed": 1})
-    got = run_linear_augmented(tiny_vit(), train, test, run_dir=tmp_path / "cut", resume=True, **common)
+        run_probe(tmp_path / "cut", resume=True, seed=1)
+    got = run_probe(tmp_path / "cut", resume=True)
     assert got == want
     cut_head = torch.load(tmp_path / "cut" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert cut_head.keys() == whole_head.keys() and all(torch.equal(cut_head[k], v) for k, v in whole_head.items())
@@ -128,9 +131,10 @@ def test_a_checkpoint_of_another_module_is_refused():
 def test_lars_trains_the_probe_and_the_runner_gives_the_backbone_back_as_it_was():
     # Lightning hands the optimiser a closure (forward + backward) to run inside step.
     backbone = tiny_vit()
-    metrics = run_linear_augmented(backbone, _data(24), _data(12), 3, epochs=2, batch_size=8, optimizer="lars", warmup_epochs=0)
+    lars = LinearAugSettings(epochs=2, batch_size=8, optimizer="lars", warmup_epochs=0)
+    metrics = lars.run(backbone, _data(24), _data(12), 3, ImageRun(accelerator="cpu"))
     assert metrics is not None and 0.0 <= metrics["top1"] <= 1.0
-    probe = AugmentedLinearProbe(tiny_vit(), 3, optimizer="lars", batch_size=8, total_steps=3, steps_per_epoch=3, warmup_epochs=0)
+    probe = AugmentedLinearProbe(tiny_vit(), 3, lars, total_steps=3, steps_per_epoch=3)
     before = probe.head.linear.weight.detach().clone()
     _trainer(3).fit(probe, DataLoader(_data(24), batch_size=8))
     assert not torch.equal(before, probe.head.linear.weight)
@@ -147,14 +151,14 @@ def test_a_run_dir_of_another_run_or_probe_is_refused_in_one_line(tmp_path):
         (tmp_path / run / "checkpoints").mkdir(parents=True)
         torch.save(checkpoint, tmp_path / run / "checkpoints" / "last.ckpt")
 
-    common = {"num_classes": 3, "epochs": 1, "batch_size": 8, "accelerator": "cpu", "resume": True}
+    settings = LinearAugSettings(epochs=1, batch_size=8)
     save(FineTuneModule(create_backbone("vit", img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=2), 3), "ft")
     with pytest.raises(ValueError, match=r"^--run-dir .*ft holds a fine-tuning run, not a linear probe run: choose another --run-dir$"):
-        run_linear_augmented(tiny_vit(), _data(), _data(12), run_dir=tmp_path / "ft", **common)
+        settings.run(tiny_vit(), _data(), _data(12), 3, ImageRun(accelerator="cpu", run_dir=tmp_path / "ft", resume=True))
     save(AugmentedLinearProbe(tiny_vit(), 3), "probe")  # on [CLS]; resumed on [CLS] + mean patch token
     with pytest.raises(ValueError, match=r"^--run-dir .*probe is a linear probe run of another backbone or setting: 3 weights of other shapes "
                                          r"\(e.g. head.norm.running_mean: \[32\] there, \[64\] here\); resume it"):
-        run_linear_augmented(tiny_vit(), _data(), _data(12), run_dir=tmp_path / "probe", features="cls_avg", **common)
+        settings.run(tiny_vit(), _data(), _data(12), 3, ImageRun(accelerator="cpu", run_dir=tmp_path / "probe", resume=True), features="cls_avg")
 
 
 @pytest.mark.parametrize("protocol", ["linear_aug", "finetune"])
@@ -164,11 +168,11 @@ def test_the_lr_scales_with_the_global_batch_of_every_process(protocol, monkeypa
     import ssl_vit.eval.linear_augmented as linear_augmented
 
     module = {"linear_aug": linear_augmented, "finetune": finetune}[protocol]
-    run = {"linear_aug": linear_augmented.run_linear_augmented, "finetune": finetune.run_finetune}[protocol]
+    settings = {"linear_aug": linear_augmented.LinearAugSettings, "finetune": finetune.FineTuneSettings}[protocol]
     built = []
     monkeypatch.setattr(module, "train_and_test", lambda make_module, *a, **k: built.append(make_module(10, 5, 2)) or {})
     backbone = create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2)
-    run(backbone, None, None, 3, epochs=2, batch_size=32, base_lr=0.1)
+    settings(epochs=2, batch_size=32, base_lr=0.1).run(backbone, None, None, 3)
     assert built[0].lr == pytest.approx(0.1 * 64 / 256)
 
 

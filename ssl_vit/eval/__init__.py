@@ -1,14 +1,15 @@
-"""Evaluation protocols for frozen and fine-tuned backbones (specs §4, §5).
+"""Evaluation protocols for frozen and fine-tuned backbones, and their comparison.
 
-    features = extract_features(backbone, dataset, mode="cls")      # [N, F], [N]
-    KNNClassifier().evaluate(*train, *test)                          # DINO weighted kNN
-    LinearProbe().evaluate(*train, *test)                            # MAE linear probe
-    FewShotEvaluator().evaluate(*train, *test)                       # ViT few-shot ridge
-    run_finetune(backbone, train_ds, test_ds, num_classes, epochs)   # BEiT/MAE fine-tuning
-    run_linear_augmented(backbone, train_ds, test_ds, num_classes, epochs)  # the papers' linear eval
-    EvalResult(...).to_json(path); ssl_vit.eval.compare.main([...])
+    Evaluation(protocols=["linear", "knn"]).run(backbone, info, datamodule, out="results")  # the entry point
+    features = extract_features(backbone, dataset, mode="cls")   # [N, F], [N]
+    KNNClassifier().evaluate(*train, *test)                       # DINO's weighted kNN
+    LinearProbe().evaluate(*train, *test)                         # MAE's linear probe
+    FewShotEvaluator().evaluate(*train, *test)                    # the ViT paper's few-shot ridge
+    FineTuneSettings().run(backbone, train_ds, test_ds, num_classes)   # BEiT/MAE fine-tuning
+    LinearAugSettings().run(backbone, train_ds, test_ds, num_classes)  # the papers' linear evaluation
+    build_comparison(load_results(["results/"]))                  # ssl-vit compare
 
-Names are imported lazily, so ``ssl-vit compare`` does not pay for Lightning.
+Names are imported when first used: ``ssl-vit compare`` does not load Lightning.
 """
 
 from __future__ import annotations
@@ -16,29 +17,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS: dict[str, str] = {
-    "extract_features": "features",
-    "FEATURE_MODES": "features",
-    "feature_dim": "features",
-    "KNNClassifier": "knn",
-    "LinearProbe": "linear",
-    "FewShotEvaluator": "fewshot",
-    "ridge_solve": "fewshot",
-    "FineTuneModule": "finetune",
-    "run_finetune": "finetune",
-    "param_groups_layer_decay": "finetune",
-    "set_drop_path": "finetune",
-    "AugmentedLinearProbe": "linear_augmented",
-    "run_linear_augmented": "linear_augmented",
-    "FineTuneSettings": "image_runs",
-    "LinearAugSettings": "image_runs",
-    "finetune_and_record": "image_runs",
-    "linear_aug_and_record": "image_runs",
-    "EvalResult": "results",
-    "backbone_info": "results",
-    "topk_accuracy": "metrics",
+_MODULES = {
+    "evaluate": ["Evaluation"], "features": ["extract_features", "feature_dim", "FEATURE_MODES"], "knn": ["KNNClassifier"],
+    "linear": ["LinearProbe", "LARS"], "fewshot": ["FewShotEvaluator", "ridge_solve"], "linear_augmented": ["LinearAugSettings", "AugmentedLinearProbe"],
+    "finetune": ["FineTuneSettings", "FineTuneModule", "param_groups_layer_decay", "set_drop_path"], "train_run": ["ImageRun", "EvalRunInterrupted"],
+    "results": ["EvalResult", "backbone_info", "topk_accuracy"], "compare": ["build_comparison", "load_results"], "report": ["write_report"],
 }
-
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_EXPORTS)
 
 

@@ -1,135 +1,157 @@
-"""The ``evaluate`` section of a recipe: evaluations of the backbone a run ends with, so that one
-``ssl-vit fit`` runs a whole experiment (pretraining, then the fine-tuning / linear probe / kNN /
-few-shot records that ``ssl-vit compare`` tabulates).
-
-It evaluates exactly what ``ssl-vit eval`` would: the backbone is loaded from the run's final
-``last.ckpt`` (DINO: its teacher, as ``ssl-vit eval`` defaults to), the splits are the run's
-datamodule's ``eval_datasets()``, and each protocol writes its own result record::
+"""Evaluate one backbone by several protocols: the one entry point of ``ssl-vit eval``, of the
+demo and of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after the pretraining::
 
     evaluate:
       protocols: [finetune, linear_aug, knn]
       finetune: {epochs: 100, batch_size: 32, base_lr: 5.0e-4, layer_decay: 0.65}
-      linear_aug: {epochs: 100, batch_size: 128, base_lr: 0.01}
+      linear_aug: {epochs: 100, batch_size: 128, features: last4}
       knn: {k: 20, temperature: 0.07}
 
-The protocols that train on images (``finetune``; ``linear_aug``, the papers' linear probe on
-augmented images) run on the run's devices and nodes (every process of the run takes part, as in
-``ssl-vit eval finetune --devices N``), at the run's precision, each checkpointed into
-``<default_root_dir>/<protocol>`` so that ``--resume`` continues it after an interruption; the
-frozen-feature protocols (``linear``, ``knn``, ``fewshot``) then run in process 0.
+Each protocol's settings are its own class (the signature is the config): ``LinearProbe``,
+``KNNClassifier``, ``FewShotEvaluator``, ``FineTuneSettings``, ``LinearAugSettings``. The
+protocols that train on images (``finetune``, ``linear_aug``) run first, on every process of a
+run (checkpointed, resumable); then, in process 0, the features of both splits are extracted once
+and every frozen-feature protocol (``linear``, ``knn``, ``fewshot``) reads them. Each protocol
+writes an :class:`~ssl_vit.eval.results.EvalResult` (``result_path``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Mapping
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor, nn
+from torch.utils.data import Dataset, Subset
 
-from ssl_vit.errors import unexpected_keyword_hint
+from ssl_vit.backbones import is_vit
+from ssl_vit.eval.features import FeatureMode, extract_features, feature_dim
+from ssl_vit.eval.fewshot import FewShotEvaluator
+from ssl_vit.eval.finetune import FineTuneSettings
+from ssl_vit.eval.knn import KNNClassifier
+from ssl_vit.eval.linear import LinearProbe
+from ssl_vit.eval.linear_augmented import LinearAugSettings
+from ssl_vit.eval.results import (
+    EvalResult,
+    backbone_info,
+    datamodule_name,
+    names_a_file,
+    pretraining_data,
+    result_path,
+)
+from ssl_vit.eval.train_run import ImageRun
+from ssl_vit.export import chosen_encoder
+from ssl_vit.training.checkpoint import newest_checkpoint
+from ssl_vit.training.progress import CountProgress
+
+log = logging.getLogger(__name__)
 
 Protocol = Literal["finetune", "linear_aug", "linear", "knn", "fewshot"]
-ON_IMAGES = ("finetune", "linear_aug")  # the protocols that train on images, on every process of the run
+SETTINGS = {"finetune": FineTuneSettings, "linear_aug": LinearAugSettings, "linear": LinearProbe, "knn": KNNClassifier, "fewshot": FewShotEvaluator}
+ON_IMAGES = ("finetune", "linear_aug")  # trained on images, on every process of a run
+PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# Settings that do not change a result: not recorded in it.
+NOT_RECORDED = ("picked", "device", "chunk_size", "bank_chunk_size", "progress_every_n_seconds", "checkpoint_every", "compile_backend")
 
 
-class RecipeEvaluation:
-    """Evaluations run after a finished fit (none by default).
+def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
+    """A fixed random subset of ``size`` items in dataset order (all of them when None or more)."""
+    if size is None or size >= len(dataset):
+        return dataset
+    return Subset(dataset, torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:size].sort().values.tolist())
+
+
+def labelled_classes(dataset: Any) -> int | None:
+    """How many classes the labelled images of an evaluation split (or a ``Subset`` of one) hold;
+    None when its images do not list their labels."""
+    indices = dataset.indices if isinstance(dataset, Subset) else None
+    labels = getattr(getattr(dataset.dataset if indices is not None else dataset, "source", None), "labels", None)
+    if labels is None:
+        return None
+    labels = torch.as_tensor(labels)[torch.as_tensor(list(indices), dtype=torch.long)] if indices is not None else torch.as_tensor(labels)
+    return int(labels[labels >= 0].unique().numel())
+
+
+def labelled_features(features: Tensor, labels: Tensor, split: str) -> tuple[Tensor, Tensor]:
+    """The rows with a label (an unreadable file comes labelled -1, ``ImageFiles.for_evaluation``);
+    non-finite features (a diverged checkpoint) are an error rather than a meaningless score."""
+    if bad := int((~torch.isfinite(features).all(dim=1)).sum()):
+        raise ValueError(f"the backbone gives non-finite (NaN/Inf) features for {bad} of {len(features)} {split} images: "
+                         "its weights are broken (a diverged run?); evaluate an earlier checkpoint")
+    keep = labels >= 0  # [N]
+    if not keep.any():
+        raise ValueError(f"no {split} image could be read or has a label")
+    if not keep.all():
+        log.warning("evaluating without %d unreadable or unlabelled %s images", int((~keep).sum()), split)
+    return features[keep], labels[keep]
+
+
+class Evaluation:
+    """Evaluations of one backbone (module docstring); none by default.
 
     Args:
-        protocols: which protocols to run: ``finetune`` (every weight trained, with a new
-            classifier), ``linear_aug`` (the papers' linear probe, on augmented images through the
-            frozen backbone), and on features extracted once ``linear``, ``knn``, ``fewshot``.
+        protocols: which to run: ``finetune`` (every weight trained with a new classifier),
+            ``linear_aug`` (the papers' linear probe on augmented images through the frozen
+            backbone), and on features extracted once ``linear``, ``knn``, ``fewshot``.
         features: the representation of the linear probes and kNN: ``cls``, ``last4`` (DINO's
-            linear protocol for ViT-S), ``avg`` or ``cls_avg`` (DINO's for ViT-B).
-        which: the checkpoint's encoder to evaluate (``teacher``, ``student``, ``momentum``, or
-            ``NAME`` for a method's ``NAME_backbone``); None: the method's default (DINO's
-            teacher, otherwise the online backbone).
-        linear: arguments of ``LinearProbe`` (its defaults where not given).
-        knn: arguments of ``KNNClassifier``.
-        fewshot: arguments of ``FewShotEvaluator``.
-        finetune: arguments of ``ssl_vit.eval.image_runs.FineTuneSettings`` (epochs,
-            batch_size per process, base_lr, layer_decay, drop_path_rate, label_smoothing,
-            weight_decay, warmup_epochs, mixup_alpha, cutmix_alpha, rand_augment, random_erasing, augment, crop_scale, max_steps,
-            checkpoint_every); it fine-tunes at the run's resolution (another one:
-            ``ssl-vit eval finetune --img-size``).
-        linear_aug: arguments of ``ssl_vit.eval.image_runs.LinearAugSettings`` (epochs,
-            batch_size per process, base_lr, optimizer, warmup_epochs, crop_scale, features: its
-            own representation, e.g. DINO's ``last4`` beside kNN's ``cls``, max_steps,
-            checkpoint_every).
-        out: folder of the result records; None: ``<default_root_dir>/results``.
+            for ViT-S), ``avg`` or ``cls_avg`` (DINO's for ViT-B).
+        which: a checkpoint's encoder (``teacher``, ``student``, ``momentum``, or ``NAME`` for a
+            method's ``NAME_backbone``); None: the method's default (DINO's teacher).
+        linear, knn, fewshot, finetune, linear_aug: each protocol's settings (its defaults where
+            not given); fine-tuning runs at the data's resolution.
+        out: folder of the results (or one ``.json`` file for one protocol); None:
+            ``<default_root_dir>/results`` after a fit.
         batch_size: images per forward pass of the feature extraction.
-        train_subset: fit the probe / fill the kNN bank with a fixed random subset of this many
-            training images (None: all), drawn from the run's training split (``data.subset``
-            when the run trained on a subset).
-        test_subset: evaluate on a fixed random subset of this many test images (None: all).
-        seed: of those subsets, of the linear probe and few-shot draws, of the held-out part that
-            picks a sweep's LR or k, and of the fine-tuning.
+        train_subset: a fixed random subset of this many training images (None: all) for the
+            protocols, drawn from the run's training split (``data.subset`` when it has one).
+        test_subset: a fixed random subset of this many test images (None: all).
+        seed: of those subsets, of the runs on images, and of the protocols whose own is None.
     """
 
-    def __init__(
-        self,
-        protocols: list[Protocol] | None = None,
-        features: Literal["cls", "last4", "avg", "cls_avg"] = "cls",
-        which: str | None = None,
-        linear: dict[str, Any] | None = None,
-        knn: dict[str, Any] | None = None,
-        fewshot: dict[str, Any] | None = None,
-        finetune: dict[str, Any] | None = None,
-        linear_aug: dict[str, Any] | None = None,
-        out: str | None = None,
-        batch_size: int = 256,
-        train_subset: int | None = None,
-        test_subset: int | None = None,
-        seed: int = 0,
-    ) -> None:
-        self.protocols = list(protocols or [])
-        self.features = features
-        self.which = which
-        self.kwargs = {"finetune": dict(finetune or {}), "linear_aug": dict(linear_aug or {}), "linear": dict(linear or {}), "knn": dict(knn or {}),
-                       "fewshot": dict(fewshot or {})}
-        self.out = out
-        self.batch_size = batch_size
-        self.train_subset = train_subset
-        self.test_subset = test_subset
-        self.seed = seed
-        # Build each evaluator now: a misspelt or invalid argument fails before the training,
-        # not after it.
-        given = [p for p, kwargs in self.kwargs.items() if kwargs]  # settings of protocols not run are checked too
-        for protocol in dict.fromkeys([*self.protocols, *given]):
-            evaluator = _evaluator(protocol)
-            try:
-                built = evaluator(**self.protocol_kwargs(protocol))
-            except (TypeError, ValueError) as err:
-                hint = unexpected_keyword_hint(err, evaluator) if isinstance(err, TypeError) else ""
-                raise ValueError(f"evaluate.{protocol}: {err}{hint}") from None
-            # select_fraction only serves a sweep: without one it would be silently unused
-            swept = {"linear": ("base_lr", "base_lrs"), "knn": ("k", "ks")}.get(protocol)
-            if swept and "select_fraction" in self.kwargs[protocol] and len(getattr(built, swept[1])) == 1:
-                raise ValueError(f"evaluate.{protocol}.select_fraction: holds out training features to pick the {swept[0]} of a sweep; "
-                                 f"give {swept[0]} a list of several values, or leave select_fraction out")
-        unused = [p for p in given if p not in self.protocols]
-        if unused:
-            print(f"ssl-vit fit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols "
+    def __init__(self, protocols: list[Protocol] | None = None, features: FeatureMode = "cls", which: str | None = None,
+                 linear: LinearProbe | None = None, knn: KNNClassifier | None = None, fewshot: FewShotEvaluator | None = None,
+                 finetune: FineTuneSettings | None = None, linear_aug: LinearAugSettings | None = None, out: str | None = None,
+                 batch_size: int = 256, train_subset: int | None = None, test_subset: int | None = None, seed: int = 0) -> None:
+        self.protocols = list(dict.fromkeys(protocols or []))
+        self.features, self.which, self.out, self.batch_size = features, which, out, batch_size
+        self.train_subset, self.test_subset, self.seed = train_subset, test_subset, seed
+        given = {"linear": linear, "knn": knn, "fewshot": fewshot, "finetune": finetune, "linear_aug": linear_aug}
+        if unused := [p for p, s in given.items() if s is not None and p not in self.protocols]:
+            print(f"ssl-vit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols "
                   f"({', '.join(self.protocols) or 'none'}) does not run", file=sys.stderr)
+        self.settings: dict[str, Any] = {p: s if s is not None else SETTINGS[p]() for p, s in given.items()}
+        for p in ("linear", "knn", "fewshot"):  # the section's seed, where the protocol names none
+            if self.settings[p].seed is None:
+                self.settings[p] = replace(self.settings[p], seed=seed)
 
+    @property
+    def image_protocols(self) -> list[str]:
+        return [p for p in self.protocols if p in ON_IMAGES]
+
+    @property
+    def frozen_protocols(self) -> list[str]:
+        return [p for p in self.protocols if p not in ON_IMAGES]
+
+    # -------------------------------------------------------------- checks before a pretraining
     def check_model(self, model: Any) -> None:
-        """What can be checked against the model before training (not after hours of it): the
-        encoder ``which`` names exists in this method's checkpoints, and the backbone has the
-        representation ``features`` reads."""
+        """Before training: the encoder ``which`` names exists in the method's checkpoints, and the
+        backbone has the representations the protocols read."""
         if not self.protocols:
             return
-        from ssl_vit.eval.features import feature_dim
         from ssl_vit.export.sources import encoder_prefix, encoders_in, normalize_which
 
         which = normalize_which(self.which)
         if which is not None and not hasattr(model, encoder_prefix(which).rstrip(".")):
-            held = encoders_in([f"{name}." for name, _ in model.named_children()])
-            raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone "
-                             f"({encoder_prefix(which)}*); it holds {', '.join(held)}")
+            raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone ({encoder_prefix(which)}*); "
+                             f"it holds {', '.join(encoders_in([f'{name}.' for name, _ in model.named_children()]))}")
         reads = [("evaluate.features", self.features)] if self.frozen_protocols else []
         if "linear_aug" in self.protocols:
-            own = self.kwargs["linear_aug"].get("features")
+            own = self.settings["linear_aug"].features
             reads.append(("evaluate.linear_aug.features", own) if own else ("evaluate.features", self.features))
         for where, mode in dict.fromkeys(reads):
             try:
@@ -137,158 +159,148 @@ class RecipeEvaluation:
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
 
-    def check_data(self, datamodule: L.LightningDataModule) -> None:
-        """What the evaluators need of a training split whose size the recipe fixes (the run's
-        ``data.subset``, from which ``evaluate.train_subset`` draws), checked before the training
-        rather than after it: kNN's ``k`` neighbours and few-shot's largest number of shots of
-        every class (without a fixed size, checking would mean reading the data first); and that
-        the data has a labelled test split to score on."""
+    def check_data(self, datamodule: Any) -> None:
+        """Before training: the data has a labelled test split and a class count, and a training
+        split whose size the recipe fixes (``data.subset``, ``evaluate.train_subset``) holds kNN's
+        neighbours and few-shot's shots (without a fixed size, it would mean reading the data)."""
         if not self.protocols:
             return
-        has_test = getattr(datamodule, "has_labelled_test_split", None)
-        if callable(has_test) and not has_test():
+        name = type(datamodule).__name__
+        if not datamodule.has_labelled_test_split():
             fix = "set data val_dir to a labelled folder, or " if hasattr(datamodule, "val_dir") else ""
-            raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on; "
-                             f"{fix}set evaluate.protocols: [] to pretrain without evaluating")
-        if not getattr(datamodule, "num_classes", None):
-            raise ValueError(f"evaluate: {type(datamodule).__name__} does not say how many classes its labels have (num_classes "
-                             "is unset): a datamodule of labelled data sets num_classes (a class attribute, or in __init__), which "
-                             "the evaluations and the online probe need; or set evaluate.protocols: [] to pretrain without evaluating")
-        sizes = [n for n in (getattr(datamodule, "subset", None), self.train_subset) if n is not None]
-        if not sizes:
-            return
-        n = min(sizes)
-        whence = "data.subset" if n == getattr(datamodule, "subset", None) else "evaluate.train_subset"
-        from ssl_vit.eval.run import FEATURE_PROTOCOLS
+            raise ValueError(f"evaluate: {name} has no labelled test split to evaluate on; {fix}set evaluate.protocols: [] to pretrain without evaluating")
+        if not datamodule.num_classes:
+            raise ValueError(f"evaluate: {name} does not say how many classes its labels have (num_classes is unset): a datamodule of labelled "
+                             "data sets num_classes, which the evaluations and the online probe need; or set evaluate.protocols: [] "
+                             "to pretrain without evaluating")
+        sizes = {"evaluate.train_subset": self.train_subset, "data.subset": getattr(datamodule, "subset", None)}
+        if known := sorted((n, where) for where, n in sizes.items() if n is not None):
+            self._check_sizes(*known[0], datamodule.num_classes)
 
-        if "knn" in self.protocols:
-            knn = FEATURE_PROTOCOLS["knn"](**self.protocol_kwargs("knn"))
-            short = knn.bank_shortfall(n)
-            if short is not None:
-                if len(knn.ks) == 1:
-                    short = f"k={knn.k} neighbours, but the kNN bank holds the {n} training images of {whence}"
-                fix = f"set evaluate.knn {{k: {n}}} or fewer" if len(knn.ks) == 1 else "sweep smaller k"
-                raise ValueError(f"evaluate.knn: {short}; {fix}, or a larger {whence}")
-        num_classes = getattr(datamodule, "num_classes", None)
-        if "fewshot" in self.protocols and num_classes:
-            shots = max(FEATURE_PROTOCOLS["fewshot"](**self.protocol_kwargs("fewshot")).shots)
-            if shots * int(num_classes) > n:
-                most = n // int(num_classes)
-                fix = f"set evaluate.fewshot shots to at most {most}, or a larger {whence}" if most else f"a larger {whence}"
-                raise ValueError(f"evaluate.fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, "
-                                 f"more than the {n} of {whence}; {fix}")
+    def _check_sizes(self, n: int, where: str | None, num_classes: int) -> None:
+        """kNN's largest k and few-shot's shots of every class must fit in ``n`` training images
+        (of the recipe's ``where``; None: of the split read)."""
+        prefix, of = ("evaluate.", f" (of {where})") if where else ("", "")
+        knn, shots = self.settings["knn"], max(self.settings["fewshot"].shots)
+        if "knn" in self.protocols and (short := knn.bank_shortfall(n)) is not None:
+            fix = (f"set evaluate.knn {{k: {n}}} or fewer" if len(knn.ks) == 1 else "sweep smaller k") + f", or a larger {where}"
+            raise ValueError(f"{prefix}knn: {short}{of}" + (f"; {fix}" if where else ""))
+        if "fewshot" in self.protocols and shots * num_classes > n:
+            fix = (f"set evaluate.fewshot shots to at most {n // num_classes}, or " if n >= num_classes else "") + f"a larger {where}"
+            raise ValueError(f"{prefix}fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, "
+                             f"more than the {n}{of}" + (f"; {fix}" if where else ""))
 
-    @property
-    def frozen_protocols(self) -> list[str]:
-        """The protocols on features extracted once (run in process 0 alone)."""
-        return [p for p in self.protocols if p not in ON_IMAGES]
-
-    @property
-    def image_protocols(self) -> list[str]:
-        """The protocols that train on images (every process of the run takes part)."""
-        return [p for p in self.protocols if p in ON_IMAGES]
-
-    def run_dir(self, protocol: str, trainer: L.Trainer) -> Path:
-        """Where protocol ``protocol``'s training on the run's backbone keeps its checkpoints."""
-        return Path(trainer.default_root_dir) / protocol
-
-    def check_run_dirs(self, trainer: L.Trainer, resuming: bool) -> None:
-        """A new run must not meet an earlier run's evaluation checkpoints (they would be refused
-        after the pretraining, not before it)."""
-        if resuming:
-            return
-        from ssl_vit.training.step_checkpoint import newest_checkpoint
-
-        for protocol in self.image_protocols:
-            held = newest_checkpoint(self.run_dir(protocol, trainer) / "checkpoints")
-            if held is not None:
+    def check_run_dirs(self, root: str | Path, resuming: bool) -> None:
+        """A new run must not meet an earlier run's evaluation checkpoints (refused after the
+        pretraining otherwise)."""
+        for protocol in [] if resuming else self.image_protocols:
+            if (held := newest_checkpoint(Path(root) / protocol / "checkpoints")) is not None:
                 raise ValueError(f"evaluate.{protocol}: {held.parent} already holds the {protocol} run of an earlier pretraining "
                                  f"({held.name}): continue that run with --resume, or remove that folder first")
 
-    def train_on_images(self, protocol: str, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer,
-                        resuming: bool) -> tuple[Any, Path] | None:
-        """Run ``protocol`` (``finetune`` or ``linear_aug``) on the backbone of ``checkpoint`` on the
-        run's processes (every one calls this) and write its record; process 0 returns ``(record,
-        path)``, the others None. ``resuming``: the run was resumed, so a protocol's run it had
-        begun continues from its checkpoint."""
-        from ssl_vit.eval.image_runs import finetune_and_record, linear_aug_and_record
-        from ssl_vit.eval.results import backbone_info, chosen_encoder
+    # ----------------------------------------------------------------------------- the run
+    def after_fit(self, checkpoint: str | Path, datamodule: Any, trainer: Any, resuming: bool) -> list[EvalResult]:
+        """The recipe's evaluation of the backbone a fit ended with, on the run's processes, devices
+        and precision; the runs on images checkpoint into ``<default_root_dir>/<protocol>`` (a
+        resumed fit continues them), the results go to ``out`` or ``<default_root_dir>/results``."""
         from ssl_vit.export import load_any_backbone
-        from ssl_vit.training.step_checkpoint import newest_checkpoint
 
-        settings = _evaluator(protocol)(**self.protocol_kwargs(protocol))
-        train_ds, test_ds, num_classes = self._splits(datamodule, settings.train_views(datamodule.img_size))
         backbone, info = load_any_backbone(checkpoint, which=self.which)
-        run_dir = self.run_dir(protocol, trainer)
-        root = trainer.strategy.root_device
-        data = {**self._data_record(datamodule), "train_size": len(train_ds), "test_size": len(test_ds)}
-        common = dict(
-            img_size=datamodule.img_size, method=info.get("method") or "unknown", data_record=data, source=str(Path(checkpoint).resolve()),
-            pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)), out=self._out(trainer),
-            accelerator="gpu" if root.type == "cuda" else "cpu", devices=trainer.num_devices, num_nodes=trainer.num_nodes,
-            precision=str(trainer.precision), seed=self.seed, num_workers=int(getattr(datamodule, "num_workers", 0)), run_dir=run_dir,
-            resume=resuming and newest_checkpoint(run_dir / "checkpoints") is not None,
-        )
-        if protocol == "linear_aug":
-            return linear_aug_and_record(backbone, train_ds, test_ds, num_classes, settings, features=self.features, **common)
-        normalization = {"name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)}
-        return finetune_and_record(backbone, train_ds, test_ds, num_classes, settings, new_img_size=None, normalization=normalization, **common)
+        root, device = Path(trainer.default_root_dir), trainer.strategy.root_device
+        image_run = ImageRun("gpu" if device.type == "cuda" else "cpu", trainer.num_devices, trainer.num_nodes, str(trainer.precision),
+                             datamodule.num_workers, self.seed, resume=resuming)
+        return [r for r, _ in self.run(backbone, info, datamodule, self.out or root / "results", device=str(device), image_run=image_run,
+                                       run_dirs={p: root / p for p in ON_IMAGES})]
 
-    def _splits(self, datamodule: L.LightningDataModule, train_views: Any = None) -> tuple[Any, Any, int]:
-        eval_datasets = getattr(datamodule, "eval_datasets", None)
-        if eval_datasets is None:
-            raise ValueError(f"evaluate: {type(datamodule).__name__} has no eval_datasets() to evaluate on")
-        train_ds, test_ds = eval_datasets(train_views=train_views) if train_views is not None else eval_datasets()
-        num_classes = getattr(datamodule, "num_classes", None)
-        if test_ds is None or not num_classes:
-            raise ValueError(f"evaluate: {type(datamodule).__name__} has no labelled test split to evaluate on")
-        from ssl_vit.eval.run import subsample
+    def run(self, backbone: nn.Module, info: Mapping[str, Any], datamodule: Any, out: str | Path, *, device: str | torch.device | None = None,
+            image_run: ImageRun | None = None, run_dirs: Mapping[str, str | Path] | None = None, head: nn.Linear | None = None,
+            ) -> list[tuple[EvalResult, Path]]:
+        """Run the protocols on ``backbone`` and ``datamodule``'s ``eval_datasets()``; every process
+        of a run calls this, process 0 returns the results and their files, the others [].
 
-        return subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed), int(num_classes)
-
-    def _data_record(self, datamodule: L.LightningDataModule) -> dict[str, Any]:
-        from ssl_vit.eval.data_args import datamodule_name
-
-        data = {"name": datamodule_name(datamodule), "subset": getattr(datamodule, "subset", None)}
-        for key in ("train_dir", "val_dir"):  # an image folder's folders, as `ssl-vit eval --data-arg` records them
-            if getattr(datamodule, key, None) is not None:
-                data[key] = str(getattr(datamodule, key))
-        return {k: v for k, v in data.items() if v is not None}
-
-    def _out(self, trainer: L.Trainer) -> Path:
-        return Path(self.out) if self.out is not None else Path(trainer.default_root_dir) / "results"
-
-    def run(self, checkpoint: str | Path, datamodule: L.LightningDataModule, trainer: L.Trainer) -> list[Any]:
-        """Evaluate the backbone of ``checkpoint`` on ``datamodule``'s splits by the frozen-feature
-        protocols; returns the records."""
-        if not self.frozen_protocols:
-            return []
-        from ssl_vit.eval.results import backbone_info, chosen_encoder
-        from ssl_vit.eval.run import evaluate_features
-        from ssl_vit.export import load_any_backbone
-
+        Args:
+            info: what the results say of the backbone: ``method``, ``source``, ``pretrain``, and
+                ``which`` / ``default_which`` (``load_any_backbone``'s info).
+            out: the results' folder (or file, for one protocol).
+            device: where the features are extracted.
+            image_run: where and how the protocols on images train (its ``precision`` is the
+                extraction's too); ``run_dirs``: their checkpoint folders, by protocol (a run whose
+                folder holds a checkpoint continues with ``image_run.resume``).
+            head: the classifier fine-tuning trains in place (None: a new one).
+        """
+        image_run = image_run or ImageRun(seed=self.seed)
+        if len(self.protocols) > 1 and names_a_file(out):
+            raise ValueError(f"{len(self.protocols)} protocols write {len(self.protocols)} results: the output (--out) must be a folder, not the file {out}")
+        data = {"name": datamodule_name(datamodule), **{k: str(getattr(datamodule, k)) for k in ("train_dir", "val_dir") if getattr(datamodule, k, None)}}
+        if getattr(datamodule, "subset", None):
+            data["subset"] = datamodule.subset
+        pretrain = {**(info.get("pretrain") or {}), "data": pretraining_data((info.get("pretrain") or {}).get("data"))}
+        common = dict(method=str(info.get("method") or "unknown"), backbone=backbone_info(backbone, chosen_encoder(info)),
+                      pretrain={k: v for k, v in pretrain.items() if v is not None}, source=str(info.get("source") or "random"))
+        results = []
+        for protocol in self.image_protocols:
+            s = self.settings[protocol]
+            train_ds, test_ds, num_classes = self._splits(datamodule, s.train_views(datamodule.img_size))
+            run_dir = Path(run_dirs[protocol]) if run_dirs and run_dirs.get(protocol) else None
+            resume = image_run.resume and run_dir is not None and newest_checkpoint(run_dir / "checkpoints") is not None
+            place = replace(image_run, run_dir=run_dir, resume=resume)
+            origin = {"pretrain_steps": common["pretrain"].get("steps")}
+            args = {k: v for k, v in asdict(s).items() if k not in NOT_RECORDED}
+            args.update(crop_scale=(scale := s.scale_for(datamodule.img_size)) and list(scale), max_steps=None if s.max_steps == -1 else s.max_steps,
+                        seed=place.seed, precision=place.precision, devices=place.device_count, num_nodes=place.num_nodes)
+            if protocol == "finetune":
+                new_size = datamodule.img_size if is_vit(backbone) and tuple(backbone.img_size) != (datamodule.img_size,) * 2 else None
+                run_info = {"method": f"{common['method']}+finetune", "data": {"name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)}}
+                metrics = s.run(backbone, train_ds, test_ds, num_classes, place, head=head, run_info=run_info, origin=origin, img_size=new_size)
+                args["img_size"] = new_size
+            else:
+                args["features"] = s.features or self.features
+                metrics = s.run(backbone, train_ds, test_ds, num_classes, place, features=self.features, origin=origin)
+            if metrics is None:
+                return []  # another process of a distributed run: process 0 tests and writes the result
+            results.append(self._write(EvalResult(**common, data={**data, "train_size": len(train_ds), "test_size": len(test_ds)},
+                                                  protocol=protocol, metrics=metrics, protocol_args=args), out))
+        if not self.frozen_protocols or rank_zero_only.rank != 0:
+            return results
         train_ds, test_ds, num_classes = self._splits(datamodule)
-        backbone, info = load_any_backbone(checkpoint, which=self.which)
-        return evaluate_features(
-            backbone, train_ds, test_ds, {p: self.protocol_kwargs(p) for p in self.frozen_protocols},
-            method=info.get("method") or "unknown", data=self._data_record(datamodule), num_classes=num_classes, feature_mode=self.features, batch_size=self.batch_size,
-            num_workers=int(getattr(datamodule, "num_workers", 0)), device=str(trainer.strategy.root_device),
-            source=str(Path(checkpoint).resolve()), pretrain=info.get("pretrain") or {}, backbone_record=backbone_info(backbone, chosen_encoder(info)),
-            out_dir=self._out(trainer),
-        )
+        if device is not None:
+            backbone = backbone.to(device)
 
-    def protocol_kwargs(self, protocol: str) -> dict[str, Any]:
-        """The evaluator's arguments: the recipe's, with this section's seed where it takes one."""
-        seeded = {"seed": self.seed} if protocol in ("linear", "knn", "fewshot") else {}
-        return {**seeded, **self.kwargs[protocol]}
+        def features_of(dataset: Dataset, split: str) -> tuple[Tensor, Tensor]:
+            progress = CountProgress(f"features ({split})", total=len(dataset))  # a line a minute while it runs
+            return labelled_features(*extract_features(backbone, dataset, self.features, self.batch_size, datamodule.num_workers, device=device,
+                                                       autocast_dtype=PRECISIONS[image_run.precision], progress=progress), split)
 
+        train_f, train_l = features_of(train_ds, "train")  # [N, F], [N]
+        test_f, test_l = features_of(test_ds, "test")  # [M, F], [M]
+        data = {**data, "train_size": len(train_l), "test_size": len(test_l)}
+        for protocol in self.frozen_protocols:
+            s = self.settings[protocol]
+            metrics = s.evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
+            args = {**{k: v for k, v in asdict(s).items() if k not in NOT_RECORDED}, **getattr(s, "picked", {}), "features": self.features,
+                    "precision": image_run.precision}
+            results.append(self._write(EvalResult(**common, data=data, protocol=protocol, metrics=metrics, protocol_args=args), out))
+        return results
 
-def _evaluator(protocol: str) -> Any:
-    """The class a protocol's settings construct (and are checked by)."""
-    if protocol in ON_IMAGES:
-        from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings
+    @staticmethod
+    def _write(result: EvalResult, out: str | Path) -> tuple[EvalResult, Path]:
+        return result, result.to_json(result_path(out, result))
 
-        return FineTuneSettings if protocol == "finetune" else LinearAugSettings
-    from ssl_vit.eval.run import FEATURE_PROTOCOLS
-
-    return FEATURE_PROTOCOLS[protocol]
+    def _splits(self, datamodule: Any, train_views: Any = None) -> tuple[Dataset, Dataset, int]:
+        """The (train, test) evaluation splits, subsampled, and the class count; a missing test
+        split, a split of one class and a training split too small for the protocols are refused
+        here, before any feature or training."""
+        train_ds, test_ds = datamodule.eval_datasets(train_views=train_views)
+        name, num_classes = datamodule_name(datamodule), datamodule.num_classes
+        if test_ds is None or not num_classes:
+            hint = " (an image folder needs val_dir)" if hasattr(datamodule, "val_dir") else ""
+            raise ValueError(f"{name}: no labelled test split to evaluate on{hint}")
+        train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
+        for split, dataset, folder in (("training", train_ds, "train_dir"), ("test", test_ds, "val_dir")):
+            classes = labelled_classes(dataset)
+            if (split == "training" and num_classes < 2) or (classes is not None and classes < 2):
+                held, where = num_classes if classes is None else classes, getattr(datamodule, folder, None)
+                raise ValueError(f"{name}: the {split} images{f' ({where})' if where else ''} are of {held} class{'' if held == 1 else 'es'}; "
+                                 "evaluation needs at least 2 classes")
+        self._check_sizes(len(train_ds), None, num_classes)
+        return train_ds, test_ds, int(num_classes)

@@ -1,19 +1,21 @@
-"""The training run of the evaluators that train on images (fine-tuning, the linear probe on
+"""The training run of the evaluations that train on images (fine-tuning, the linear probe on
 augmented images): a Lightning Trainer over a resumable, seeded training order, then the test.
 
-With ``run_dir``, the run is checkpointed (atomically) into ``<run_dir>/checkpoints`` every
-``checkpoint_every`` steps and at the end, a SIGTERM / SIGUSR1 saves after the current step and
-raises :class:`EvalRunInterrupted`, and ``resume=True`` continues from the newest checkpoint
-there to the weights the uninterrupted run would have reached (the data order, augmentations and
-random draws are functions of the position in training).
+With a ``run_dir`` the run is checkpointed (atomically) into ``<run_dir>/checkpoints`` every
+``checkpoint_every`` steps and at the end; a SIGTERM / SIGUSR1 saves after the current step and
+raises :class:`EvalRunInterrupted`, and ``resume`` continues from the newest checkpoint there to
+the weights the uninterrupted run reaches (data order, augmentations and random draws are
+functions of the position in training). A resume is refused, in one line saying why, from a
+checkpoint of another kind of run, of another backbone, or of a run started with other settings.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -26,56 +28,80 @@ from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.data.datasets import TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler, SeededIndex
 from ssl_vit.runtime import release_process_group
-from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+from ssl_vit.training.checkpoint import (
+    AtomicCheckpointIO,
+    StepCheckpoint,
+    load_record,
+    newest_checkpoint,
+)
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.progress import ProgressLog
-from ssl_vit.training.step_checkpoint import StepCheckpoint, load_record, newest_checkpoint
 
-ModuleFactory = Callable[[int, int, int], L.LightningModule]
-"""``(total_steps, steps_per_epoch, world_size) -> module``: the module to train, its LR schedule
-sized by the run (known before a resumed run restores its position in the data) and its LR
-scaled by the global batch (``batch_size`` per process x ``world_size`` processes)."""
+SETTINGS_KEY = "ssl_vit_run"  # a checkpoint's record of the settings its run was started with
+
+
+@dataclass
+class ImageRun:
+    """Where and how a run on images trains: Lightning's ``accelerator``, ``devices`` (processes
+    on this machine, DDP; ``batch_size`` is per process), ``num_nodes`` and ``precision``; data
+    workers; the seed of its order and draws; its checkpoints' ``run_dir`` and ``resume``."""
+
+    accelerator: str = "auto"
+    devices: int | list[int] = 1
+    num_nodes: int = 1
+    precision: str = "32-true"
+    num_workers: int = 0
+    seed: int = 0
+    run_dir: str | Path | None = None
+    resume: bool = False
+
+    @property
+    def device_count(self) -> int:
+        return self.devices if isinstance(self.devices, int) else len(self.devices)
+
+
+class RunSettings(Protocol):  # FineTuneSettings, LinearAugSettings
+    epochs: int
+    batch_size: int
+    max_steps: int
+    checkpoint_every: int
+
+
+class EvalRunInterrupted(RuntimeError):
+    """A signal stopped a run on images after a step; its state is in ``checkpoint`` and the same
+    call with ``resume`` continues it."""
+
+    def __init__(self, what: str, signal_name: str, step: int, checkpoint: Path, rank: int = 0) -> None:
+        super().__init__(f"{what} stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
+        self.signal_name, self.step, self.checkpoint, self.rank = signal_name, step, checkpoint, rank
 
 
 def drop_unlabelled_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """A batch without its items labelled -1 (an evaluation split's unreadable files,
-    ``ImageFiles.for_evaluation``), on the host: they neither train nor count in the accuracy."""
+    ``ImageFiles.for_evaluation``): they neither train nor count in the accuracy."""
     x, y = batch
     keep = y >= 0  # [B]
     return batch if bool(keep.all()) else (x[keep], y[keep])
 
 
 def nothing_to_learn(module: L.LightningModule) -> Tensor | None:
-    """``training_step``'s return for a batch with nothing to learn from (its images unreadable,
-    too few for a BatchNorm): ``None``, so Lightning skips the step, on one process. Under DDP,
-    where every process must join the backward's gradient reduction (and Lightning refuses
-    ``None``), a zero that reaches every trainable parameter: this process adds a zero gradient
-    to the average, and the step goes on with the others' batches."""
-    trainer = module._trainer
-    if trainer is None or trainer.world_size <= 1:
+    """``training_step``'s return for a batch with nothing to learn from: None (Lightning skips
+    the step) on one process; under DDP, where every process must join the gradient reduction, a
+    zero reaching every trainable parameter (a zero gradient to the average)."""
+    if module._trainer is None or module._trainer.world_size <= 1:
         return None
     return torch.stack([p.sum() for p in module.parameters() if p.requires_grad]).sum() * 0.0
 
 
 def accuracy_metrics(num_classes: int) -> nn.ModuleDict:
-    """Top-1 (and top-5 with >= 5 classes) accuracy over a test pass, as ``test_top1`` ... logs them."""
-    ks = (1, 5) if num_classes >= 5 else (1,)
-    return nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ks})
+    """Top-1 (and top-5 with >= 5 classes) over a test pass, logged as ``test_top1`` ..."""
+    return nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ((1, 5) if num_classes >= 5 else (1,))})
 
 
-def log_accuracy(module: L.LightningModule, metrics: nn.ModuleDict, logits: Tensor, labels: Tensor, prefix: str) -> None:
+def log_accuracy(module: L.LightningModule, metrics: nn.ModuleDict, logits: Tensor, labels: Tensor) -> None:
     for name, metric in metrics.items():
         metric.update(logits, labels)
-        module.log(f"{prefix}_{name}", metric, on_epoch=True)
-
-
-class EvalRunInterrupted(RuntimeError):
-    """A signal (SIGTERM, SIGUSR1) stopped an evaluator's training run after a step; its state is
-    in ``checkpoint`` and the same call with ``resume=True`` continues it."""
-
-    def __init__(self, what: str, signal_name: str, step: int, checkpoint: Path, rank: int = 0) -> None:
-        super().__init__(f"{what} stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
-        self.signal_name, self.step, self.checkpoint, self.rank = signal_name, step, checkpoint, rank
+        module.log(f"test_{name}", metric, on_epoch=True)
 
 
 class _PlainIndex(Dataset):
@@ -93,141 +119,100 @@ class _PlainIndex(Dataset):
 
 
 def training_loader(train_ds: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int) -> ResumableLoader:
-    """The resumable training loader of one process: full batches only where the process's share
-    of the epoch holds more than one (else the one short batch there is, not none)."""
-    return ResumableLoader(
-        train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
-        batch_size=batch_size, drop_last=sampler.num_samples > batch_size, num_workers=num_workers,
-    )
+    """One process's resumable loader: full batches only where its share of an epoch holds more
+    than one (else the one short batch there is, not none)."""
+    return ResumableLoader(train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
+                           batch_size=batch_size, drop_last=sampler.num_samples > batch_size, num_workers=num_workers)
 
 
-def train_and_test(
-    make_module: ModuleFactory,
-    train_ds: Dataset,
-    test_ds: Dataset,
-    *,
-    what: str,
-    epochs: int,
-    batch_size: int,
-    max_steps: int = -1,
-    num_workers: int = 0,
-    accelerator: str = "auto",
-    devices: int | str = 1,
-    num_nodes: int = 1,
-    precision: str = "32-true",
-    seed: int = 0,
-    default_root_dir: str | None = None,
-    enable_progress_bar: bool = False,
-    run_dir: str | Path | None = None,
-    resume: bool = False,
-    checkpoint_every: int = 500,
-    origin: Mapping[str, Any] | None = None,
-) -> dict[str, float] | None:
-    """Train the module ``make_module`` builds on ``train_ds`` for ``epochs`` (capped at
-    ``max_steps``), then return its test metrics whose names start with ``test_top``, without
-    that prefix (``{"top1", "top5"}``). ``what`` names the run in its messages.
+def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], train_ds: Dataset, test_ds: Dataset, settings: RunSettings,
+                   run: ImageRun, what: str, origin: Mapping[str, Any] | None = None) -> dict[str, float] | None:
+    """Train ``make_module(total_steps, steps_per_epoch, world_size)`` on ``train_ds`` for
+    ``settings.epochs`` (capped at ``max_steps``), then return its test ``{"top1", "top5"}``.
 
-    With several processes (``devices`` x ``num_nodes``; DDP, Lightning starts the processes on
-    one machine as it does for ``ssl-vit fit``) ``batch_size`` is per process and each takes its
-    share of every epoch; the test runs on the whole test split in process 0, which returns the
-    metrics, while the others return None (a distributed test would pad the split to a multiple of
-    the processes and count some images twice).
-
-    ``origin``: what the trained backbone came from (its pretraining step): a resume from a
-    checkpoint of a run on other weights is refused, as one with other settings is."""
-    if epochs < 1 or batch_size < 1:
-        raise ValueError(f"need epochs >= 1 and batch_size >= 1, got {epochs} and {batch_size}")
-    if checkpoint_every < 1 or not (max_steps == -1 or max_steps >= 1):
-        raise ValueError(f"need checkpoint_every >= 1 and max_steps -1 (no cap) or >= 1, got {checkpoint_every} and {max_steps}")
-    if resume and run_dir is None:
-        raise ValueError("resume needs the run_dir of the run to continue")
-    L.seed_everything(seed, workers=True, verbose=False)
-    callbacks: list[L.Callback] = []
-    plugins: list[Any] = []
-    ckpt_path = None
-    held = None  # the checkpoint to resume from, memory-mapped, to be checked against this run
-    if run_dir is not None:
-        run_dir = Path(run_dir).expanduser().resolve()
-        ckpt_dir = run_dir / "checkpoints"
-        newest = newest_checkpoint(ckpt_dir)
+    With several processes (DDP; Lightning starts them on one machine as ``ssl-vit fit`` does)
+    each trains on its share of every epoch; process 0 alone then tests on the whole split and
+    returns the metrics, the others None (a distributed test would count padded images twice).
+    ``what`` names the run in messages; ``origin`` (the backbone's pretraining step) is kept with
+    the run's settings: a resume on the weights of another step is refused."""
+    L.seed_everything(run.seed, workers=True, verbose=False)
+    callbacks: list[L.Callback] = [ProgressLog(name=what)]
+    ckpt_path = held = None
+    if run.run_dir is not None:
+        run_dir = Path(run.run_dir).expanduser().resolve()
+        newest = newest_checkpoint(run_dir / "checkpoints")
         held = None if newest is None else read_checkpoint(newest)
-        other = None if held is None else other_run(held, what)
-        if other is not None:
-            raise ValueError(f"--run-dir {run_dir} holds {other}, not a {what} run: choose another --run-dir")
-        if resume:
-            if newest is None:
-                raise FileNotFoundError(f"resume: no {what} checkpoint in {ckpt_dir}")
-            ckpt_path = str(newest)
-        elif newest is not None:
-            raise ValueError(f"{ckpt_dir} already holds a {what} run's checkpoints (newest: {newest.name}): "
+        if held is not None and (kind := run_kind(held)) not in (None, what):
+            raise ValueError(f"--run-dir {run_dir} holds a {kind}{'' if kind.startswith('pretraining') else ' run'}, "
+                             f"not a {what} run: choose another --run-dir")
+        if run.resume and newest is None:
+            raise FileNotFoundError(f"resume: no {what} checkpoint in {run_dir / 'checkpoints'}")
+        if not run.resume and newest is not None:
+            raise ValueError(f"{run_dir / 'checkpoints'} already holds a {what} run's checkpoints (newest: {newest.name}): "
                              "continue it with --resume, or choose another --run-dir")
-        callbacks = [StepCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=checkpoint_every, keep_last=1), PreemptionCheckpoint()]
-        plugins = [AtomicCheckpointIO()]
-    if not enable_progress_bar:  # a line every minute rather than silence through a long run
-        callbacks.append(ProgressLog(name=what))
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        max_steps=max_steps,
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=run_dir is not None,
-        callbacks=callbacks,
-        plugins=plugins,
-        enable_model_summary=False,
-        enable_progress_bar=enable_progress_bar,
-        default_root_dir=str(run_dir) if run_dir is not None else default_root_dir,
-        num_sanity_val_steps=0,
-    )
+        ckpt_path = str(newest) if run.resume else None
+        callbacks += [StepCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=settings.checkpoint_every, keep_last=1),
+                      PreemptionCheckpoint()]
+    trainer = L.Trainer(max_epochs=settings.epochs, max_steps=settings.max_steps, accelerator=run.accelerator, devices=run.devices,
+                        num_nodes=run.num_nodes, precision=run.precision, logger=False, enable_checkpointing=run.run_dir is not None,
+                        callbacks=callbacks, plugins=[AtomicCheckpointIO()] if run.run_dir is not None else [], enable_model_summary=False,
+                        enable_progress_bar=False, default_root_dir=run.run_dir, num_sanity_val_steps=0)
     # The training order: shuffled per (seed, epoch), sharded over the processes, resumable.
-    sampler = ResumableSampler(train_ds, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=seed)
-    train_loader = training_loader(train_ds, sampler, batch_size, num_workers)
-    test_loader = DataLoader(test_ds, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    sampler = ResumableSampler(train_ds, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=run.seed)
+    train_loader = training_loader(train_ds, sampler, settings.batch_size, run.num_workers)
     per_epoch = max(1, len(train_loader))
-    total = epochs * per_epoch if max_steps < 0 else min(max_steps, epochs * per_epoch)
+    total = settings.epochs * per_epoch if settings.max_steps < 0 else min(settings.max_steps, settings.epochs * per_epoch)
     module = make_module(total, per_epoch, trainer.world_size)
-    # What the run was started with: a resume restores its optimiser and LR schedule, so other
-    # settings would not run, while the record would claim them.
-    settings = {"epochs": epochs, "max_steps": max_steps, "seed": seed, **dict(module.hparams),
-                **({"origin": dict(origin)} if origin is not None else {})}
-    trainer.callbacks.append(_RunSettings(settings))
+    # What the run is started with: a resume restores its optimiser and LR schedule, so other
+    # settings would not run while the result claimed them.
+    started = {"epochs": settings.epochs, "max_steps": settings.max_steps, "seed": run.seed, **dict(module.hparams),
+               **({"origin": dict(origin)} if origin is not None else {})}
+    trainer.callbacks.append(_KeepSettings(started))
     if held is not None and ckpt_path is not None:
-        difference = resume_difference(module, held)
-        trained = "was fine-tuned from another backbone" if what == "fine-tuning" else f"is a {what} run of another backbone or setting"
+        trained, difference = f"is a {what} run of another backbone or setting", resume_difference(module, held)
+        if what == "fine-tuning":
+            trained = "was fine-tuned from another backbone"
         if difference is None:
-            difference = settings_difference(held.get(_RunSettings.KEY), settings)
-            trained = f"is a {what} run started with other settings"
-        if difference is not None:  # said before Lightning loads it (and lists every key)
-            raise ValueError(f"--run-dir {run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
+            trained, difference = f"is a {what} run started with other settings", settings_difference(held.get(SETTINGS_KEY), started)
+        if difference is not None:  # said before Lightning loads it
+            raise ValueError(f"--run-dir {run.run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
     held = None  # (its file mapping closed before the run replaces the file)
     with warnings.catch_warnings():
-        if ckpt_path is not None:  # the directory holds this run's own files
-            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # (resuming: its own files)
         try:
             trainer.fit(module, train_dataloaders=train_loader, ckpt_path=ckpt_path)
         except SIGTERMException:
             pass  # stopped after the current step; PreemptionCheckpoint saved it
-    preemption = next((cb for cb in callbacks if isinstance(cb, PreemptionCheckpoint)), None)
-    if preemption is not None and preemption.stopped_by:
+    stopped = next((cb.stopped_by for cb in callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), None)
+    if stopped is not None:
         release_process_group()  # every process stopped at the same step
-        raise EvalRunInterrupted(what, preemption.stopped_by, trainer.global_step, PreemptionCheckpoint.last_path(trainer), trainer.global_rank)
+        raise EvalRunInterrupted(what, stopped, trainer.global_step, PreemptionCheckpoint.last_path(trainer), trainer.global_rank)
     if trainer.world_size > 1:
-        # Every process ended the run at the same step: the group goes (the test below is one
-        # process's, and torchmetrics would otherwise try to synchronise it with the others).
+        # Every process ended at the same step: the group goes (the test is process 0's alone,
+        # and torchmetrics would try to synchronise it with the others).
         release_process_group()
         if trainer.global_rank != 0:
             return None
-        trainer = L.Trainer(accelerator=accelerator, devices=_first_device(trainer), precision=precision, logger=False,
-                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=enable_progress_bar)
+        root = trainer.strategy.root_device
+        trainer = L.Trainer(accelerator=run.accelerator, devices=[root.index] if root.type == "cuda" else 1, precision=run.precision,
+                            logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    test_loader = DataLoader(test_ds, batch_size=settings.batch_size, shuffle=False, num_workers=run.num_workers)
     (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
     return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}
 
 
+class _KeepSettings(L.Callback):
+    """Writes the run's settings into its checkpoints (:data:`SETTINGS_KEY`)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[SETTINGS_KEY] = dict(self.settings)
+
+
 def read_checkpoint(path: Path) -> dict[str, Any] | None:
-    """A run's checkpoint, its tensors memory-mapped (not read); None when it is not one (Lightning
-    then says why it cannot load it)."""
+    """A run's checkpoint, tensors memory-mapped; None when it is not one (Lightning then says why)."""
     try:
         checkpoint = load_record(path)
     except Exception:  # not a checkpoint of this torch: left to Lightning's loading
@@ -236,81 +221,45 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def run_kind(checkpoint: Mapping[str, Any]) -> str | None:
-    """What kind of run wrote ``checkpoint``: ``"pretraining run of <method>"`` (``ssl-vit fit``),
-    ``"fine-tuning"`` (``FineTuneModule``: a method ending in ``finetune``), ``"linear probe"``
-    (``AugmentedLinearProbe``: a head without the frozen backbone); None when it does not say."""
-    record = checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
-    method = record.get("method")
+    """``"pretraining run of <method>"`` (``ssl-vit fit``), ``"fine-tuning"`` (its run info's
+    method ends in ``finetune``), ``"linear probe"`` (a head without its frozen backbone); None
+    when the checkpoint does not say."""
+    info = checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
+    method = info.get("method")
     if isinstance(method, str) and method.endswith("finetune"):
         return "fine-tuning"
-    if isinstance(method, str) and method and record.get("backbone"):
+    if isinstance(method, str) and method and info.get("backbone"):
         return f"pretraining run of {method}"
     keys = list(checkpoint["state_dict"])
-    if keys and all(k.startswith("head.") for k in keys):
-        return "linear probe"
-    return None
-
-
-def other_run(checkpoint: Mapping[str, Any], what: str) -> str | None:
-    """``"a pretraining run of MPP"`` ... when ``checkpoint`` is of another kind of run than ``what``."""
-    kind = run_kind(checkpoint)
-    return None if kind is None or kind == what else f"a {kind}" + ("" if kind.startswith("pretraining") else " run")
+    return "linear probe" if keys and all(k.startswith("head.") for k in keys) else None
 
 
 def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) -> str | None:
-    """How ``checkpoint`` differs from what ``module`` would save (its architecture and method as
-    recorded, else its weights' names and shapes); None when it can resume from it."""
+    """How ``checkpoint`` differs from what ``module`` saves (its recorded architecture and method,
+    else its weights' names and shapes); None when it can resume from it."""
     ours: dict[str, Any] = {"state_dict": module.state_dict()}
-    module.on_save_checkpoint(ours)  # what this run's checkpoints hold
+    module.on_save_checkpoint(ours)
     mine, theirs = ours.get("ssl_vit") or {}, checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
     if mine and theirs:
-        said = []
-        if theirs.get("backbone") != mine.get("backbone"):
-            said.append(f"{theirs.get('backbone')} there, {mine.get('backbone')} here")
+        said = [] if theirs.get("backbone") == mine.get("backbone") else [f"{theirs.get('backbone')} there, {mine.get('backbone')} here"]
         said += kwargs_differences(theirs.get("backbone_kwargs") or {}, mine.get("backbone_kwargs") or {})
         if theirs.get("method") != mine.get("method"):
             said.append(f"method {theirs.get('method')} there, {mine.get('method')} here")
         if said:
             return "; ".join(said)
     saved, expected = checkpoint["state_dict"], ours["state_dict"]
-    missing = [k for k in expected if k not in saved]
-    extra = [k for k in saved if k not in expected]
     reshaped = [k for k in expected if k in saved and tuple(getattr(saved[k], "shape", ())) != tuple(expected[k].shape)]
-    said = []
-    if reshaped:
-        k = reshaped[0]
-        said.append(f"{len(reshaped)} weights of other shapes (e.g. {k}: {list(saved[k].shape)} there, {list(expected[k].shape)} here)")
-    if missing:
-        said.append(f"{len(missing)} weights missing there (e.g. {missing[0]})")
-    if extra:
-        said.append(f"{len(extra)} weights this run lacks (e.g. {extra[0]})")
+    missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
+    said = [f"{len(reshaped)} weights of other shapes (e.g. {reshaped[0]}: {list(saved[reshaped[0]].shape)} there, "
+            f"{list(expected[reshaped[0]].shape)} here)"] if reshaped else []
+    said += [f"{len(missing)} weights missing there (e.g. {missing[0]})"] if missing else []
+    said += [f"{len(extra)} weights this run lacks (e.g. {extra[0]})"] if extra else []
     return "; ".join(said) or None
 
 
-class _RunSettings(L.Callback):
-    """Writes the run's settings into its checkpoints (``checkpoint["ssl_vit_run"]``)."""
-
-    KEY = "ssl_vit_run"
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[self.KEY] = dict(self.settings)
-
-
 def settings_difference(saved: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> str | None:
-    """``"base_lr: 0.0005 there, 0.05 here; ..."`` for the settings a checkpoint's run was started
-    with and this one's; None when they agree (or the checkpoint predates the record). A setting
-    the record lacks (one added in a later version) counts as agreed while it is off here (0,
-    None, False: the run was started without it)."""
+    """``"base_lr: 0.0005 there, 0.05 here; ..."``; None when they agree (or the checkpoint records
+    none). A setting the record lacks (one added later) agrees while it is off here (0, None, False)."""
     if not isinstance(saved, Mapping):
         return None
-    here = {k: v for k, v in settings.items() if k in saved or v}
-    return "; ".join(kwargs_differences(saved, here)) or None
-
-
-def _first_device(trainer: L.Trainer) -> int | list[int]:
-    """The device process 0 trained on, for a one-device trainer (CUDA: its index)."""
-    device = trainer.strategy.root_device
-    return [device.index] if device.type == "cuda" and device.index is not None else 1
+    return "; ".join(kwargs_differences(saved, {k: v for k, v in settings.items() if k in saved or v})) or None

@@ -1,0 +1,145 @@
+"""Options the commands share: the data (``--data NAME`` or a datamodule's dotted path, with
+``--data-arg KEY=VALUE`` read by the datamodule's own arguments), JSON objects, and output folders
+that must take a file before any work starts. No torch at module level: ``--help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ssl_vit.errors import (
+    annotations_of,
+    check_argument_types,
+    did_you_mean,
+    init_parameters,
+    plain_type,
+)
+from ssl_vit.eval.results import DATASETS
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object such as ``'{"img_size": 28}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as '{\"img_size\": 28}'")
+    return value
+
+
+class ArgText(str):
+    """A ``--data-arg`` value as typed: read as YAML (``64`` a number, ``true`` a flag, ``null``)
+    unless the datamodule takes text there (``train_dir=2024`` stays a folder's name)."""
+
+
+def key_value(text: str) -> tuple[str, ArgText]:
+    """An argparse type: ``KEY=VALUE``, split at the first ``=``."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), ArgText(value)
+
+
+def datamodule_class(name: str, option: str = "--data") -> type:
+    """The datamodule of a name (:data:`~ssl_vit.eval.results.DATASETS`) or of a dotted path
+    (``mypkg.data.Flowers``: an ``ImageDataModule`` subclass, with ``eval_datasets()``)."""
+    import ssl_vit.data as data
+
+    if name in DATASETS:
+        return getattr(data, DATASETS[name])
+    module, _, attr = name.rpartition(".")
+    known = f"{', '.join(sorted(DATASETS))}, or the dotted path of a datamodule class"
+    if not module:
+        raise ValueError(f"{option} {name}: not a dataset name{did_you_mean(name, DATASETS)} ({known})")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{option} {name}: cannot import it ({type(err).__name__}: {err}); {option} takes {known}") from None
+    if not isinstance(cls, type) or not hasattr(cls, "eval_datasets"):
+        raise ValueError(f"{option} {name}: not a datamodule class with eval_datasets() (an ImageDataModule subclass)")
+    return cls
+
+
+def parse_data_args(name: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, checked
+    against plain annotations (int, float, bool, str or an Optional of one)."""
+    cls = datamodule_class(name)
+    hints, values = annotations_of(cls), {}
+    for key, value in given.items():
+        if isinstance(value, ArgText):
+            kind, optional = plain_type(hints.get(key)) or (None, False)
+            if optional and value.strip() in ("null", "~", "None", ""):
+                value = None
+            elif kind is str:
+                value = str(value)
+            else:
+                value = yaml.safe_load(value)
+                if kind is float and isinstance(value, str):  # (YAML 1.1 reads 1e-3 as text)
+                    try:
+                        value = float(value)
+                    except ValueError:
+                        pass
+        values[key] = value
+    try:
+        check_argument_types(cls, values, "--data-arg ")
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    return values
+
+
+def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], img_size: int | None = None,
+                     option: str = "--data") -> Any:
+    """The named datamodule at the backbone's resolution and channels, normalised as the backbone
+    was trained: with the statistics it records, ImageNet's for foreign 3-channel weights that
+    record none (what timm's expect), else (a random initialisation) the dataset's own.
+    ``extra``: the ``--data-arg`` values (:func:`parse_data_args`), which win."""
+    cls = datamodule_class(name, option)
+    kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans}
+    source = str(info.get("normalization_source") or "")
+    if info.get("mean") is not None and (not source.startswith("default") or (source.startswith("default (ImageNet") and info.get("kind") != "random")):
+        kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
+    params = [p for p in init_parameters(cls) if p != "views"]
+    if unknown := sorted(set(extra) - set(params)):
+        hint = did_you_mean(unknown[0], params) if len(unknown) == 1 else ""
+        raise ValueError(f"{option} {name} takes no argument {', '.join(unknown)}{hint}; its arguments: {', '.join(params)}")
+    kwargs.update(extra)
+    if missing := [n for n, p in init_parameters(cls).items() if p.default is p.empty and n not in kwargs]:
+        raise ValueError(f"{option} {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))
+    return cls(**kwargs)
+
+
+def note_channel_conversion(dataset: Any, in_chans: int, prog: str, what: str) -> None:
+    """One note when colour images go to a 1-channel backbone, read from the split's first image
+    (an unreadable file's 1x1 stand-in says nothing)."""
+    source = getattr(dataset, "source", None)
+    if in_chans == 1 and source is not None and len(source):
+        image, _ = source[0]
+        if getattr(image, "mode", "L") != "L" and getattr(image, "size", None) != (1, 1):
+            print(f"{prog}: note: {what} holds {image.mode} images: they are converted to grey, the backbone's 1 input channel", file=sys.stderr)
+
+
+def check_output_folder(folder: str | Path, what: str, create: bool = False) -> None:
+    """``folder`` can take the output, found before any work rather than after it: its nearest
+    existing folder takes a file (a write is tried); ``create``: it is made too. ``what`` names
+    the option in messages."""
+    path = Path(folder).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what}: {folder} exists and is not a folder")
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{what}: cannot create the folder {folder}: {existing} is not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".ssl-vit-write-check-"):
+            pass
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"{what}: cannot write into the folder {existing} ({err.strerror or err})") from None
