@@ -69,8 +69,7 @@ def mean_attention_distance(
 
 @torch.no_grad()
 def compute_attention_distance(
-    backbone: nn.Module, batches: Tensor | Iterable[object], num_images: int = PAPER_NUM_IMAGES, chunk_size: int = CHUNK_SIZE,
-    renormalize: bool = True,
+    backbone: nn.Module, batches: Tensor | Iterable[object], num_images: int = PAPER_NUM_IMAGES, chunk_size: int = CHUNK_SIZE, renormalize: bool = True
 ) -> Tensor:
     """:func:`mean_attention_distance` of a ViT over the first ``num_images`` images (fewer if the
     data ends) of an image tensor or of batches (a DataLoader), ``chunk_size`` per forward pass

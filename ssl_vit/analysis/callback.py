@@ -50,7 +50,7 @@ class AnalysisCallback(pl.Callback):
         self.num_filters, self.threshold, self.dino_max_images = num_filters, threshold, dino_max_images
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self._fixed = self._keep(images) if images is not None else None
-        self._val_images: Tensor | None = None
+        self._val_images: Tensor | None = None  # the first batch of each, kept
         self._train_images: Tensor | None = None
         self._warned: set[str] = set()
 
@@ -95,8 +95,8 @@ class AnalysisCallback(pl.Callback):
         datamodule = getattr(trainer, "datamodule", None)
         mean = self.mean if self.mean is not None else getattr(datamodule, "mean", None)
         std = self.std if self.std is not None else getattr(datamodule, "std", None)
-        arrays = render.compute_all(backbone, images, mean, std, render.applicable_figures(backbone, self.figures), self.num_filters,
-                             self.num_images, self.threshold, num_distance_images=len(images))
+        arrays = render.compute_all(backbone, images, mean, std, render.applicable_figures(backbone, self.figures),
+                                    self.num_filters, self.num_images, self.threshold, num_distance_images=len(images))
         figs = render.plot_all(arrays, self.num_images, self.dino_max_images)
         if self.save_dir is not None:
             render.save_all(arrays, figs, self.save_dir / f"epoch_{trainer.current_epoch:04d}")

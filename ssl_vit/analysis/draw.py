@@ -104,9 +104,8 @@ def plot_attention_distance(dist: Tensor | np.ndarray, title: str = "Mean attent
     for h in range(heads):
         color = colormaps["tab20"]((2 * h + (h // 10) % 2) % 20)
         ax.scatter(np.arange(1, depth + 1), d[:, h], s=14, color=color, label=f"Head {h + 1}")
-    ax.set(xlabel="Network depth (layer)", ylabel="Mean attention distance (pixels)", title=title)
-    ax.set_xlim(0.5, depth + 0.5)
-    ax.set_ylim(0.0, max(float(np.nanmax(d)) * 1.1, 1.0))
+    ax.set(xlabel="Network depth (layer)", ylabel="Mean attention distance (pixels)", title=title,
+           xlim=(0.5, depth + 0.5), ylim=(0.0, max(float(np.nanmax(d)) * 1.1, 1.0)))
     if heads <= 16:
         ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     return fig

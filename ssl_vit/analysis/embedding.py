@@ -68,12 +68,6 @@ def embedding_filters(weight: Tensor, k: int = PAPER_NUM_FILTERS, source: str = 
     )
 
 
-def backbone_filters(backbone: nn.Module, k: int = PAPER_NUM_FILTERS) -> FilterPCA:
-    """:func:`embedding_filters` of the backbone's first layer (see :func:`filter_weight`)."""
-    weight, source = filter_weight(backbone)
-    return embedding_filters(weight, k, source)
-
-
 @torch.no_grad()
 def position_similarity(pos_embed: Tensor, grid_size: tuple[int, int], num_prefix_tokens: int = 1) -> Tensor:
     """Cosine similarity ``[h, w, h, w]`` (float32, CPU) between the embeddings of every two patch

@@ -87,7 +87,8 @@ def compute_all(
     out = AnalysisArrays()
     prefix = getattr(backbone, "num_prefix_tokens", 1)
     if "filters" in figures:
-        out.filters = embedding.backbone_filters(backbone, num_filters)
+        weight, source = embedding.filter_weight(backbone)
+        out.filters = embedding.embedding_filters(weight, num_filters, source)
     if "pos_embed" in figures:
         out.pos_similarity = embedding.position_similarity(backbone.pos_embed, backbone.grid_size, prefix)
     if "attention_distance" in figures:
