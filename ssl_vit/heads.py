@@ -1,5 +1,5 @@
-"""Heads that sit on a backbone's representation: MoCo v3 MLPs, the DINO head, the masked patch
-prediction head and the linear-probe head. Pure torch: usable without Lightning."""
+"""Heads on a backbone's representation: MoCo v3's MLPs, the DINO head, the masked patch prediction
+head and the linear-probe head. Pure torch."""
 
 from __future__ import annotations
 
@@ -11,239 +11,128 @@ from torch import Tensor, nn
 
 from ssl_vit.masking import TargetKind, target_shape
 
-# --------------------------------------------------------------------------------------------
-# MoCo v3
-
 
 class MoCoV3MLP(nn.Sequential):
-    """MoCo v3's MLP (Chen, Xie, He 2021, §4; reference ``moco/builder.py: _build_mlp``).
+    """MoCo v3's MLP (Chen, Xie, He 2021, §4; reference ``moco/builder.py: _build_mlp``):
+    ``num_layers`` Linear layers without bias (the BN after each cancels it), BatchNorm1d + ReLU
+    after each hidden one, and a BatchNorm1d without affine after the last when ``last_bn``.
+    An ``nn.Sequential`` in the reference's order, so parameter names match its checkpoints.
+    (lightly's ``MoCoProjectionHead`` is MoCo v2's: 2 layers with biases, no BN.)"""
 
-    ``num_layers`` Linear layers without bias; BatchNorm1d + ReLU after every hidden layer; after
-    the last layer a BatchNorm1d without affine when ``last_bn`` (SimCLR's design with gamma and
-    beta removed). Built as an ``nn.Sequential`` in the reference's order, so the parameter names
-    (``0.weight``, ``1.running_mean``, ...) match its checkpoints.
-
-    lightly's ``MoCoProjectionHead`` is MoCo v2's (2 layers with biases, no BN), hence our own.
-    """
-
-    def __init__(
-        self,
-        input_dim: int,
-        hidden_dim: int = 4096,
-        output_dim: int = 256,
-        num_layers: int = 3,
-        last_bn: bool = True,
-    ) -> None:
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    def __init__(self, input_dim: int, hidden_dim: int = 4096, output_dim: int = 256, num_layers: int = 3, last_bn: bool = True) -> None:
         layers: list[nn.Module] = []
         for i in range(num_layers):
-            d_in = input_dim if i == 0 else hidden_dim
-            d_out = output_dim if i == num_layers - 1 else hidden_dim
-            # No bias, as in the reference: the BN that follows would cancel it.
+            d_in, d_out = input_dim if i == 0 else hidden_dim, output_dim if i == num_layers - 1 else hidden_dim
             layers.append(nn.Linear(d_in, d_out, bias=False))
             if i < num_layers - 1:
-                layers.append(nn.BatchNorm1d(d_out))
-                layers.append(nn.ReLU(inplace=True))
+                layers += [nn.BatchNorm1d(d_out), nn.ReLU(inplace=True)]
             elif last_bn:
                 layers.append(nn.BatchNorm1d(d_out, affine=False))
-        super().__init__(*layers)
-        self.input_dim = input_dim
-        self.output_dim = output_dim
+        super().__init__(*layers)  # [B, input_dim] -> [B, output_dim]
 
 
 class MoCoV3ProjectionHead(MoCoV3MLP):
-    """MoCo v3 projector (§4, reference ``MoCo_ViT``): 3 layers, hidden 4096, out 256, final BN.
+    """The projector (reference ``MoCo_ViT``): 3 layers, hidden 4096, output 256, last BN."""
 
-    ``x [B, input_dim] -> [B, output_dim]``. The momentum encoder holds an EMA copy of it.
-    """
-
-    def __init__(
-        self,
-        input_dim: int,
-        hidden_dim: int = 4096,
-        output_dim: int = 256,
-        num_layers: int = 3,
-        last_bn: bool = True,
-    ) -> None:
+    def __init__(self, input_dim: int, hidden_dim: int = 4096, output_dim: int = 256, num_layers: int = 3, last_bn: bool = True) -> None:
         super().__init__(input_dim, hidden_dim, output_dim, num_layers, last_bn)
 
 
 class MoCoV3PredictionHead(MoCoV3MLP):
-    """MoCo v3 predictor (§4): 2 layers, hidden 4096, out 256 (query branch only).
+    """The predictor (query branch only): 2 layers, hidden 4096, output 256. ``last_bn`` as the
+    reference's ``MoCo_ViT`` (``_build_mlp(2, dim, mlp_dim, dim)``); its ``MoCo_ResNet`` passes False."""
 
-    ``last_bn`` defaults to True, following the released reference code for ViT:
-    ``MoCo_ViT`` builds ``self.predictor = self._build_mlp(2, dim, mlp_dim, dim)`` (last_bn=True),
-    which also matches the spec's "same pattern". Only the reference's ``MoCo_ResNet`` passes
-    ``last_bn=False`` for its predictor; set ``last_bn=False`` to reproduce that variant.
-    """
-
-    def __init__(
-        self,
-        input_dim: int = 256,
-        hidden_dim: int = 4096,
-        output_dim: int = 256,
-        num_layers: int = 2,
-        last_bn: bool = True,
-    ) -> None:
+    def __init__(self, input_dim: int = 256, hidden_dim: int = 4096, output_dim: int = 256, num_layers: int = 2, last_bn: bool = True) -> None:
         super().__init__(input_dim, hidden_dim, output_dim, num_layers, last_bn)
 
 
-# --------------------------------------------------------------------------------------------
-# DINO
-
-
 class WeightNormLinear(nn.Module):
-    """Bias-free linear layer with weight normalisation: ``W = g * v / ||v||`` row-wise.
-
-    Parameters are named ``weight_g [out, 1]`` and ``weight_v [out, in]`` as in the official DINO
-    checkpoints (made with ``nn.utils.weight_norm``). We do not use that helper because its
-    forward-pre-hook stores ``weight`` as a non-leaf tensor and ``copy.deepcopy`` of such a module
-    raises "Only Tensors created explicitly by the user (graph leaves) support the deepcopy
-    protocol" on current torch; lightly's ``DINOProjectionHead`` uses it and fails that way, which
-    breaks building the teacher as a deep copy of the student. The newer
-    ``nn.utils.parametrizations.weight_norm`` survives deepcopy but renames the parameters
-    (``parametrizations.weight.original0/1``), so checkpoints would no longer line up.
-    """
+    """Bias-free linear layer with weight normalisation, ``W = g * v / ||v||`` row by row, its
+    parameters named ``weight_g [out, 1]`` and ``weight_v [out, in]`` as the official DINO
+    checkpoints. Not ``nn.utils.weight_norm``: its hook keeps ``weight`` as a non-leaf tensor and
+    ``copy.deepcopy`` (the teacher is a copy of the student) then raises, as lightly's
+    ``DINOProjectionHead`` does; ``parametrizations.weight_norm`` renames the parameters."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        # v: nn.Linear's default init, as in the reference, where the weight-normed layer is
-        # created after the trunc-normal init of the MLP (vision_transformer.py: DINOHead).
+        self.in_features, self.out_features = in_features, out_features
         v = torch.empty(out_features, in_features)
-        nn.init.kaiming_uniform_(v, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(v, a=math.sqrt(5))  # nn.Linear's init, as the reference's layer
         self.weight_v = nn.Parameter(v)  # [K, bottleneck]
-        # g = 1: the reference fills weight_g with 1 right after wrapping.
-        self.weight_g = nn.Parameter(torch.ones(out_features, 1))  # [K, 1]
+        self.weight_g = nn.Parameter(torch.ones(out_features, 1))  # [K, 1]; the reference fills g with 1
 
     @property
     def weight(self) -> Tensor:
-        """The effective weight ``[out, in]``; each row has norm ``|g|``."""
-        return self.weight_v * (self.weight_g / self.weight_v.norm(dim=1, keepdim=True))
+        return self.weight_v * (self.weight_g / self.weight_v.norm(dim=1, keepdim=True))  # [out, in]
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)  # [..., out]
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
-
 
 class DINOHead(nn.Module):
-    """DINO projection head (Caron et al. 2021, §3.1; reference ``vision_transformer.py: DINOHead``).
+    """DINO's head (Caron et al. 2021, §3.1; reference ``vision_transformer.py: DINOHead``):
+    ``[B, in_dim]`` -> MLP of ``nlayers`` Linear layers (GELU, optional BN) to ``bottleneck_dim``
+    -> L2 normalisation -> weight-normalised Linear to K = ``out_dim`` -> ``[B, K]``. With
+    ``norm_last_layer`` g stays 1 (the rows are unit vectors), which the paper found stabilising.
+    Attribute names follow the reference, so official checkpoints load."""
 
-    ``x [B, in_dim]`` -> MLP of ``nlayers`` Linear layers (hidden ``hidden_dim``, GELU, optional
-    BN) to ``bottleneck_dim`` -> L2 normalise -> weight-normalised Linear without bias to
-    ``out_dim`` = K -> ``[B, K]``. With ``norm_last_layer`` the weight norm g stays fixed at 1 (the
-    rows of the last layer are unit vectors), which the paper found stabilising.
-
-    Attribute names (``mlp``, ``last_layer.weight_g``, ``last_layer.weight_v``) follow the reference
-    so official checkpoints load.
-    """
-
-    def __init__(
-        self,
-        in_dim: int,
-        out_dim: int = 65536,
-        use_bn: bool = False,
-        norm_last_layer: bool = True,
-        nlayers: int = 3,
-        hidden_dim: int = 2048,
-        bottleneck_dim: int = 256,
-    ) -> None:
+    def __init__(self, in_dim: int, out_dim: int = 65536, use_bn: bool = False, norm_last_layer: bool = True, nlayers: int = 3,
+                 hidden_dim: int = 2048, bottleneck_dim: int = 256) -> None:
         super().__init__()
-        if nlayers < 1:
-            raise ValueError(f"nlayers must be >= 1, got {nlayers}")
-        self.mlp: nn.Module
-        if nlayers == 1:
-            self.mlp = nn.Linear(in_dim, bottleneck_dim)
-        else:
+        self.mlp: nn.Module = nn.Linear(in_dim, bottleneck_dim)
+        if nlayers > 1:
             layers: list[nn.Module] = []
             for i in range(nlayers - 1):
-                layers.append(nn.Linear(in_dim if i == 0 else hidden_dim, hidden_dim))
-                if use_bn:
-                    layers.append(nn.BatchNorm1d(hidden_dim))
-                layers.append(nn.GELU())
-            layers.append(nn.Linear(hidden_dim, bottleneck_dim))
-            self.mlp = nn.Sequential(*layers)
-        self.mlp.apply(_init_trunc_normal)
+                layers += [nn.Linear(in_dim if i == 0 else hidden_dim, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []), nn.GELU()]
+            self.mlp = nn.Sequential(*layers, nn.Linear(hidden_dim, bottleneck_dim))
+        self.mlp.apply(_trunc_normal)
         self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
-        self.norm_last_layer = norm_last_layer
-        if norm_last_layer:
-            self.last_layer.weight_g.requires_grad_(False)
+        self.last_layer.weight_g.requires_grad_(not norm_last_layer)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.mlp(x)  # [B, bottleneck]
-        x = F.normalize(x, dim=-1, p=2)  # [B, bottleneck]
-        return self.last_layer(x)  # [B, K]
+        return self.last_layer(F.normalize(self.mlp(x), dim=-1))  # [B, K]
 
     def cancel_last_layer_gradients(self) -> None:
-        """Drop the last layer's gradients (DINO freezes it during the first epoch, §3.1 /
-        reference ``utils.cancel_gradients_last_layer``). Call after ``backward`` and before the
-        optimiser step; setting ``grad = None`` (not zero) makes the optimiser skip the
-        parameters entirely, weight decay and moment updates included, as in the reference."""
+        """No update of the last layer (DINO freezes it in the first epoch; reference
+        ``utils.cancel_gradients_last_layer``): ``grad = None``, so the optimiser skips it, weight
+        decay and moments included. Call between backward and the optimiser step."""
         for p in self.last_layer.parameters():
             p.grad = None
 
 
-def _init_trunc_normal(module: nn.Module) -> None:
-    # DINO reference DINOHead._init_weights: trunc-normal std 0.02, zero bias.
+def _trunc_normal(module: nn.Module) -> None:
+    # DINO's DINOHead._init_weights (timm's too): truncated normal, std 0.02; zero bias.
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
 
 
-# --------------------------------------------------------------------------------------------
-# Masked patch prediction
-
-
 class MPPHead(nn.Module):
-    """Linear head for masked patch prediction (ViT paper B.1.2: "a linear head on the patch's
-    output token").
+    """Masked patch prediction's "linear head on the patch's output token" (ViT paper B.1.2):
+    ``[..., D]`` -> ``[..., *target_shape]`` (``ssl_vit.masking.target_shape``)."""
 
-    ``tokens [..., D]`` -> ``[..., 8**C]`` logits for ``"mean_color"``, ``[..., 16, 8**C]`` for
-    ``"downsized"``, ``[..., P*P*C]`` pixel values for ``"pixels"`` (see ``ssl_vit.masking``).
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        in_chans: int,
-        patch_size: int,
-        target: TargetKind = "mean_color",
-    ) -> None:
+    def __init__(self, embed_dim: int, in_chans: int, patch_size: int, target: TargetKind = "mean_color") -> None:
         super().__init__()
-        self.target = target
         self.out_shape = target_shape(target, in_chans, patch_size)
         self.linear = nn.Linear(embed_dim, math.prod(self.out_shape))
-        _init_trunc_normal(self.linear)
+        _trunc_normal(self.linear)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        out = self.linear(tokens)  # [..., prod(out_shape)]
-        return out.reshape(*tokens.shape[:-1], *self.out_shape)
-
-
-# --------------------------------------------------------------------------------------------
-# Linear probe
+        return self.linear(tokens).reshape(*tokens.shape[:-1], *self.out_shape)
 
 
 class LinearProbeHead(nn.Module):
-    """BatchNorm without affine, then one Linear layer (MAE's linear-probe protocol, specs §5).
-
-    The parameter-free BN standardises the frozen features, so one learning rate suits
-    backbones with very different feature scales; it can be folded into the Linear afterwards.
-    ``features [B, in_dim] -> logits [B, num_classes]``.
-    """
+    """BatchNorm without affine, then a Linear layer (MAE ``main_linprobe.py``): the parameter-free
+    BN standardises the frozen features, so one learning rate suits backbones of any feature
+    scale. ``[B, in_dim] -> [B, num_classes]``."""
 
     def __init__(self, in_dim: int, num_classes: int) -> None:
         super().__init__()
-        # MAE main_linprobe.py: BatchNorm1d(affine=False, eps=1e-6), head trunc-normal std 0.01.
         self.norm = nn.BatchNorm1d(in_dim, affine=False, eps=1e-6)
         self.linear = nn.Linear(in_dim, num_classes)
-        nn.init.trunc_normal_(self.linear.weight, std=0.01)
+        nn.init.trunc_normal_(self.linear.weight, std=0.01)  # MAE's head init
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, features: Tensor) -> Tensor:
-        return self.linear(self.norm(features))  # [B, num_classes]
+        return self.linear(self.norm(features))

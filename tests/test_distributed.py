@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
 from ssl_vit.eval.features import extract_features, gather_in_sampler_order
 from ssl_vit.methods import DINO, MPP, BaseMethod, MoCoV3, Supervised
-from ssl_vit.methods.sharding import unwrap_module
+from ssl_vit.methods.distributed import unwrap_module
 
 WORLD = 2
 PER_DEVICE = 4  # b; the one-process reference trains on 2b
@@ -157,7 +157,7 @@ def _worker(out: Path) -> None:
     model = NaNOnRank1(**COMMON, nonfinite_policy="skip")
     model.load_state_dict(init["supervised"])
     fit(model, datamodule("supervised", PER_DEVICE), devices=WORLD, strategy="ddp")
-    result["skip"] = {"state": model.state_dict(), "skipped": model.nonfinite.skipped, "step": model.global_step}
+    result["skip"] = {"state": model.state_dict(), "skipped": model.skipped_batches, "step": model.global_step}
     model = build("dino")
     model.load_state_dict(init["dino"])
     result["knn"] = knn_bank(model.backbone, datamodule("dino", PER_DEVICE), distributed=True)

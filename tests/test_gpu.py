@@ -199,7 +199,7 @@ def test_sharded_clipping_of_a_skipped_step_reduces_on_the_gpu_for_nccl() -> Non
 
     import torch.distributed as dist
 
-    from ssl_vit.methods.grad_clip import clip_gradients
+    from ssl_vit.methods.distributed import clip_gradients
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")

@@ -70,7 +70,7 @@ def test_mocov3_loss_default_temperature() -> None:
 def test_mocov3_loss_refuses_keys_of_another_batch() -> None:
     # One process: 8 keys for 4 queries would make the 4 others silent negatives of another batch.
     q = torch.randn(4, 8)
-    with pytest.raises(ValueError, match=r"q1, q2, k1, k2 must all be \[B, C\] of one batch, got \(4, 8\), \(4, 8\), \(8, 8\), \(8, 8\)"):
+    with pytest.raises(AssertionError, match="one key per query image"):
         MoCoV3Loss()(q, q, torch.randn(8, 8), torch.randn(8, 8))
 
 
@@ -90,7 +90,7 @@ def test_contrastive_label_offset_with_fake_gather() -> None:
     assert contrastive_loss(q_match, k_all, tau, rank=1) < contrastive_loss(
         q_match, k_all, tau, rank=0
     )
-    with pytest.raises(ValueError, match="too few"):
+    with pytest.raises(AssertionError):  # no block of keys for rank 3
         contrastive_loss(q, k_all, tau, rank=3)
 
 
@@ -247,15 +247,6 @@ def test_dino_loss_gradient_only_to_student() -> None:
     assert all(s.grad is not None for s in student)
 
 
-def test_dino_loss_bad_input() -> None:
-    loss_fn = DINOLoss(output_dim=5)
-    teacher, student = _views(2, 0, 3, 5)
-    with pytest.raises(ValueError, match="student views"):
-        loss_fn(teacher, student[:1], teacher_temp=0.04)
-    with pytest.raises(ValueError, match=r"\[B, 5\]"):
-        loss_fn(teacher, [torch.randn(3, 6), torch.randn(3, 6)], teacher_temp=0.04)
-
-
 def test_teacher_temperature_schedule_matches_reference() -> None:
     epochs, warm = 100, 30
     # main_dino.py: linspace over the warm-up epochs, then constant.
@@ -268,8 +259,6 @@ def test_teacher_temperature_schedule_matches_reference() -> None:
     assert teacher_temperature(1, warmup_epochs=1) == 0.07  # linspace(0.04, 0.07, 1) = [0.04], then 0.07
     assert teacher_temperature(0, warmup_epochs=1) == 0.04
     assert teacher_temperature(5, 0.04, 0.04) == 0.04
-    with pytest.raises(ValueError, match="epoch"):
-        teacher_temperature(-1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -283,8 +272,6 @@ def test_embedding_std() -> None:
     assert embedding_std(z).item() == pytest.approx(1 / math.sqrt(64), rel=0.05)
     collapsed = torch.randn(1, 64).repeat(512, 1) + 1e-6 * torch.randn(512, 64)
     assert embedding_std(collapsed).item() < 1e-4
-    with pytest.raises(ValueError, match=r"\[B, d\]"):
-        embedding_std(torch.randn(2, 3, 4))
 
 
 def test_teacher_entropy() -> None:
@@ -319,62 +306,38 @@ def test_teacher_student_kl() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# masked patch prediction
+# masked patch prediction (ViT paper B.1.2), over the corrupted patches the caller gathers
 
 
-def test_mpp_loss_mean_color_only_corrupted() -> None:
+def test_mpp_loss_mean_color_is_the_mean_cross_entropy_of_the_corrupted_patches() -> None:
     torch.manual_seed(0)
     b, n, k = 3, 6, 512
     pred = torch.randn(b, n, k)
     target = torch.randint(0, k, (b, n))
     corrupted = torch.rand(b, n) < 0.5
     corrupted[0, 0] = True
-    terms = [
-        -F.log_softmax(pred[i, j], dim=-1)[target[i, j]].item()
-        for i in range(b)
-        for j in range(n)
-        if corrupted[i, j]
-    ]
-    got = mpp_loss(pred, target, corrupted)
-    assert got.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
-    # Predictions at uncorrupted patches do not matter.
-    pred2 = pred.clone()
-    pred2[~corrupted] = torch.randn(int((~corrupted).sum()), k)
-    assert mpp_loss(pred2, target, corrupted).item() == pytest.approx(got.item(), rel=1e-6)
+    terms = [-F.log_softmax(pred[i, j], dim=-1)[target[i, j]].item() for i in range(b) for j in range(n) if corrupted[i, j]]
+    assert mpp_loss(pred[corrupted], target[corrupted]).item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
 
 
-def test_mpp_loss_downsized() -> None:
+def test_mpp_loss_downsized_counts_each_cell() -> None:
     torch.manual_seed(1)
     b, n, k = 2, 4, 8
     pred = torch.randn(b, n, 16, k)
     target = torch.randint(0, k, (b, n, 16))
     corrupted = torch.tensor([[True, False, True, False], [False, False, False, True]])
-    want = F.cross_entropy(pred[corrupted].reshape(-1, k), target[corrupted].reshape(-1))
-    assert mpp_loss(pred, target, corrupted).item() == pytest.approx(want.item(), rel=1e-5)
+    cells = [-F.log_softmax(pred[i, j, c], dim=-1)[target[i, j, c]].item() for i in range(b) for j in range(n) if corrupted[i, j] for c in range(16)]
+    assert mpp_loss(pred[corrupted], target[corrupted]).item() == pytest.approx(sum(cells) / len(cells), rel=1e-5)
 
 
-def test_mpp_loss_pixels() -> None:
+def test_mpp_loss_pixels_is_the_mean_squared_error() -> None:
     torch.manual_seed(2)
-    pred, target = torch.randn(2, 5, 48), torch.rand(2, 5, 48)
-    corrupted = torch.rand(2, 5) < 0.5
-    corrupted[1, 2] = True
-    want = ((pred - target) ** 2)[corrupted].mean()
-    assert mpp_loss(pred, target, corrupted).item() == pytest.approx(want.item(), rel=1e-5)
-    pred.requires_grad_()
-    mpp_loss(pred, target, corrupted).backward()
-    assert torch.all(pred.grad[~corrupted] == 0) and pred.grad[corrupted].abs().sum() > 0
-
-
-def test_mpp_loss_bad_input() -> None:
-    c = torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="bool"):
-        mpp_loss(torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), c.float())
-    with pytest.raises(ValueError, match="classification"):
-        mpp_loss(torch.randn(2, 3, 16, 8), torch.zeros(2, 3, dtype=torch.long), c)
-    with pytest.raises(ValueError, match="regression"):
-        mpp_loss(torch.randn(2, 3, 8), torch.zeros(2, 3, 9), c)
-    with pytest.raises(ValueError, match="disagree"):
-        mpp_loss(torch.randn(2, 4, 8), torch.zeros(2, 4, dtype=torch.long), c)
+    pred, target = torch.randn(2, 5, 48, requires_grad=True), torch.rand(2, 5, 48)
+    want = ((pred.detach() - target) ** 2).mean()
+    loss = mpp_loss(pred, target)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(pred.grad, 2 * (pred.detach() - target) / pred.numel())
 
 
 def test_dino_centre_deferred_over_micro_batches_moves_by_the_whole_batch_mean():
@@ -397,10 +360,3 @@ def test_dino_centre_deferred_over_micro_batches_moves_by_the_whole_batch_mean()
     loss.step_center()  # nothing pending: no move
     assert torch.allclose(loss.center, expected, atol=1e-6)
 
-
-def test_dino_loss_refuses_views_of_another_batch_size():
-    loss = DINOLoss(output_dim=8)
-    t = [torch.randn(4, 8), torch.randn(4, 8)]
-    s = [torch.randn(3, 8), torch.randn(3, 8)]
-    with pytest.raises(ValueError, match="same B"):
-        loss(t, s, teacher_temp=0.04)

@@ -1,5 +1,5 @@
 """Every default a paper (or its reference code) fixes, pinned with its source: a changed default
-silently changes what a recipe that leaves it out computes. The methods' numbers are specs §3-§5."""
+silently changes what a recipe that leaves it out computes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from ssl_vit.analysis import attention, embedding, render
 from ssl_vit.data import MultiCrop, SingleView, TwoViews
 from ssl_vit.eval.fewshot import FewShotEvaluator
-from ssl_vit.eval.finetune import FineTuneModule
+from ssl_vit.eval.finetune import FineTuneSettings
 from ssl_vit.eval.knn import KNNClassifier
 from ssl_vit.masking import make_corruption_plan
 from ssl_vit.methods import DINO, MPP, MoCoV3
@@ -56,7 +56,7 @@ def defaults(fn) -> dict:
         (FewShotEvaluator, {"shots": (1, 5, 10, 25), "l2_reg": 2.0**10}),
         # MAE FINETUNE.md (ViT-B): base LR 5e-4 with layer decay 0.65, drop path 0.1; main_finetune.py:
         # label smoothing 0.1, weight decay 0.05, 5 warm-up epochs, AdamW betas (0.9, 0.999).
-        (FineTuneModule, {"base_lr": 5e-4, "layer_decay": 0.65, "drop_path_rate": 0.1, "label_smoothing": 0.1,
+        (FineTuneSettings, {"base_lr": 5e-4, "layer_decay": 0.65, "drop_path_rate": 0.1, "label_smoothing": 0.1,
                           "weight_decay": 0.05, "warmup_epochs": 5.0, "betas": (0.9, 0.999)}),
         # ViT paper Fig. 7: 28 principal components of E; Appendix D.7: attention distance over 128
         # images (renormalised over the patches: mean_attention_distance says why).

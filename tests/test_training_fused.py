@@ -11,21 +11,23 @@ import torch
 from helpers import TINY_BACKBONE
 
 from ssl_vit.methods import MoCoV3, Supervised
-from ssl_vit.methods.fused import fused_kwargs, fused_supported
+from ssl_vit.methods.optim import fused_kwargs
 
 
 def test_fused_support_follows_device_and_dtype() -> None:
+    def fused(*params) -> bool:
+        return fused_kwargs([{"params": list(params[:1])}, {"params": list(params[1:])}]) == {"fused": True}
+
     f32 = torch.nn.Parameter(torch.zeros(3))
-    assert fused_supported([f32, torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
-    assert not fused_supported([])
-    assert not fused_supported([torch.zeros(3, dtype=torch.long)])
-    assert not fused_supported([f32, torch.zeros(3, device="meta")])  # one device type only
-    assert not fused_supported([torch.zeros(3, device="meta")])
+    assert fused(f32, torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)))  # over every group's parameters
+    assert not fused()
+    assert not fused(torch.zeros(3, dtype=torch.long))
+    assert not fused(f32, torch.zeros(3, device="meta"))  # one device type only
+    assert not fused(torch.zeros(3, device="meta"))
     # CPU and CUDA each have the kernels, but one optimizer over both cannot fuse (a stand-in for
     # a CUDA tensor: only its device type and dtype are read)
     on_cuda = SimpleNamespace(device=torch.device("cuda", 0), is_floating_point=lambda: True)
-    assert fused_supported([on_cuda]) and not fused_supported([f32, on_cuda])
-    assert fused_kwargs([{"params": [f32]}]) == {"fused": True}
+    assert fused(on_cuda) and not fused(f32, on_cuda)
     assert fused_kwargs([{"params": [f32]}], enabled=False) == {}
 
 
@@ -146,7 +148,7 @@ def test_fp16_loss_scaling_unscales_a_fused_optimiser_before_clipping_and_skippi
             trainer.fit(model, torch.utils.data.DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
         finally:
             base.clip_gradients = real
-        assert trainer.global_step == 2 and model.nonfinite.skipped == int(skip)
+        assert trainer.global_step == 2 and model.skipped_batches == int(skip)
         assert seen[0] < 100  # the unscaled norm, not 65536 times it
         moved.append((seen[0], sum(float((p.detach() - b).norm()) for p, b in zip(model.backbone.parameters(), before))))
     assert moved[1] == pytest.approx(moved[0], rel=1e-3)

@@ -1,5 +1,5 @@
-"""The supervised baseline: the same backbone and schedules, a classifier head and cross-entropy.
-Every SSL result is compared against it (and against random init)."""
+"""The supervised baseline every SSL result is compared against: the same backbone and schedules,
+a classifier head and cross-entropy."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ class Supervised(BaseMethod):
     Args:
         label_smoothing: cross-entropy label smoothing (none in the ViT paper's Table 3 setting;
             DeiT-style recipes use 0.1).
-        head_hidden_dim: the ViT paper's pre-training head, "a MLP with one hidden layer" (§3.1):
-            a hidden layer of this width with tanh before the classifier (the reference code's
-            ``representation_size``); None: a single linear layer (the paper's fine-tuning head).
+        head_hidden_dim: the ViT paper's pre-training head, "a MLP with one hidden layer" (§3.1): a
+            hidden layer of this width with tanh (the reference's ``representation_size``); None: a
+            single linear layer (its fine-tuning head). The classifier starts at zero.
         base_lr, weight_decay, grad_clip: the ViT paper's ImageNet setting (Table 3, ViT-B/16: LR
             3e-3 at batch 4096, i.e. 1.875e-4 per 256; weight decay 0.3; global-norm clipping at 1).
-        **kwargs: the shared arguments of :class:`BaseMethod`; ``num_classes`` is required.
+        **kwargs: the other arguments of :class:`BaseMethod`; ``num_classes`` is required.
     """
 
     def __init__(
@@ -37,48 +37,32 @@ class Supervised(BaseMethod):
         **kwargs: Any,
     ) -> None:
         super().__init__(base_lr=base_lr, weight_decay=weight_decay, grad_clip=grad_clip, **kwargs)
-        num_classes = self.hparams.num_classes
-        if not num_classes:
-            raise ValueError("the supervised baseline needs num_classes (labelled data)")
+        num_classes, dim = self.hparams.num_classes or 0, self.backbone.embed_dim
         if num_classes < 2:
-            raise ValueError(f"the supervised baseline needs at least 2 classes; the data has {num_classes} "
-                             "(an image folder: one subfolder per class)")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        if head_hidden_dim is not None and head_hidden_dim < 1:
-            raise ValueError(f"head_hidden_dim must be a positive width or None, got {head_hidden_dim}")
-        self.label_smoothing = label_smoothing
-        dim = self.backbone.embed_dim
+            raise ValueError(f"the supervised baseline needs num_classes, at least 2 (labelled data: an image folder with one "
+                             f"subfolder per class), got {num_classes or None}")
         last = nn.Linear(head_hidden_dim or dim, num_classes)
-        nn.init.zeros_(last.weight)  # ViT paper: zero-initialised head
+        nn.init.zeros_(last.weight)  # the ViT paper's zero-initialised head
         nn.init.zeros_(last.bias)
-        # [B, D] -> ([B, H] -> tanh ->) [B, C]
+        # [B, D] -> ([B, H] -> tanh ->) [B, classes]
         self.classifier = last if head_hidden_dim is None else nn.Sequential(nn.Linear(dim, head_hidden_dim), nn.Tanh(), last)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if stage != "fit":
-            return
-        dm = self.trainer.datamodule
-        unlabelled = getattr(dm, "unlabelled_train_images", 0)
+        unlabelled = getattr(self.trainer.datamodule, "unlabelled_train_images", 0) if stage == "fit" else 0
         if unlabelled:
-            raise ValueError(
-                f"the supervised baseline needs labels, but {unlabelled} training images of "
-                f"{type(dm).__name__} have none (label -1): train it on a labelled split"
-            )
+            raise ValueError(f"the supervised baseline needs labels, but {unlabelled} training images of "
+                             f"{type(self.trainer.datamodule).__name__} have none (label -1): train it on a labelled split")
 
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
-        # Any other data: checked per batch where it costs no device synchronisation.
+        # Other data: checked per batch where it costs no device synchronisation.
         if labels.device.type == "cpu" and bool((labels < 0).any()):
             raise ValueError("the supervised baseline got unlabelled samples (label -1): train it on a labelled split")
-        feats = self.backbone(views[0])  # [B, D]
-        logits = self.classifier(feats)  # [B, C]
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
-        acc = (logits.argmax(1) == labels).float().mean()
-        return {"loss": loss, "features": feats.detach(), "acc": acc.detach(), "embedding_std": embedding_std(feats.detach())}
+        features = self.backbone(views[0])  # [B, D]
+        logits = self.classifier(features)  # [B, classes]
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
+        return {"loss": loss, "features": features.detach(), "acc": (logits.argmax(1) == labels).float().mean(),
+                "embedding_std": embedding_std(features)}
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
-        metrics = super().validation_metrics(features, labels)
-        # (an unreadable file of the test split comes labelled -1)
-        metrics["val/acc"] = labelled_accuracy(self.classifier(features), labels)
-        return metrics
+        return {**super().validation_metrics(features, labels), "val/acc": labelled_accuracy(self.classifier(features), labels)}

@@ -1,0 +1,159 @@
+"""What training on several processes needs beyond Lightning's DDP / FSDP: BatchNorm over the
+global batch (on CPU process groups too), gradient clipping of FSDP's sharded gradients, and the
+parameter names and modules inside FSDP's wrappers.
+
+FSDP (Lightning's ``FSDPStrategy``, ``use_orig_params=True``) wraps the model before the optimiser
+is built: every parameter is then a flat 1-D view of this process's shard, its name carrying the
+wrappers (``blocks.0._fsdp_wrapped_module.attn.qkv.weight``). Rules that read a parameter's name or
+shape therefore read the unwrapped name and the shape recorded before wrapping, and a gradient's
+norm sums the shards of every process of the sharding group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+ClipMode = Literal["global", "per_param"]
+# Name parts that wrappers insert: FSDP, activation checkpointing, torch.compile.
+_WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def unwrapped_name(name: str) -> str:
+    """``backbone.blocks.0._fsdp_wrapped_module.norm1.weight`` -> ``backbone.blocks.0.norm1.weight``."""
+    for part in _WRAPPERS:
+        name = name.replace(part + ".", "")
+    return name
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The module inside FSDP / activation-checkpointing / ``torch.compile`` wrappers."""
+    while isinstance(inner := next((getattr(module, a) for a in _WRAPPERS if hasattr(module, a)), None), nn.Module):
+        module = inner
+    return module
+
+
+def gradient_shard_group(strategy: Any) -> dist.ProcessGroup | None:
+    """The group over which FSDP splits each gradient (for ``HYBRID_SHARD`` the node's); None when
+    every process holds whole gradients (one process, DDP, ``NO_SHARD``)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if not isinstance(strategy, FSDPStrategy) or strategy.world_size <= 1 or strategy.sharding_strategy.name == "NO_SHARD":
+        return None
+    return getattr(strategy.model, "process_group", None) or dist.group.WORLD  # the root FSDP module's group
+
+
+def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, mode: ClipMode = "global",
+                   shard_group: dist.ProcessGroup | None = None) -> Tensor:
+    """Clip the gradients of ``params`` in place by ``min(1, max_norm / (norm + 1e-6))`` (the
+    coefficient of ``torch.nn.utils.clip_grad_norm_`` and DINO's ``utils.clip_gradients``), with one
+    norm over all of them (``global``: the ViT paper's clipping) or each parameter's own
+    (``per_param``: DINO's). Returns the norm(s) before clipping: a scalar, or ``[len(params)]``.
+
+    ``shard_group`` (:func:`gradient_shard_group`): each norm is then the square root of the sum
+    over the group of each process's sum of squares, so every process applies the coefficient of
+    the whole gradient; every process must pass the same parameters in the same order (an empty
+    shard, or no gradient, counts 0)."""
+    grads = [p.grad for p in params]
+    if shard_group is None and mode == "global":
+        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    present = [g for g in grads if g is not None]
+    # Where the norms are summed: the gradients' device (else the parameters': a skipped batch
+    # dropped them); NCCL reduces CUDA tensors only, whatever device the gradients live on.
+    device = present[0].device if present else params[0].device if params else torch.device("cpu")
+    if shard_group is not None and dist.get_backend(shard_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    zero = torch.zeros((), device=device)
+    squares = torch.stack([g.detach().float().pow(2).sum().to(device) if g is not None else zero for g in grads])  # [P]
+    if shard_group is not None:
+        dist.all_reduce(squares, group=shard_group)
+    norms = squares.sum().sqrt() if mode == "global" else squares.sqrt()  # [] or [P]
+    coefs = torch.clamp(max_norm / (norms + 1e-6), max=1.0).expand(len(grads))  # [P]
+    for g, c in zip(grads, coefs.unbind()):
+        if g is not None:
+            g.mul_(c.to(device=g.device, dtype=g.dtype))
+    return norms
+
+
+def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Module:
+    """Every BatchNorm layer of ``module`` synchronised over the processes, sharing the old layers'
+    parameters and buffers: torch's ``nn.SyncBatchNorm`` on the devices it synchronises (CUDA ...),
+    :class:`AllReduceBatchNorm` elsewhere (torch's raises on CPU tensors, and DDP refuses a CPU
+    module holding one). Returns ``module`` itself unless it is a BatchNorm layer."""
+    if isinstance(module, nn.SyncBatchNorm | AllReduceBatchNorm):
+        return module
+    if isinstance(module, _BatchNorm) and device_type in ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name()):
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if isinstance(module, _BatchNorm):
+        new = AllReduceBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        new.weight, new.bias = module.weight, module.bias
+        new.running_mean, new.running_var, new.num_batches_tracked = module.running_mean, module.running_var, module.num_batches_tracked
+        return new.train(module.training)
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, device_type))
+    return module
+
+
+class AllReduceBatchNorm(_BatchNorm):
+    """BatchNorm over the batch of every process of ``process_group`` (default: all) for inputs
+    ``[B, C, *]`` on any device; plain BatchNorm in eval mode or without a process group. The
+    statistics are all-reduced with gradients, so the backward pass sums the gradients of the batch
+    statistics over the processes as torch's SyncBatchNorm kernel does. Parameters and buffers are
+    ``nn.BatchNorm{1,2,3}d``'s, so checkpoints load either way."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        assert input.dim() >= 2, f"expected at least 2-D input [B, C, ...], got {input.dim()}-D"
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        group = (self.process_group or dist.group.WORLD) if self.training and dist.is_available() and dist.is_initialized() else None
+        if group is None or dist.get_world_size(group) == 1:
+            return super().forward(input)
+        x = input.float()  # statistics in float32, as torch's kernels (also under autocast)
+        c, dims = x.shape[1], [0, *range(2, x.ndim)]  # every axis but the channels
+        shape = [1, c] + [1] * (x.ndim - 2)
+        total = _AllReduceSum.apply(torch.cat([x.sum(dims), x.new_tensor([x.numel() // c])]), group)  # [C + 1]: sums, count
+        n = total[c]
+        mean = total[:c] / n  # [C]
+        centred = x - mean.view(shape)
+        var = _AllReduceSum.apply(centred.pow(2).sum(dims), group) / n  # [C], biased; two passes, as E[x²] - E[x]² cancels badly
+        y = centred * torch.rsqrt(var + self.eps).view(shape)
+        if self.weight is not None:
+            y = y * self.weight.view(shape)
+        if self.bias is not None:  # (BatchNorm(affine=True, bias=False) has none)
+            y = y + self.bias.view(shape)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), m)  # running <- (1 - m) running + m batch
+                self.running_var.lerp_((var * n / (n - 1).clamp(min=1)).to(self.running_var.dtype), m)  # unbiased, as F.batch_norm
+        return y.to(input.dtype)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over the processes whose gradient is the sum of the processes' gradients
+    (``torch.distributed.nn.functional.all_reduce`` without its deprecation)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
