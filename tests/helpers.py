@@ -182,7 +182,7 @@ class CPUFSDPStrategy(L.pytorch.strategies.FSDPStrategy):
 class Reconstruct(BaseMethod):
     """A fourth method as a user writes one (a BaseMethod subclass in a file of its own, named
     in recipes by its dotted path: ``helpers.Reconstruct``): predicts the pixels of its one view
-    from the [CLS] output. It has no FLOP model."""
+    from the [CLS] output."""
 
     def __init__(self, pixels: int = 16 * 16 * 3, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -194,16 +194,10 @@ class Reconstruct(BaseMethod):
         return {"loss": loss, "features": feats.detach()}
 
 
-class ReconstructCounted(Reconstruct):
-    """The same with a FLOP model of its own: 1000 per image."""
-
-    def step_flops(self, views_shapes: list[tuple[int, ...]], world_size: int) -> float:
-        return 1000.0
-
-
 def torch_flops(fn) -> int:
-    """FLOPs of ``fn()`` by torch's own FlopCounterMode table, attention as plain matmuls (the
-    math backend, which torch decomposes into the two matrix products the analytic counts use)."""
+    """FLOPs of ``fn()`` by torch's own FlopCounterMode table, attention on the math backend
+    (which torch decomposes into the matmuls its table counts): a reference independent of the
+    attention formulas ``ssl_vit.flops`` adds."""
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()

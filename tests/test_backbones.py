@@ -14,7 +14,7 @@ from helpers import registered_backbones
 from timm.layers import resample_abs_pos_embed
 
 from ssl_vit import create_backbone, list_backbones
-from ssl_vit.backbones import ResNetBackbone, VisionTransformer, is_vit
+from ssl_vit.backbones import VisionTransformer, is_vit
 from ssl_vit.backbones.pos_embed import resample_pos_embed, sincos_2d_pos_embed
 
 TIMM_NAMES = {"vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224", "vit_base": "vit_base_patch16_224"}
@@ -177,7 +177,7 @@ def test_training_step_matches_timm_in_outputs_and_every_gradient(lean_backward)
 
 
 def test_lean_backward_keeps_two_slices_per_block_fewer():
-    from ssl_vit.bench.measure import saved_activation_bytes
+    from ssl_vit.bench import saved_activation_bytes
 
     x = torch.randn(2, 3, 32, 32)
     saved = {}
@@ -319,7 +319,6 @@ def test_attention_weight_path_agrees_with_fused_path():
     assert (fused - explicit).abs().max() < 1e-5
     assert len(maps) == 12 and all(torch.allclose(a, b) for a, b in zip(maps, attns))
     assert torch.allclose(maps[0].sum(-1), torch.ones(2, 3, 17), atol=1e-5)
-    assert torch.equal(m.get_last_selfattention(x), maps[-1])
 
 
 def test_attention_weights_follow_softmax_qk():
@@ -345,13 +344,13 @@ def test_intermediate_layers_end_with_forward_features():
         assert torch.allclose(last, m.forward_features(x), atol=1e-6)
         assert torch.allclose(m.norm(raw[1]), last, atol=1e-6)
         assert not torch.allclose(raw[0], raw[1])
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"n=\[12\]: blocks \[12\] are out of range for a backbone of depth 12"):
         m.get_intermediate_layers(x, [12])
     for n in (0, -1, 13):  # "the last n blocks": none, or more than there are, is an error, not []
-        with pytest.raises(ValueError, match=rf"n={n}: the last n blocks of a backbone of depth 12 need n in 1..12"):
+        with pytest.raises(ValueError, match=rf"n={n}: blocks .* are out of range for a backbone of depth 12 \(the last 1..12, or indices\)"):
             m.get_intermediate_layers(x, n)
     resnet = create_backbone("resnet18", in_chans=3)
-    for n in (0, 5, [3]):
+    for n in (0, 5):
         with pytest.raises(ValueError, match=r"n must be a number of last stages in 1..4"):
             resnet.get_intermediate_layers(torch.randn(1, 3, 32, 32), n)
 
@@ -462,23 +461,15 @@ def test_wrong_channel_count_at_forward(name, kwargs):
 
 
 def test_bad_architecture_arguments():
+    # create_backbone checks a recipe's kwargs against the builders' typed signatures, once
     with pytest.raises(TypeError, match="backbone 'vit_tiny': pos_embed must be one of 'learn', 'sincos', got '2d'"):
         create_backbone("vit_tiny", pos_embed="2d")
-    with pytest.raises(ValueError, match="pos_embed must be 'learn' or 'sincos'"):
-        VisionTransformer(pos_embed="2d")
     with pytest.raises(TypeError, match="backbone 'hybrid': resnet must be one of 'resnet18', 'resnet50', got 'resnet34'"):
         create_backbone("hybrid", img_size=32, embed_dim=32, depth=1, num_heads=2, resnet="resnet34")
-    for name, value in (("num_heads", 0), ("patch_size", 0), ("depth", -1), ("embed_dim", 0)):
-        with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):
-            VisionTransformer(**{"embed_dim": 32, "depth": 1, "num_heads": 2, name: value})
-    with pytest.raises(ValueError, match="mlp_ratio must be > 0, got 0.0"):
-        VisionTransformer(embed_dim=32, depth=1, num_heads=2, mlp_ratio=0.0)
-    with pytest.raises(ValueError, match="drop_path_rate"):
-        create_backbone("vit_tiny", drop_path_rate=1.5)
-    with pytest.raises(ValueError, match="not divisible by num_heads"):
-        VisionTransformer(embed_dim=10, num_heads=3)
-    with pytest.raises(ValueError, match="num_stages"):
-        ResNetBackbone("resnet18", num_stages=5)
+    with pytest.raises(TypeError, match="backbone 'resnet18': num_stages must be one of 1, 2, 3, 4, got 5"):
+        create_backbone("resnet18", num_stages=5)
+    with pytest.raises(ValueError, match="embed_dim 10 is not divisible by num_heads 3"):
+        create_backbone("vit", embed_dim=10, depth=1, num_heads=3)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -486,8 +477,6 @@ def test_bad_architecture_arguments():
     ({"depth": 2.5}, "backbone 'vit': depth must be an integer, got 2.5"),
     ({"qkv_bias": 1}, "backbone 'vit': qkv_bias must be true or false, got 1"),
     ({"drop_path_rate": "0.1"}, "backbone 'vit': drop_path_rate must be a number, got '0.1'"),
-    ({"img_size": "abc"}, "img_size must be an integer or a pair of integers (height, width), got 'abc'"),
-    ({"img_size": [28, 28, 28]}, "img_size must be an integer or a pair of integers (height, width), got [28, 28, 28]"),
 ])
 def test_a_backbone_argument_of_the_wrong_type_is_named(kwargs, message):
     with pytest.raises((TypeError, ValueError)) as err:
@@ -534,7 +523,7 @@ def test_backbones_command_lists_sizes_and_says_why_a_backbone_cannot_be_sized(c
     rows = {line.split()[0]: line for line in lines[2:]}
     assert set(rows) == set(list_backbones())
     assert "(image size 28x28 is not divisible by the patch size 16)" in rows["vit_small"]
-    assert "(sized when --arg gives embed_dim, depth, num_heads)" in rows["vit"]
+    assert "(no shape of its own: set embed_dim, depth, num_heads with --arg)" in rows["vit"]
     sized = [line.split()[0] for line in lines[2:] if line.split()[2] != "-"]
     flops = [float(rows[n].split()[2]) for n in sized]
     assert "resnet18" in sized and flops == sorted(flops) and lines.index(rows["vit_small"]) > lines.index(rows["resnet50"])
@@ -563,32 +552,27 @@ def test_backbones_command_errors_name_the_problem(capsys):
 
     with pytest.raises(ValueError, match="backbone 'vit_tiny': image size 30x30 is not divisible by the patch size 16"):
         main(["vit_tiny", "--img-size", "30"])
-    with pytest.raises(ValueError, match=r"backbone 'resnet18' takes no argument\(s\) \['small_inpt'\] \(did you mean 'small_input'\?\); it accepts: img_size, in_chans"):
+    with pytest.raises(ValueError, match=r"--arg small_inpt: no argument of backbone 'resnet18' \(did you mean 'small_input'\?\); "
+                                         r"--arg takes layers, num_stages, small_input, zero_init_residual \(and --img-size"):
         main(["resnet18", "--arg", "small_inpt=1"])
-    with pytest.raises(ValueError, match=r"none of these backbones takes the argument\(s\) \['depth'\]; they accept: "):
+    with pytest.raises(ValueError, match=r"--arg depth: no argument of these backbones; --arg takes "):
         main(["resnet18", "resnet50", "--arg", "depth=3"])
     with pytest.raises(ValueError, match="unknown backbone 'vit_smal'"):
         main(["vit_smal"])
-    with pytest.raises(ValueError, match="must be positive"):
-        main(["--img-size", "0"])
-    with pytest.raises(ValueError, match="must be positive"):
-        main(["--in-chans", "0"])
-    with pytest.raises(ValueError, match="must be positive"):
-        main(["--patch-size", "0"])  # (0 is falsy: it would have meant "each backbone's own")
     # the header and the FLOPs read the options: the same setting through --arg would contradict them
-    with pytest.raises(ValueError, match=r"give img_size, in_chans with its own option \(--img-size, --in-chans\), not --arg"):
+    with pytest.raises(ValueError, match=r"--arg img_size, in_chans: no argument of backbone 'vit_tiny'; .*\(and --img-size, --in-chans, --patch-size their own\)"):
         main(["vit_tiny", "--arg", "img_size=32", "--arg", "in_chans=1"])
-    with pytest.raises(ValueError, match=r"\(--patch-size\), not --arg"):
+    with pytest.raises(ValueError, match=r"--arg patch_size: no argument"):
         main(["vit_tiny", "--arg", "patch_size=8"])
     # a named `vit` takes its shape from --arg; values are read as YAML (numbers are numbers)
     assert main(["vit", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4", "--img-size", "28", "--patch-size", "7", "--no-kwargs"]) == 0
     row = capsys.readouterr().out.splitlines()[2].split()
     assert row[0] == "vit" and row[1] == "0.8M" and row[4] == "17"
-    with pytest.raises(ValueError, match=r"backbone 'vit' has no shape of its own: set embed_dim, depth, num_heads with --arg"):
+    with pytest.raises(ValueError, match=r"backbone 'vit': no shape of its own: set embed_dim, depth, num_heads with --arg"):
         main(["vit"])
     with pytest.raises(TypeError, match=r"backbone 'vit' needs depth \(it has no shape of its own"):
         create_backbone("vit", embed_dim=64, num_heads=4)  # not ViT-B's 12 layers behind the user's back
-    with pytest.raises(ValueError, match=r"backbone 'hybrid' has no shape of its own: set resnet with --arg"):
+    with pytest.raises(ValueError, match=r"backbone 'hybrid': no shape of its own: set resnet with --arg"):
         main(["hybrid", "--arg", "embed_dim=128", "--arg", "depth=4", "--arg", "num_heads=4"])
 
 
@@ -604,16 +588,10 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
     def vit_forwarding(depth: int = 1, **kwargs):  # a subclass' builder that passes the rest on
         return VisionTransformer(depth=depth, embed_dim=32, num_heads=2, **kwargs)
 
-    class Bare(torch.nn.Module):  # no embed_dim, an int img_size, no forward_features
-        in_chans, img_size = 1, 16
+    class Bare(torch.nn.Module):  # no embed_dim, no forward_features
+        in_chans, img_size = 1, (16, 16)
 
-    class Flagged(torch.nn.Module):  # True is an int to Python, not a width
-        embed_dim, in_chans, img_size = 8, True, (16, 16)
-
-        def forward_features(self, x):
-            return x
-
-    with registered_backbones(vit_forwarding_test=vit_forwarding, bare_test=Bare, flagged_test=Flagged):
+    with registered_backbones(vit_forwarding_test=vit_forwarding, bare_test=Bare):
         model = create_backbone("vit_forwarding_test", img_size=16, patch_size=4, in_chans=1, drop_path_rate=0.1)
         assert model.img_size == (16, 16) and model.backbone_kwargs["drop_path_rate"] == 0.1
         from ssl_vit.methods import Supervised
@@ -622,12 +600,9 @@ def test_a_builder_taking_kwargs_passes_them_on_and_a_backbone_without_the_inter
         online = Supervised(backbone="vit_forwarding_test", backbone_kwargs={"img_size": 16, "patch_size": 4, "in_chans": 1,
                                                                                "drop_path_rate": 0.1, "depth": 2}, num_classes=2)
         assert not isinstance(online.backbone.blocks[-1].drop_path, torch.nn.Identity)  # (the rate grows with depth from 0)
-        assert isinstance(online.build_target_backbone().blocks[-1].drop_path, torch.nn.Identity)
-        with pytest.raises(TypeError, match=r"backbone 'bare_test' \(Bare\) does not have the attributes every backbone has: embed_dim "
-                                            r"\(an int\) is missing; img_size \(a \(height, width\) pair of ints\) is 16; forward_features"):
+        assert isinstance(online.target_backbone().blocks[-1].drop_path, torch.nn.Identity)
+        with pytest.raises(TypeError, match=r"backbone 'bare_test' \(Bare\) lacks embed_dim, forward_features, which every backbone has"):
             create_backbone("bare_test")
-        with pytest.raises(TypeError, match=r"\(Flagged\) does not have the attributes every backbone has: in_chans \(an int\) is True \("):
-            create_backbone("flagged_test")
 
 
 @pytest.mark.parametrize("kwargs", [{"small_input": False, "num_stages": 1}, {"small_input": False, "num_stages": 3},

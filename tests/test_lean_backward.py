@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssl_vit.backbones.gelu_linear import _GELULinear, gelu_linear
-from ssl_vit.backbones.norm_linear import _NormLinear, norm_linear
-from ssl_vit.bench.measure import saved_activation_bytes
+from ssl_vit.backbones.lean import _GELULinear, _NormLinear, gelu_linear, norm_linear
+from ssl_vit.bench import saved_activation_bytes
 
 
 @dataclass

@@ -1,10 +1,10 @@
-"""Backbones that every pretext task, evaluator and export shares.
-
-The contract (ViT, hybrid and ResNet alike):
-    ``embed_dim``; ``forward(x) -> [B, D]``; ``forward_features(x)`` (tokens ``[B, 1+N, D]`` after
-    the final LayerNorm for ViT/hybrid, the feature map for ResNet); ``get_intermediate_layers(x, n)``;
-    ``get_attention_maps(x)``; ``no_weight_decay()``. ViTs also take a ``patch_hook`` in
-    ``forward_features`` to replace patch embeddings before the position embedding is added.
+"""Backbones that every method, evaluation and export shares. The contract (ViT, hybrid and
+ResNet alike): ``embed_dim``, ``in_chans``, ``img_size``; ``forward(x) -> [B, D]``;
+``forward_features(x)`` (tokens ``[B, 1+N, D]`` after the final LayerNorm for ViT/hybrid, the
+feature map for ResNet); ``get_intermediate_layers(x, n)``; ``get_attention_maps(x)``;
+``no_weight_decay()``; ``backbone_name`` and ``backbone_kwargs`` (set by ``create_backbone``).
+ViTs also take a ``patch_hook`` in ``forward_features`` to replace patch embeddings before the
+position embedding is added.
 """
 
 from collections.abc import Iterator
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ssl_vit.backbones import zoo as _zoo  # noqa: F401  (registers the backbones)
+from ssl_vit.backbones.compile import compile_backbone
 from ssl_vit.backbones.hybrid import HybridEmbed
 from ssl_vit.backbones.registry import (
     BackboneSpec,
@@ -25,19 +25,8 @@ from ssl_vit.backbones.registry import (
 from ssl_vit.backbones.resnet import ResNetBackbone
 from ssl_vit.backbones.vit import PatchHook, VisionTransformer
 
-__all__ = [
-    "BackboneSpec",
-    "HybridEmbed",
-    "PatchHook",
-    "ResNetBackbone",
-    "VisionTransformer",
-    "create_backbone",
-    "eval_mode",
-    "get_spec",
-    "is_vit",
-    "list_backbones",
-    "register_backbone",
-]
+__all__ = ["BackboneSpec", "HybridEmbed", "PatchHook", "ResNetBackbone", "VisionTransformer", "compile_backbone", "create_backbone",
+           "eval_mode", "get_spec", "is_vit", "list_backbones", "register_backbone"]
 
 
 def is_vit(model: object) -> bool:
@@ -52,8 +41,7 @@ def eval_mode(module: nn.Module) -> Iterator[torch.device]:
     modes = {m: m.training for m in module.modules()}
     module.eval()
     try:
-        param = next(module.parameters(), None)
-        yield param.device if param is not None else torch.device("cpu")
+        yield next((p.device for p in module.parameters()), torch.device("cpu"))
     finally:
         for m, training in modes.items():
             m.training = training

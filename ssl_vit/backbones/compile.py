@@ -1,16 +1,9 @@
 """``torch.compile`` for backbones, one repeated piece at a time (regional compilation).
 
-A ViT is ``depth`` copies of one block: compiling each block in place (``nn.Module.compile``)
-gives one graph that every block of that shape reuses (torch inlines the modules and passes their
-parameters as inputs), compiled once rather than once per block or for the whole model, with
-fused kernels for the LayerNorm / GELU / residual work around the matmuls. Around the blocks
-nothing changes: parameter names and state dicts stay as they are (checkpoints, EMA pairs,
-exports and evaluations do not see a difference), and what the pretext tasks do between the
-patch embedding and the first block (MPP's ``patch_hook``) keeps running eagerly.
-
-Regions: a ViT's or hybrid's Transformer blocks (``blocks``); a ResNet's stages (``layer1`` ...);
-any other backbone (a plug-in of your own) whole. Tracing for export (TorchScript, ONNX) cannot
-go through a compiled region: :func:`eager` sets the regions aside meanwhile.
+Each Transformer block (a ResNet's stage; a plug-in backbone whole) is compiled in place
+(``nn.Module.compile``): blocks of one shape share one graph, compiled once, with fused kernels
+for the LayerNorm / GELU / residual work around the matmuls. Parameter names and state dicts stay
+as they are, and what a method does before the first block (MPP's ``patch_hook``) runs eagerly.
 """
 
 from __future__ import annotations
@@ -18,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from ssl_vit.backbones.resnet import ResNetBackbone
 
-# torch.compile's backends: "inductor" generates fused kernels (the speed-up); "aot_eager"
-# traces forward and backward but runs torch's own kernels (a check of the tracing, fast to
-# compile); "eager" only captures the graph.
+# "inductor" generates fused kernels; "aot_eager" traces as inductor does but runs torch's own kernels.
 DEFAULT_BACKEND = "inductor"
 
 
@@ -34,24 +26,19 @@ def compile_regions(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
     if isinstance(blocks, nn.ModuleList | nn.Sequential) and len(blocks) > 0:
         return [(f"blocks.{i}", block) for i, block in enumerate(blocks)]
     if isinstance(backbone, ResNetBackbone):
-        return [(f"layer{i + 1}", stage) for i, stage in enumerate(backbone._stages())]
+        return [(f"layer{i + 1}", stage) for i, stage in enumerate(backbone.stages())]
     return [("", backbone)]
 
 
 def check_backend(backend: str) -> None:
-    """A backend torch.compile knows, or a ``ValueError`` naming the ones it does."""
-    import torch._dynamo
-
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):  # debugging backends (aot_eager) included
-        raise ValueError(
-            f"compile backend {backend!r} is not one torch.compile knows; choose from {', '.join(torch._dynamo.list_backends())} "
-            "(or a debugging backend: aot_eager, eager)"
-        )
+    """A backend torch.compile knows (debugging ones such as aot_eager included), or a ``ValueError``."""
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"compile backend {backend!r} is not one torch.compile knows; choose from "
+                         f"{', '.join(torch._dynamo.list_backends())} (or a debugging backend: aot_eager, eager)")
 
 
 def compile_backbone(backbone: nn.Module, backend: str = DEFAULT_BACKEND) -> list[str]:
-    """Compile ``backbone``'s regions in place (see the module docstring); returns their names
-    (``""``: the whole backbone)."""
+    """Compile ``backbone``'s regions in place; returns their names (``""``: the whole backbone)."""
     check_backend(backend)
     regions = compile_regions(backbone)
     for _, module in regions:

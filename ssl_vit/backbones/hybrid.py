@@ -5,77 +5,39 @@ from __future__ import annotations
 
 from typing import Literal
 
+from einops import rearrange
 from torch import Tensor, nn
 
-from ssl_vit.backbones.resnet import ResNetBackbone, output_grid
-from ssl_vit.backbones.vit import VisionTransformer, check_image
+from ssl_vit.backbones.resnet import ResNetBackbone
+from ssl_vit.backbones.vit import VisionTransformer, patch_grid
 
 
 class HybridEmbed(nn.Module):
-    """ResNet trunk -> 1×1 projection to D -> token sequence. Drop-in for ``PatchEmbed``.
+    """ResNet trunk -> 1×1 projection to D -> token sequence; the ViT's ``patch_embed``.
 
     The ViT paper's R50 hybrid (Appendix B / §4.1 footnote) removes stage 4 and moves its blocks
     into stage 3, giving a stride-16 map: ``num_stages=3`` with ``layers=(3, 4, 9)``.
     """
 
-    def __init__(
-        self,
-        resnet: Literal["resnet18", "resnet50"],
-        img_size: tuple[int, int],
-        in_chans: int,
-        embed_dim: int,
-        num_stages: int,
-        small_input: bool,
-    ) -> None:
+    def __init__(self, resnet: Literal["resnet18", "resnet50"], in_chans: int, embed_dim: int, num_stages: Literal[1, 2, 3, 4], small_input: bool) -> None:
         super().__init__()
         layers = (3, 4, 9) if resnet == "resnet50" and num_stages == 3 else None
-        self.backbone = ResNetBackbone(
-            resnet, in_chans=in_chans, img_size=img_size[0], small_input=small_input, num_stages=num_stages, layers=layers
-        )
+        self.backbone = ResNetBackbone(resnet, in_chans=in_chans, small_input=small_input, num_stages=num_stages, layers=layers)
         self.proj = nn.Conv2d(self.backbone.embed_dim, embed_dim, kernel_size=1)
-        self.patch_size = self.backbone.stride  # pixels per token: distances in the analysis figures
-        if img_size[0] % self.patch_size or img_size[1] % self.patch_size:
-            raise ValueError(
-                f"image size {img_size[0]}x{img_size[1]} is not divisible by the hybrid's stride {self.patch_size}"
-            )
-        self.img_size = img_size
-        self.in_chans = in_chans
-        self.grid_size = output_grid(img_size, self.backbone)
+        self.in_chans, self.patch_size = in_chans, self.backbone.stride  # pixels per token
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        check_image(x, self.in_chans, self.patch_size, "hybrid ViT")
+        """``[B, C, H, W]`` -> tokens ``[B, N, D]`` read row-major from the map, and its grid."""
+        patch_grid(x.shape[-2], x.shape[-1], self.patch_size)
         x = self.proj(self.backbone.forward_features(x))  # [B, D, h, w]
-        grid = (x.shape[-2], x.shape[-1])
-        return x.flatten(2).transpose(1, 2), grid  # [B, N, D]
+        return rearrange(x, "b d h w -> b (h w) d"), (x.shape[-2], x.shape[-1])
 
 
-def hybrid_vit(
-    resnet: Literal["resnet18", "resnet50"],
-    embed_dim: int,
-    depth: int,
-    num_heads: int,
-    img_size: int = 224,
-    in_chans: int = 3,
-    num_stages: int = 3,
-    small_input: bool = False,
-    drop_path_rate: float = 0.0,
-    drop_rate: float = 0.0,
-    attn_drop_rate: float = 0.0,
-    pos_embed: Literal["learn", "sincos"] = "learn",
-    global_pool: Literal["token", "avg"] = "token",
-    lean_backward: bool = True,
-) -> VisionTransformer:
-    """Build a hybrid: ``VisionTransformer`` composed with a ``HybridEmbed``."""
-    embed = HybridEmbed(resnet, (img_size, img_size), in_chans, embed_dim, num_stages, small_input)
-    return VisionTransformer(
-        embed_dim=embed_dim,
-        depth=depth,
-        num_heads=num_heads,
-        drop_path_rate=drop_path_rate,
-        drop_rate=drop_rate,
-        attn_drop_rate=attn_drop_rate,
-        pos_embed=pos_embed,
-        global_pool=global_pool,
-        lean_backward=lean_backward,
-        patch_embed=embed,
-    )
+def hybrid_vit(resnet: Literal["resnet18", "resnet50"], embed_dim: int, depth: int, num_heads: int, img_size: int = 224, in_chans: int = 3,
+               num_stages: Literal[1, 2, 3, 4] = 3, small_input: bool = False, drop_path_rate: float = 0.0, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+               pos_embed: Literal["learn", "sincos"] = "learn", global_pool: Literal["token", "avg"] = "token",
+               lean_backward: bool = True) -> VisionTransformer:
+    """A ``VisionTransformer`` whose patch embedding is a ``HybridEmbed``."""
+    return VisionTransformer(img_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+                             drop_path_rate=drop_path_rate, pos_embed=pos_embed, global_pool=global_pool, lean_backward=lean_backward,
+                             patch_embed=HybridEmbed(resnet, in_chans, embed_dim, num_stages, small_input))
