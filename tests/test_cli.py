@@ -413,7 +413,7 @@ def test_visualize_draws_no_cls_maps_of_a_token_backbone_without_an_output_token
 
 def test_visualize_rejects_unknown_images(tmp_path, capsys):
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "no_such_data", "--out", str(tmp_path)]) == 1
-    assert "neither a folder nor a dataset" in capsys.readouterr().err
+    assert "--images no_such_data: not a dataset name (cifar10," in capsys.readouterr().err
 
 
 def test_compare_tabulates_eval_outputs(tmp_path, capsys):
@@ -801,7 +801,7 @@ def test_annotations_are_read_as_python_does_with_none_only_where_allowed():
     [
         (["--images", "synthetic", "--show", "-1"], "--show must be >= 1, got -1"),
         (["--images", "synthetic", "--num-images", "0"], "--num-images must be >= 1, got 0"),
-        (["--images", "synthetic", "--out", "{tmp}/rep.md"], "--out {tmp}/rep.md: exists and is not a folder; name a folder for the figures"),
+        (["--images", "synthetic", "--out", "{tmp}/rep.md"], "--out {tmp}/rep.md: {tmp}/rep.md exists and is not a folder"),
         (["--images", "synthetic", "--out", "{tmp}/rep.md/figs"], "--out {tmp}/rep.md/figs: cannot create the folder {tmp}/rep.md/figs: {tmp}/rep.md is not a folder"),
         (["--images", "imagefolder"], "--images imagefolder needs --data-arg train_dir=DIR; or name the folder itself: --images DIR"),
     ],
@@ -864,7 +864,7 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
 def test_visualize_names_a_file_given_as_images(tmp_path, capsys):
     (tmp_path / "cat.png").write_bytes(b"not really")
     assert cli_main(["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", str(tmp_path / "cat.png"), "--out", str(tmp_path / "f")]) == 1
-    assert f"--images {tmp_path / 'cat.png'}: a file; name a folder of images or a dataset" in capsys.readouterr().err
+    assert f"--images {tmp_path / 'cat.png'}: not a folder of images, a dataset (" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
