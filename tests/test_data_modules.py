@@ -198,12 +198,12 @@ def test_image_folder_with_classes_and_flat(tmp_path):
     no_val = ImageFolderDataModule(str(tmp_path / "train"), img_size=16, in_chans=1, batch_size=5, num_workers=0)
     assert not no_val.has_labelled_test_split()
     # a recipe evaluating on it is refused before training
-    from ssl_vit.eval.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import Evaluation
 
     with pytest.raises(ValueError, match=r"ImageFolderDataModule has no labelled test split to evaluate on; set data val_dir "
                                          r"to a labelled folder, or set evaluate.protocols: \[\] to pretrain without evaluating"):
-        RecipeEvaluation(protocols=["knn"]).check_data(no_val)
-    RecipeEvaluation(protocols=["knn"]).check_data(dm)
+        Evaluation(protocols=["knn"]).check_data(no_val)
+    Evaluation(protocols=["knn"]).check_data(dm)
     _, labels = next(iter(flat.train_dataloader()))
     assert labels.tolist() == [-1, -1, -1]
     assert flat.val_dataloader() == [] and flat.eval_datasets()[1] is None
@@ -242,15 +242,14 @@ def test_unreadable_files_are_left_out_of_evaluation(tmp_path):
                     Image.fromarray(pixels).save(tmp_path / root / split / name / f"{i}.png")
         (tmp_path / "dirty" / split / "bee" / "garbage.png").write_bytes(b"not a png" * 8)
 
-    from ssl_vit.eval.run import evaluate_features
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.knn import KNNClassifier
 
     def knn(root: str):
         dm = ImageFolderDataModule(str(tmp_path / root / "train"), val_dir=str(tmp_path / root / "val"), img_size=16,
                                    in_chans=1, batch_size=4, num_workers=0, mean=(0.5,), std=(0.25,))
-        train, test = dm.eval_datasets()
         backbone = create_backbone("vit", img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2)
-        (result,) = evaluate_features(backbone, train, test, {"knn": {"k": 3}}, method="random", data={"name": root},
-                                      num_classes=3, batch_size=5)
+        ((result, _),) = Evaluation(["knn"], knn=KNNClassifier(k=3), batch_size=5).run(backbone, {"method": "random"}, dm, tmp_path / f"{root}.json")
         return dm, result
 
     clean, dirty = knn("clean")[1], knn("dirty")

@@ -18,6 +18,7 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ssl_vit import create_backbone
 from ssl_vit.data import (
     CIFAR10DataModule,
     FashionMNISTDataModule,
@@ -422,12 +423,16 @@ def test_upper_case_extensions_are_images_and_a_validation_class_the_training_la
     (tmp_path / "val" / "fox" / "IMG_0001.JPG").unlink()
     (tmp_path / "val" / "fox").rmdir()
     assert scan_image_dir(tmp_path / "val", class_to_idx)[1] == [0]
+    (tmp_path / "val" / "dog").mkdir()
+    Image.new("L", (8, 8), 2).save(tmp_path / "val" / "dog" / "IMG_0002.JPG", format="JPEG")
     # a recipe's evaluation records name both folders, as `ssl-vit eval --data-arg` records them
-    from ssl_vit.eval.evaluate import RecipeEvaluation
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.knn import KNNClassifier
 
     dm = ImageFolderDataModule(str(tmp_path / "train"), val_dir=str(tmp_path / "val"), img_size=8, in_chans=1, num_workers=0)
-    record = RecipeEvaluation()._data_record(dm)
-    assert (record["train_dir"], record["val_dir"]) == (str(tmp_path / "train"), str(tmp_path / "val"))
+    backbone = create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2)
+    ((result, _),) = Evaluation(["knn"], knn=KNNClassifier(k=1)).run(backbone, {"method": "random"}, dm, tmp_path / "knn.json")
+    assert (result.data["train_dir"], result.data["val_dir"]) == (str(tmp_path / "train"), str(tmp_path / "val"))
 
 
 @pytest.mark.parametrize("size, processes", [(7, 2), (2, 8), (1, 3), (4, 4)])

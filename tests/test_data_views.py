@@ -71,8 +71,8 @@ def test_idx_reader_rejects_bad_files(tmp_path):
     with pytest.raises(ValueError, match="truncated"):
         read_idx(tmp_path / "truncated")
     (tmp_path / "labels").write_bytes(_idx_bytes(np.zeros(4, dtype=np.uint8)))
-    with pytest.raises(ValueError, match="dimensions"):
-        read_idx(tmp_path / "labels", expected_ndim=3)
+    with pytest.raises(ValueError, match=r"expected unsigned-byte images \[N, H, W\] and labels \[N\], got uint8 \[4\] / uint8 \[4\]"):
+        read_idx_images_labels(tmp_path / "labels", tmp_path / "labels")
     (tmp_path / "broken.gz").write_bytes(gzip.compress(good)[:20])
     with pytest.raises(ValueError, match="corrupt or truncated"):
         read_idx(tmp_path / "broken.gz")
@@ -82,7 +82,7 @@ def test_idx_reader_rejects_bad_files(tmp_path):
     # labels of another element type (0x0B: big-endian int16) are not Fashion-MNIST's
     header = bytes([0, 0, 0x0B, 1]) + struct.pack(">I", 2)
     (tmp_path / "labels16").write_bytes(header + np.array([1, 2], dtype=">i2").tobytes())
-    with pytest.raises(ValueError, match="expected unsigned-byte IDX files, got uint8 / int16"):
+    with pytest.raises(ValueError, match="expected unsigned-byte images .*, got uint8 \\[2, 3, 3\\] / int16 \\[2\\]"):
         read_idx_images_labels(tmp_path / "img", tmp_path / "labels16")
     # gzip is told by its magic bytes, whatever the file is called
     (tmp_path / "IMG.GZ").write_bytes(gzip.compress(good))
@@ -186,7 +186,7 @@ def test_rand_augment_follows_the_crop_and_flip_with_its_own_draws():
     assert changed >= 5
     for bad in ((0, 9), (2, 31), (2,)):
         with pytest.raises(ValueError, match="rand_augment must be \\(ops, magnitude\\)"):
-            SingleView(rand_augment=bad)
+            SingleView(size=8, rand_augment=bad)
 
 
 def test_views_on_grey_images_never_colourise():
@@ -310,7 +310,7 @@ def test_crop_scales_jitter_rate_and_local_crop_sizes_are_checked_and_kept():
 
 
 def test_a_view_transform_of_ones_own_as_its_docstring_writes_it():
-    from ssl_vit.data import Augmentation, ViewTransform
+    from ssl_vit.data.views import Augmentation, ViewTransform
 
     class ThreeCrops(ViewTransform):
         n_global_crops = 3
@@ -383,4 +383,4 @@ def test_rand_augment_takes_every_magnitude_torchvision_has():
         assert view.rand_augment == (2, m)
         assert view.augmentations()[0]._rand_augment.magnitude == m
     with pytest.raises(ValueError, match="rand_augment"):
-        SingleView(rand_augment=(2, top + 1))
+        SingleView(size=8, rand_augment=(2, top + 1))

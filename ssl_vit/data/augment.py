@@ -1,22 +1,21 @@
 """Augmentation operations on 8-bit PIL images, the building blocks of ``views.py``: the torchvision
 PIL backend that DINO's and MoCo v3's code use (RandomResizedCrop, ColorJitter, RandomGrayscale, PIL
-GaussianBlur, ImageOps.solarize), written for speed. Parameters are drawn with Python's ``random``
-(seeded per sample), each operation is one call into Pillow's C code, the hue shift is a cached
-colour lookup table instead of Pillow's HSV round trip, and solarisation is folded into the
-conversion to float. ``tests/test_data_augment_reference.py`` checks each against torchvision."""
+GaussianBlur, ImageOps.solarize), written for speed: parameters are drawn with Python's ``random``
+(seeded per sample), without per-transform objects, the hue shift is a cached colour lookup table
+instead of Pillow's HSV round trip, and solarisation is folded into the conversion to float.
+``tests/test_data_augment_reference.py`` checks each against torchvision."""
 
 from __future__ import annotations
 
 import functools
 import math
 import random
-from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 import torch
 import torchvision.transforms.functional as TF
-from PIL import Image, ImageFilter, ImageStat
+from PIL import Image, ImageEnhance, ImageFilter
 
 # The random resized crop's aspect-ratio range: torchvision's default, used by timm, DINO and MoCo v3.
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
@@ -81,57 +80,27 @@ def resize_center_crop(img: Image.Image, size: int, crop_pct: float, interpolati
     return TF.center_crop(img, [size, size])
 
 
+# Brightness, contrast and saturation: Pillow's ImageEnhance, which torchvision's PIL backend calls.
 def adjust_brightness(img: Image.Image, factor: float) -> Image.Image:
-    # Pillow's ImageEnhance.Brightness (what torchvision's PIL backend calls): blend with black.
-    return Image.blend(Image.new(img.mode, img.size, 0), img, factor)
+    return ImageEnhance.Brightness(img).enhance(factor)
 
 
 def adjust_contrast(img: Image.Image, factor: float) -> Image.Image:
-    # ImageEnhance.Contrast: blend with a flat image at the mean grey level rounded half up, as
-    # Pillow rounds it.
-    grey = img if img.mode == "L" else img.convert("L")
-    mean = int(ImageStat.Stat(grey).mean[0] + 0.5)
-    fill = mean if img.mode == "L" else (mean, mean, mean)
-    return Image.blend(Image.new(img.mode, img.size, fill), img, factor)
+    return ImageEnhance.Contrast(img).enhance(factor)
 
 
 def adjust_saturation(img: Image.Image, factor: float) -> Image.Image:
-    # ImageEnhance.Color: blend with the grey version. A no-op on grey images.
-    if img.mode == "L":
-        return img
-    return Image.blend(img.convert("L").convert("RGB"), img, factor)
-
-
-_HUE_LUT_SIZE = 17  # grid points per axis of the hue shift's colour lookup table
-
-
-def _hsv_hue_shift(rgb: np.ndarray, shift: float) -> np.ndarray:
-    """Exact HSV hue rotation of float RGB values ``[..., 3]`` in [0, 1] by ``shift`` turns.
-
-    Closed-form HSV -> RGB: f(n) = V - C * clip(min(k, 4 - k), 0, 1), k = (n + 6 H) mod 6 with
-    n = 5, 3, 1 for R, G, B; value V = max and chroma C = max - min are kept.
-    """
-    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
-    v = np.maximum(np.maximum(r, g), b)
-    c = v - np.minimum(np.minimum(r, g), b)
-    inv = np.divide(1.0, c, out=np.zeros_like(c), where=c > 0)
-    # Hue in sextants [-1, 5): the formula depends on which channel is the maximum.
-    h = np.where(v == r, (g - b) * inv, np.where(v == g, (b - r) * inv + 2.0, (r - g) * inv + 4.0))
-    h = h + 6.0 * shift
-    out = []
-    for n in (5.0, 3.0, 1.0):
-        k = np.mod(h + n, 6.0)
-        out.append(v - c * np.clip(np.minimum(k, 4.0 - k), 0.0, 1.0))
-    return np.stack(out, axis=-1)
+    return img if img.mode == "L" else ImageEnhance.Color(img).enhance(factor)  # (a grey image has none)
 
 
 @functools.cache  # one table per 1/255-turn level and process
-def _hue_lut(level: int) -> ImageFilter.Color3DLUT:
-    axis = np.linspace(0.0, 1.0, _HUE_LUT_SIZE, dtype=np.float32)
-    b, g, r = np.meshgrid(axis, axis, axis, indexing="ij")  # Color3DLUT wants R varying fastest
-    grid = np.stack([r, g, b], axis=-1).reshape(-1, 3)
-    table = _hsv_hue_shift(grid, level / 255.0).astype(np.float32).reshape(-1)
-    return ImageFilter.Color3DLUT(_HUE_LUT_SIZE, table, channels=3)
+def _hue_lut(level: int, points: int = 17) -> ImageFilter.Color3DLUT:
+    # The exact float rotation of torchvision's tensor adjust_hue at the table's grid points.
+    axis = torch.linspace(0.0, 1.0, points)
+    b, g, r = torch.meshgrid(axis, axis, axis, indexing="ij")  # Color3DLUT wants R varying fastest
+    grid = torch.stack([r, g, b]).reshape(3, -1, 1)  # [3, points^3, 1]: an RGB image
+    table = TF.adjust_hue(grid, (level / 255 + 0.5) % 1.0 - 0.5)  # (a shift of 128/255 turns is -127/255)
+    return ImageFilter.Color3DLUT(points, table.reshape(3, -1).T.flatten().tolist(), channels=3)
 
 
 def adjust_hue(img: Image.Image, shift: float) -> Image.Image:
@@ -172,22 +141,10 @@ def gaussian_blur(img: Image.Image, sigma: float) -> Image.Image:
     return img.filter(ImageFilter.GaussianBlur(radius=sigma))
 
 
-def to_float_tensors(images: Sequence[Image.Image], solarize: Sequence[bool]) -> list[torch.Tensor]:
-    """8-bit images -> float tensors ``[C, H, W]`` in [0, 1], solarising the flagged ones
-    (ImageOps.solarize: v >= 128 becomes 255 - v). Images of one size convert as one array."""
-    out: list[torch.Tensor | None] = [None] * len(images)
-    groups: dict[tuple[str, tuple[int, int]], list[int]] = {}
-    for i, img in enumerate(images):
-        groups.setdefault((img.mode, img.size), []).append(i)
-    for (mode, _), idx in groups.items():
-        arr = np.stack([np.asarray(images[i]) for i in idx])  # [K, H, W] or [K, H, W, 3] uint8
-        arr = arr[:, None] if mode == "L" else arr.transpose(0, 3, 1, 2)  # [K, C, H, W]
-        x = arr.astype(np.float32, order="C")
-        x *= 1.0 / 255.0
-        for j, i in enumerate(idx):
-            if solarize[i]:
-                x[j] = np.where(arr[j] >= 128, 1.0 - x[j], x[j])
-        tensors = torch.from_numpy(x)  # [K, C, H, W]
-        for j, i in enumerate(idx):
-            out[i] = tensors[j]
-    return out  # type: ignore[return-value]
+def to_float_tensor(img: Image.Image, solarize: bool = False) -> torch.Tensor:
+    """An 8-bit image -> a float tensor ``[C, H, W]`` in [0, 1], solarised (ImageOps.solarize:
+    v >= 128 becomes 255 - v) if asked."""
+    x = TF.pil_to_tensor(img)  # [C, H, W] uint8
+    if solarize:
+        x = torch.where(x >= 128, 255 - x, x)
+    return x.float().div_(255)

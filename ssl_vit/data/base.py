@@ -35,9 +35,8 @@ _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2 luma: Pillow's convert("L")
 
 
 def ignore_sigint(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the worker ignores Ctrl-C, which a terminal sends to the whole
-    process group. The main process decides what it means (a fit finishes its step and checkpoints:
-    ``ssl_vit.training.preemption``); a worker killed by it would fail the step still to finish."""
+    """DataLoader ``worker_init_fn``: the worker ignores the Ctrl-C a terminal sends to the whole
+    process group; the main process decides what it means (``ssl_vit.training.preemption``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -51,14 +50,12 @@ def download_advice(download: bool) -> str:
     return "internet access" + ("" if download else f" and {option_hint('download', 'true')}")
 
 
-def default_root() -> Path:
-    """Where downloaded datasets go: ``$XDG_CACHE_HOME/ssl_vit`` or ``~/.cache/ssl_vit``."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "ssl_vit"
-
-
 def data_root(root: str | None) -> Path:
-    """A dataset's ``root`` argument as a path (None: :func:`default_root`)."""
-    return default_root() if root is None else Path(root).expanduser()
+    """A dataset's ``root`` argument as a path; None: where downloads go, ``$XDG_CACHE_HOME/ssl_vit``
+    or ``~/.cache/ssl_vit``."""
+    if root is None:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "ssl_vit"
+    return Path(root).expanduser()
 
 
 def _channel_stats(name: str, values: Sequence[float] | None, native: Sequence[float], in_chans: int) -> tuple[float, ...]:
@@ -77,8 +74,7 @@ def _channel_stats(name: str, values: Sequence[float] | None, native: Sequence[f
 
 
 def _for_evaluation(split: Any) -> Any:
-    """A split whose unreadable files are labelled -1, dropped by the evaluators, instead of
-    replaced by another image (``ImageFiles.for_evaluation``)."""
+    """The split with unreadable files labelled -1 (dropped), not replaced (``ImageFiles``)."""
     return split.for_evaluation() if hasattr(split, "for_evaluation") else split
 
 
@@ -94,15 +90,13 @@ class ImageDataModule(L.LightningDataModule):
         in_chans: 1 or 3: grey data is repeated to 3 channels when 3 are asked for, RGB data
             converted to grey (ITU-R 601-2 luma) when 1 is.
         mean, std: per-channel normalisation (1 value or ``in_chans``); None: the dataset's own.
-        subset: train on a fixed random subset of this many training images (drawn with ``seed``;
-            also the train split of ``eval_datasets``). None: all.
-        seed: seed of the subset draw (and of generated data); also of the training order and
-            augmentations when the run sets no global seed (``seed_everything``).
+        subset: train (and evaluate) on a fixed random subset of this many training images; None: all.
+        seed: of the subset draw and of generated data; also of the training order and augmentations
+            when the run sets no global seed (``seed_everything``).
         pin_memory: pin batches in page-locked memory (only when CUDA is available).
         drop_last: drop the last incomplete training batch.
         eval_batch_size: batch size of the validation / test loaders (None: batch_size).
-        eval_crop_pct: the evaluation transform's centre-crop fraction for images not already at
-            ``img_size`` (resize to img_size / crop_pct, then centre crop).
+        eval_crop_pct: the evaluation transform's centre-crop fraction (``EvalTransform``).
     """
 
     #: statistics of the dataset's native channels (1 for grey data, 3 for RGB)
@@ -228,8 +222,7 @@ class ImageDataModule(L.LightningDataModule):
         return ResumableLoader(dataset, sampler=sampler, batch_size=self.batch_size, drop_last=self.drop_last, **self._loader_args(True))
 
     def val_dataloader(self) -> DataLoader | list:
-        """The test split (the online probe's accuracy); an empty list, which Lightning skips, when
-        there is none."""
+        """The test split (the online probe's accuracy); none: an empty list, which Lightning skips."""
         return self._eval_loader(persistent=True)
 
     def test_dataloader(self) -> DataLoader | list:

@@ -149,15 +149,11 @@ class TransformedDataset(Dataset):
 
 
 class EvenShares(Dataset):
-    """An evaluation split padded to a multiple of ``num_processes`` with unlabelled (label -1)
-    copies of its items from the first on (round again when the split is smaller than the padding).
-
-    ``DistributedSampler(shuffle=False)``, which Lightning puts under a validation loader, pads
-    each process's share with repeats of the first images, which the metrics would count twice.
-    Padded here, every process still runs as many batches (an FSDP forward and the stop-signal
-    check are collectives), and the padding, labelled -1, counts nowhere: the metrics are means
-    over labelled images, summed with their number over processes (``BaseMethod``).
-    """
+    """An evaluation split padded to a multiple of ``num_processes`` with copies of its items from
+    the first on, labelled -1. ``DistributedSampler(shuffle=False)``, which Lightning puts under a
+    validation loader, pads with the first images, which the metrics would count twice. Padded here,
+    every process still runs as many batches (an FSDP forward and the stop-signal check are
+    collectives), and the padding counts nowhere (``BaseMethod`` averages over labelled images)."""
 
     def __init__(self, source: Dataset, num_processes: int) -> None:
         self.source = source

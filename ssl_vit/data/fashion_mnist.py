@@ -21,15 +21,11 @@ from ssl_vit.data.datasets import InMemoryImages
 # Where `apt-get install dataset-fashion-mnist` puts the IDX files.
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 
-_FILES = {
-    True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
 # IDX element type byte -> numpy dtype (big-endian for multi-byte types)
 _IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_idx(path: str | PathLike[str], expected_ndim: int | None = None) -> np.ndarray:
+def read_idx(path: str | PathLike[str]) -> np.ndarray:
     """An IDX file (optionally gzipped) as a numpy array of native byte order.
 
     The format (LeCun's MNIST page): a magic number ``00 00 TT DD`` (TT: element type, 0x08 =
@@ -47,8 +43,6 @@ def read_idx(path: str | PathLike[str], expected_ndim: int | None = None) -> np.
     ndim = data[3] if len(data) >= 4 else 0
     if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] not in _IDX_DTYPES or ndim == 0:
         raise ValueError(f"{path}: bad magic number 0x{magic:08x}, not an IDX file (expected 0x00000803 for images or 0x00000801 for labels)")
-    if expected_ndim is not None and ndim != expected_ndim:
-        raise ValueError(f"{path}: magic number 0x{magic:08x} says {ndim} dimensions, expected {expected_ndim} (magic 0x{0x0800 | expected_ndim:08x})")
     header = 4 + 4 * ndim
     shape = struct.unpack(f">{ndim}I", data[4:header]) if len(data) >= header else ()
     dtype = np.dtype(_IDX_DTYPES[data[2]])
@@ -61,9 +55,10 @@ def read_idx(path: str | PathLike[str], expected_ndim: int | None = None) -> np.
 
 def read_idx_images_labels(images_path: str | PathLike[str], labels_path: str | PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
     """A pair of IDX files: uint8 images ``[N, H, W]`` and int64 labels ``[N]``."""
-    images, labels = read_idx(images_path, expected_ndim=3), read_idx(labels_path, expected_ndim=1)
-    if images.dtype != np.uint8 or labels.dtype != np.uint8:
-        raise ValueError(f"{images_path}, {labels_path}: expected unsigned-byte IDX files, got {images.dtype} / {labels.dtype}")
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.dtype != np.uint8 or labels.dtype != np.uint8 or images.ndim != 3 or labels.ndim != 1:
+        raise ValueError(f"{images_path}, {labels_path}: expected unsigned-byte images [N, H, W] and labels [N], "
+                         f"got {images.dtype} {list(images.shape)} / {labels.dtype} {list(labels.shape)}")
     if len(images) != len(labels):
         raise ValueError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
     return images, labels.astype(np.int64)
@@ -77,9 +72,7 @@ class FashionMNISTDataModule(ImageDataModule):
             ``FashionMNIST/raw`` layout); downloads go there too. None: the Debian package's files
             if installed, else ``$XDG_CACHE_HOME/ssl_vit`` (``~/.cache/ssl_vit``).
         download: fetch the files with torchvision when they are not found (needs internet).
-        img_size: 28 (native) unless the backbone wants another size.
-        in_chans: 1 (native); 3 repeats the grey channel.
-        **kwargs: the common arguments of ``ImageDataModule`` (views, batch_size, ...).
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (native: 28 px, 1 channel).
     """
 
     num_classes = 10
@@ -94,13 +87,13 @@ class FashionMNISTDataModule(ImageDataModule):
         self.download = download
 
     def _search_dirs(self) -> list[Path]:
-        if self.root is not None:
-            return [data_root(self.root), data_root(self.root) / "FashionMNIST" / "raw"]
-        return [DEBIAN_DIR, data_root(None) / "FashionMNIST" / "raw"]
+        root = data_root(self.root)
+        return [DEBIAN_DIR if self.root is None else root, root / "FashionMNIST" / "raw"]
 
     def _locate(self, train: bool) -> tuple[Path, Path] | None:
+        names = [f"{'train' if train else 't10k'}-{kind}-ubyte" for kind in ("images-idx3", "labels-idx1")]
         for directory in self._search_dirs():
-            found = [next((p for p in (directory / f"{name}.gz", directory / name) if p.is_file()), None) for name in _FILES[train]]
+            found = [next((p for p in (directory / f"{name}.gz", directory / name) if p.is_file()), None) for name in names]
             if None not in found:
                 return found[0], found[1]
         return None

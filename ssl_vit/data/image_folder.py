@@ -3,6 +3,7 @@ unlabelled images for pretraining."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -55,39 +56,34 @@ class ImageFolderDataModule(ImageDataModule):
             for label-free pretraining (labels -1, ``num_classes`` None).
         val_dir: the evaluation split in the same layout (classes matched by folder name).
             None: no validation / test split.
-        img_size: 224 by default.
-        in_chans: 3 (RGB) by default; 1 converts to grey.
-        **kwargs: the common arguments of ``ImageDataModule`` (views, batch_size, ...); mean / std
-            default to ImageNet's.
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: ImageNet's by default).
     """
 
     def __init__(self, train_dir: str, val_dir: str | None = None, img_size: int = 224, in_chans: Literal[1, 3] = 3, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
         self.train_dir = train_dir
         self.val_dir = val_dir
-        self._scanned: tuple[list[str], list[int] | None, dict[str, int] | None] | None = None
 
-    @property
-    def _classes(self) -> dict[str, int] | None:
-        if self._scanned is None:
-            self._scanned = scan_image_dir(self.train_dir)
-        return self._scanned[2]
-
-    @property
-    def num_classes(self) -> int | None:  # type: ignore[override]
-        return None if self._classes is None else len(self._classes)
+    @functools.cached_property
+    def _train_files(self) -> tuple[list[str], list[int] | None, dict[str, int] | None]:
+        return scan_image_dir(self.train_dir)
 
     @property
     def class_names(self) -> list[str] | None:  # type: ignore[override]
-        return None if self._classes is None else sorted(self._classes, key=self._classes.__getitem__)
+        classes = self._train_files[2]
+        return None if classes is None else sorted(classes, key=classes.__getitem__)
+
+    @property
+    def num_classes(self) -> int | None:  # type: ignore[override]
+        return None if self.class_names is None else len(self.class_names)
 
     def has_labelled_test_split(self) -> bool:
         return self.val_dir is not None and self.num_classes is not None
 
     def _load_split(self, train: bool) -> ImageFiles | None:
-        classes = self._classes
+        classes = self._train_files[2]
         if train:
-            return ImageFiles(*self._scanned[:2])
+            return ImageFiles(*self._train_files[:2])
         if self.val_dir is None:
             return None
         paths, labels, _ = scan_image_dir(self.val_dir, classes)

@@ -92,12 +92,9 @@ class ResumableSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's
-    position: ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch handed out and
-    the images they held over all processes. The count is of batches *returned by the iterator*,
-    not indices drawn by workers ahead of time, so a checkpoint written after step k resumes at
-    batch k + 1. Resumed with another batch size or number of processes, the epoch continues after
-    the images already seen, since every process shards the same permutation.
-    """
+    position: ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch *returned by the
+    iterator* (not drawn ahead by workers: a checkpoint after step k resumes at batch k + 1) and the
+    images they held over all processes (a resume with another batch size or layout skips those)."""
 
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, **kwargs: Any) -> None:
         if isinstance(sampler, SequentialSampler):
@@ -105,6 +102,7 @@ class ResumableLoader(DataLoader):
             # (overfit_batches): the same order, kept resumable.
             sampler = ResumableSampler(dataset, shuffle=False)
         super().__init__(dataset, sampler=sampler, **kwargs)
+        self.resumable: ResumableSampler = sampler  # (self.sampler, typed)
         self._batches = 0  # batches of epoch ``_pass_epoch`` handed out
         self._samples = 0  # and this process's samples in them (with those skipped on a resume)
         self._pass_epoch = 0
@@ -113,7 +111,7 @@ class ResumableLoader(DataLoader):
         return self._counting(super().__iter__())
 
     def _counting(self, batches: Iterator[Any]) -> Iterator[Any]:
-        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        sampler = self.resumable
         self._batches, self._samples, self._pass_epoch = 0, 0, sampler.epoch
         batch_size = self.batch_size or 1
         for i, batch in enumerate(batches, start=1):
@@ -124,7 +122,7 @@ class ResumableLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
+        sampler = self.resumable
         if self._pass_epoch == sampler.epoch and self._batches:
             batches, samples = self._batches, self._samples
         else:
@@ -141,21 +139,18 @@ class ResumableLoader(DataLoader):
         """Passes over the training set so far, with the part of the current one (also across a
         resume with another batch size or number of processes); an epoch whose last batch is
         handed out counts whole."""
-        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         state = self.state_dict()
-        seen = state["samples"] / sampler.num_replicas  # this process's share of the epoch
+        seen = state["samples"] / self.resumable.num_replicas  # this process's share of the epoch
         if self._epoch_ended(seen):
             return float(state["epoch"] + 1)
-        return state["epoch"] + seen / sampler.num_samples
+        return state["epoch"] + seen / self.resumable.num_samples
 
     def _epoch_ended(self, seen: float) -> bool:
         """Whether ``seen`` samples of this process's share leave no batch (``drop_last``: a whole one)."""
-        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        return sampler.num_samples - seen < ((self.batch_size or 1) if self.drop_last else 1)
+        return self.resumable.num_samples - seen < ((self.batch_size or 1) if self.drop_last else 1)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        epoch = int(state["epoch"])
+        sampler, epoch = self.resumable, int(state["epoch"])
         if "samples" in state:
             seen = int(state["samples"])
             skip = -(-seen // sampler.num_replicas)  # this process's share of the images seen

@@ -48,9 +48,7 @@ class SyntheticDataModule(ImageDataModule):
         num_samples: training images.
         num_test_samples: test images (drawn with another stream of the same seed; 0: no test split).
         num_classes: number of classes.
-        img_size: image side (the images are generated at this size).
-        in_chans: 1 or 3.
-        **kwargs: the common arguments of ``ImageDataModule`` (views, batch_size, seed, ...).
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (the images are generated at img_size).
     """
 
     # Approximate pixel statistics of the generator (mean 0.5; std ~0.2-0.25 depending on tint).

@@ -19,9 +19,7 @@ class _TorchvisionDataModule(ImageDataModule):
         root: directory of torchvision's extracted folder (downloads go there).
             None: ``$XDG_CACHE_HOME/ssl_vit`` (``~/.cache/ssl_vit``).
         download: download with torchvision when missing (needs internet).
-        img_size: the native size unless the backbone wants another.
-        in_chans: 3 (native); 1 converts to grey.
-        **kwargs: the common arguments of ``ImageDataModule`` (views, batch_size, ...).
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (native: the dataset's size, 3 channels).
     """
 
     _name = ""  # in messages
@@ -40,23 +38,20 @@ class _TorchvisionDataModule(ImageDataModule):
             f"Run once with {download_advice(self.download)}, or pass {option_hint('root', '<dir>')} containing torchvision's {self._folder}/ folder."
         )
 
-    def _torchvision(self, download: bool = False, **split: Any) -> Any:
-        import torchvision.datasets
-
-        return getattr(torchvision.datasets, self._class)(str(data_root(self.root)), download=download, **split)
-
     def prepare_data(self) -> None:
         if not self.download:
             return  # _read explains missing files
         try:
             for split in self._download_splits:
-                self._torchvision(download=True, **split)
+                self._read(download=True, **split)
         except Exception as err:  # network errors come in many types (URLError, HTTPError, OSError)
             raise self._not_found(f"the download failed ({type(err).__name__}: {err})") from err
 
-    def _read(self, **split: Any) -> Any:
+    def _read(self, download: bool = False, **split: Any) -> Any:
+        import torchvision.datasets
+
         try:
-            ds = self._torchvision(**split)
+            ds = getattr(torchvision.datasets, self._class)(str(data_root(self.root)), download=download, **split)
         except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
             raise self._not_found(f"torchvision says: {err}" + ("" if self.download else " (download=False)")) from err
         if getattr(ds, "classes", None):  # (STL-10's only when its class_names.txt is there)

@@ -1,13 +1,7 @@
-"""View transforms: one image -> the augmented views a method trains on (a list of float tensors
-``[C, H, W]`` in [0, 1], which the datamodule normalises), and evaluation's one image -> one tensor.
-
-* ``SingleView`` — the supervised baseline, masked patch prediction, fine-tuning (one view);
-* ``TwoViews``   — MoCo v3 (BYOL's asymmetric augmentations);
-* ``MultiCrop``  — DINO (2 global + ``n_local_crops`` local crops);
-* ``EvalTransform`` — evaluation's resize + centre crop.
-
-A size left None is the datamodule's ``img_size`` (``with_img_size``): a recipe states it once.
-"""
+"""View transforms: one image -> the augmented views a method trains on, float tensors ``[C, H, W]``
+in [0, 1] that the datamodule normalises: ``SingleView`` (supervised, MPP, fine-tuning), ``TwoViews``
+(MoCo v3), ``MultiCrop`` (DINO); and ``EvalTransform``, evaluation's one image -> one tensor. A size
+left None is the datamodule's ``img_size`` (``with_img_size``), so a recipe states it once."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ from ssl_vit.data.augment import (
     gaussian_blur,
     random_resized_crop_box,
     resize_center_crop,
-    to_float_tensors,
+    to_float_tensor,
     to_pil,
 )
 
@@ -38,27 +32,15 @@ _REF_SIZE, _REF_SIGMA = 224, (0.1, 2.0)
 def _blur_sigma(sigma: tuple[float, float] | None, size: int) -> tuple[float, float]:
     # The reference range scaled with the resolution: a 28-px image is blurred as much as the same
     # picture at 224 px would be (sigma <= 0.25 px: almost none, as SimCLR did on CIFAR).
-    if sigma is not None:
-        return (float(sigma[0]), float(sigma[1]))
-    return (_REF_SIGMA[0] * size / _REF_SIZE, _REF_SIGMA[1] * size / _REF_SIZE)
-
-
-def check_rand_augment(value: tuple[int, int]) -> tuple[int, int]:
-    """RandAugment's ``(ops, magnitude)`` as a tuple (a recipe gives a list), the magnitude on
-    torchvision's (and timm's) 0..30 scale."""
-    if len(value) != 2 or value[0] < 1 or not 0 <= value[1] <= 30:
-        raise ValueError(f"rand_augment must be (ops, magnitude) with ops >= 1 and magnitude in 0..30, got {list(value)}")
-    return int(value[0]), int(value[1])
+    return tuple(sigma) if sigma is not None else (_REF_SIGMA[0] * size / _REF_SIZE, _REF_SIGMA[1] * size / _REF_SIZE)
 
 
 @dataclass
 class Augmentation:
-    """The augmentation chain of one view: random resized crop -> flip -> (RandAugment) -> colour
-    jitter -> grayscale -> Gaussian blur -> solarise. DINO's order; MoCo v3 flips last, the same
-    distribution since flipping commutes with the per-pixel and isotropic operations. RandAugment
-    (``(ops, magnitude)``) follows the flip as in DeiT's / MAE's timm transform, filling with
-    mid-grey. Called on a PIL image it gives ``(view, solarize)``: ``to_float_tensors`` solarises.
-    """
+    """The augmentation chain of one view: random resized crop -> flip -> (RandAugment, filling with
+    mid-grey, as DeiT's / MAE's timm transform) -> colour jitter -> grayscale -> Gaussian blur ->
+    solarise. DINO's order; MoCo v3 flips last, the same distribution since flipping commutes with
+    the per-pixel and isotropic operations. On a PIL image it gives ``(view, solarize)``."""
 
     size: int
     scale: tuple[float, float]
@@ -78,8 +60,11 @@ class Augmentation:
         names = ("flip_p", "jitter_p", "grayscale_p", "blur_p", "solarize_p")
         if bad := [f"{n}={getattr(self, n)}" for n in names if not 0.0 <= getattr(self, n) <= 1.0]:
             raise ValueError(f"{', '.join(bad)}: a probability must be in [0, 1]")
-        ops = None if self.rand_augment is None else check_rand_augment(self.rand_augment)
-        self._rand_augment = None if ops is None else RandAugment(num_ops=ops[0], magnitude=ops[1], fill=128)
+        self._rand_augment = None
+        if self.rand_augment is not None:  # (magnitude on torchvision's and timm's 0..30 scale)
+            if len(self.rand_augment) != 2 or self.rand_augment[0] < 1 or not 0 <= self.rand_augment[1] <= 30:
+                raise ValueError(f"rand_augment must be (ops, magnitude) with ops >= 1 and magnitude in 0..30, got {list(self.rand_augment)}")
+            self._rand_augment = RandAugment(num_ops=self.rand_augment[0], magnitude=self.rand_augment[1], fill=128)
 
     def __call__(self, img: Image.Image) -> tuple[Image.Image, bool]:
         box = random_resized_crop_box(img.width, img.height, self.scale)
@@ -136,8 +121,7 @@ class ViewTransform:
         backbone is built for ``img_size``)."""
         if self.size_arg is None:
             return self
-        current = getattr(self, self.size_arg)
-        if current is not None and current != img_size:
+        if (current := getattr(self, self.size_arg)) not in (None, img_size):
             raise ValueError(f"{type(self).__name__}.{self.size_arg}={current} differs from the datamodule's img_size={img_size}; "
                              f"leave {self.size_arg} unset (None) or make them equal")
         new = copy.copy(self)
@@ -152,8 +136,7 @@ class ViewTransform:
 
     def __call__(self, image: ImageLike) -> list[torch.Tensor]:
         img = to_pil(image)
-        views = [augment(img) for augment in self.augmentations()]
-        return to_float_tensors([v for v, _ in views], [solarize for _, solarize in views])
+        return [to_float_tensor(*augment(img)) for augment in self.augmentations()]
 
 
 @dataclass(eq=False)
@@ -162,15 +145,13 @@ class SingleView(ViewTransform):
 
     Args:
         size: output size in pixels (None: the datamodule's img_size).
-        scale: the crop's area range as a fraction of the image. (0.08, 1) is the standard for
-            224-px images; on 28-32 px images it is harsh (8 % of 28 px is 8x8 pixels), so the
-            small-image recipes use e.g. (0.35, 1).
+        scale: the crop's area range as a fraction of the image: (0.08, 1) for 224-px images; the
+            small-image recipes take e.g. (0.35, 1) (8 % of 28 px is 8x8 pixels).
         flip_p: probability of a horizontal flip.
         augment: False: the evaluation geometry (resize + centre crop) instead.
         interpolation: resampling filter of the resize.
-        rand_augment: ``(ops, magnitude)``: RandAugment (Cubuk et al. 2020) after the crop and
-            flip, as DeiT / MAE fine-tune (timm's ``rand-m9-mstd0.5-inc1``: 2 ops at magnitude 9
-            of 30); None: off.
+        rand_augment: ``(ops, magnitude)`` of RandAugment (Cubuk et al. 2020) after the flip, as
+            DeiT / MAE fine-tune (timm's ``rand-m9-mstd0.5-inc1``: 2 ops, magnitude 9 of 30); None: off.
     """
 
     size_arg = "size"
@@ -180,10 +161,6 @@ class SingleView(ViewTransform):
     augment: bool = True
     interpolation: Interpolation = "bilinear"
     rand_augment: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        self.rand_augment = None if self.rand_augment is None else check_rand_augment(self.rand_augment)
-        super().__post_init__()
 
     def augmentations(self) -> list[Augmentation]:
         return [Augmentation(self._size(), self.scale, self.interpolation, self.flip_p, rand_augment=self.rand_augment)]
@@ -196,16 +173,13 @@ class SingleView(ViewTransform):
 
 @dataclass(eq=False)
 class TwoViews(ViewTransform):
-    """MoCo v3's two asymmetric views: BYOL's augmentations (BYOL Table 6; MoCo v3 main_moco.py).
-
-    Both views: random resized crop (0.08, 1), flip, colour jitter (0.4, 0.4, 0.2, 0.1) with p 0.8,
-    grayscale p 0.2; Gaussian blur p 1.0 on the first view, 0.1 on the second; solarisation p 0 on
-    the first, 0.2 on the second.
+    """MoCo v3's two asymmetric views, BYOL's augmentations (BYOL Table 6; MoCo v3 main_moco.py):
+    random resized crop (0.08, 1), flip, colour jitter (0.4, 0.4, 0.2, 0.1) with p 0.8, grayscale
+    p 0.2; Gaussian blur p 1.0 / 0.1 and solarisation p 0 / 0.2 on view 1 / view 2.
 
     Args:
         size, scale, flip_p: as in SingleView.
-        jitter_p: probability of the colour jitter.
-        brightness, contrast, saturation, hue: its strengths (torchvision ColorJitter's meaning).
+        jitter_p, brightness, contrast, saturation, hue: the colour jitter's probability and strengths (torchvision's).
         grayscale_p: probability of turning grey.
         blur_p, solarize_p: the blur's and the solarisation's probability in (view 1, view 2).
         blur_sigma: range of the blur's sigma in pixels (None: (0.1, 2.0) scaled by size / 224).
@@ -236,22 +210,20 @@ class TwoViews(ViewTransform):
 
 @dataclass(eq=False)
 class MultiCrop(ViewTransform):
-    """DINO's multi-crop (DINO §3.1; main_dino.py DataAugmentationDINO).
-
-    2 global crops (scale (0.4, 1), ``global_size``), then ``n_local_crops`` local crops (scale
-    (0.05, 0.4), ``local_size``). All get flip, colour jitter (0.4, 0.4, 0.2, 0.1) with p 0.8 and
-    grayscale p 0.2; Gaussian blur p 1.0 (first global), 0.1 (second global), 0.5 (locals);
-    solarisation p 0.2 on the second global crop only; bicubic resizing.
+    """DINO's multi-crop (DINO §3.1; main_dino.py DataAugmentationDINO): 2 global crops (scale
+    (0.4, 1)), then ``n_local_crops`` local crops (scale (0.05, 0.4)), all with flip, colour jitter
+    (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, Gaussian blur p 1.0 / 0.1 / 0.5 (global 1, global 2,
+    locals), solarisation p 0.2 on the second global crop, bicubic resizing.
 
     Args:
         global_size: size of the global crops (None: the datamodule's img_size).
         local_size: size of the local crops (None: global_size * 96 / 224 rounded to a multiple
-            of 4: 224 -> 96, 28 -> 12, 32 -> 12, 96 -> 40).
+            of 4: 224 -> 96, 28 -> 12, 96 -> 40).
         n_local_crops: number of local crops (DINO: 8 by default, 10 in its best setting).
         global_scale, local_scale: the crops' area ranges.
         flip_p, jitter_p, brightness, contrast, saturation, hue, grayscale_p: as in TwoViews.
         blur_p: blur probability of (global 1, global 2, locals).
-        blur_sigma: as in TwoViews (scaled by global_size, the same range for every crop, as DINO).
+        blur_sigma: as in TwoViews, scaled by global_size (the same range for every crop, as DINO's).
         solarize_p: solarisation probability of the second global crop.
         interpolation: resampling filter of the crops.
     """
@@ -302,4 +274,4 @@ class EvalTransform:
 
     def __call__(self, image: ImageLike) -> torch.Tensor:
         img = resize_center_crop(to_pil(image), self.size, self.crop_pct, self.interpolation)
-        return to_float_tensors([img], [False])[0]
+        return to_float_tensor(img)
