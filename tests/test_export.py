@@ -31,7 +31,7 @@ from ssl_vit.export import (
     load_backbone,
     save_backbone,
 )
-from ssl_vit.export.config import TIMM_VIT_SIZES, timm_architecture, timm_vit_name
+from ssl_vit.export.save import TIMM_VIT_SIZES, timm_architecture, timm_vit_name
 from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 from ssl_vit.training.callbacks import PretrainFlopsCounter
 
@@ -439,7 +439,7 @@ def test_default_normalisation_is_timms_imagenet_statistics_for_rgb_and_half_oth
     cfg = export_backbone("random:vit", tmp_path / "exp", backbone_kwargs={**TINY_VIT, "in_chans": in_chans}).config
     assert cfg["mean"] == cfg["pretrained_cfg"]["mean"] == pytest.approx(mean) and cfg["std"] == pytest.approx(std)
     assert cfg["input_size"] == [in_chans, 16, 16]
-    from ssl_vit.export.config import resolve_normalization  # a record without its std is no record
+    from ssl_vit.export.load import resolve_normalization  # a record without its std is no record
 
     assert resolve_normalization({"mean": [0.1], "std": None}, in_chans)["mean"] == pytest.approx(mean)
 

@@ -1,5 +1,5 @@
-"""Evaluate one backbone by several protocols: the one entry point of ``ssl-vit eval``, of the
-demo and of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after the pretraining::
+"""Evaluate one backbone by several protocols: the entry point of ``ssl-vit eval``, of the demo and
+of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after the pretraining::
 
     evaluate:
       protocols: [finetune, linear_aug, knn]
@@ -7,12 +7,10 @@ demo and of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after th
       linear_aug: {epochs: 100, batch_size: 128, features: last4}
       knn: {k: 20, temperature: 0.07}
 
-Each protocol's settings are its own class (the signature is the config): ``LinearProbe``,
-``KNNClassifier``, ``FewShotEvaluator``, ``FineTuneSettings``, ``LinearAugSettings``. The
-protocols that train on images (``finetune``, ``linear_aug``) run first, on every process of a
-run (checkpointed, resumable); then, in process 0, the features of both splits are extracted once
-and every frozen-feature protocol (``linear``, ``knn``, ``fewshot``) reads them. Each protocol
-writes an :class:`~ssl_vit.eval.results.EvalResult` (``result_path``).
+Each protocol's settings are one typed class (``FineTuneSettings``, ``LinearAugSettings``,
+``LinearProbe``, ``KNNClassifier``, ``FewShotEvaluator``). The protocols that train on images run
+first, on every process of a run, checkpointed; then process 0 extracts the features of both
+splits once for every frozen-feature protocol. Each writes an ``EvalResult`` (``result_path``).
 """
 
 from __future__ import annotations
@@ -30,32 +28,23 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
 from ssl_vit.backbones import is_vit
+from ssl_vit.eval import results
 from ssl_vit.eval.features import FeatureMode, extract_features, feature_dim
 from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.finetune import FineTuneSettings
 from ssl_vit.eval.knn import KNNClassifier
 from ssl_vit.eval.linear import LinearProbe
 from ssl_vit.eval.linear_augmented import LinearAugSettings
-from ssl_vit.eval.results import (
-    EvalResult,
-    backbone_info,
-    datamodule_name,
-    names_a_file,
-    pretraining_data,
-    result_path,
-)
 from ssl_vit.eval.train_run import ImageRun
 from ssl_vit.export import chosen_encoder
 from ssl_vit.training.checkpoint import newest_checkpoint
 from ssl_vit.training.progress import CountProgress
 
-log = logging.getLogger(__name__)
-
 Protocol = Literal["finetune", "linear_aug", "linear", "knn", "fewshot"]
 SETTINGS = {"finetune": FineTuneSettings, "linear_aug": LinearAugSettings, "linear": LinearProbe, "knn": KNNClassifier, "fewshot": FewShotEvaluator}
 ON_IMAGES = ("finetune", "linear_aug")  # trained on images, on every process of a run
 PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-# Settings that do not change a result: not recorded in it.
+# Settings that change no result, left out of it.
 NOT_RECORDED = ("picked", "device", "chunk_size", "bank_chunk_size", "progress_every_n_seconds", "checkpoint_every", "compile_backend")
 
 
@@ -67,13 +56,11 @@ def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
 
 
 def labelled_classes(dataset: Any) -> int | None:
-    """How many classes the labelled images of an evaluation split (or a ``Subset`` of one) hold;
-    None when its images do not list their labels."""
-    indices = dataset.indices if isinstance(dataset, Subset) else None
-    labels = getattr(getattr(dataset.dataset if indices is not None else dataset, "source", None), "labels", None)
-    if labels is None:
+    """The classes of an evaluation split's (or its ``Subset``'s) labelled images; None when unlisted."""
+    indices, dataset = (dataset.indices, dataset.dataset) if isinstance(dataset, Subset) else (None, dataset)
+    if (labels := getattr(getattr(dataset, "source", None), "labels", None)) is None:
         return None
-    labels = torch.as_tensor(labels)[torch.as_tensor(list(indices), dtype=torch.long)] if indices is not None else torch.as_tensor(labels)
+    labels = torch.as_tensor(labels)[torch.as_tensor(list(indices), dtype=torch.long) if indices is not None else slice(None)]
     return int(labels[labels >= 0].unique().numel())
 
 
@@ -83,11 +70,10 @@ def labelled_features(features: Tensor, labels: Tensor, split: str) -> tuple[Ten
     if bad := int((~torch.isfinite(features).all(dim=1)).sum()):
         raise ValueError(f"the backbone gives non-finite (NaN/Inf) features for {bad} of {len(features)} {split} images: "
                          "its weights are broken (a diverged run?); evaluate an earlier checkpoint")
-    keep = labels >= 0  # [N]
-    if not keep.any():
+    if not (keep := labels >= 0).any():  # [N]
         raise ValueError(f"no {split} image could be read or has a label")
     if not keep.all():
-        log.warning("evaluating without %d unreadable or unlabelled %s images", int((~keep).sum()), split)
+        logging.getLogger(__name__).warning("evaluating without %d unreadable or unlabelled %s images", int((~keep).sum()), split)
     return features[keep], labels[keep]
 
 
@@ -95,21 +81,19 @@ class Evaluation:
     """Evaluations of one backbone (module docstring); none by default.
 
     Args:
-        protocols: which to run: ``finetune`` (every weight trained with a new classifier),
-            ``linear_aug`` (the papers' linear probe on augmented images through the frozen
-            backbone), and on features extracted once ``linear``, ``knn``, ``fewshot``.
-        features: the representation of the linear probes and kNN: ``cls``, ``last4`` (DINO's
-            for ViT-S), ``avg`` or ``cls_avg`` (DINO's for ViT-B).
-        which: a checkpoint's encoder (``teacher``, ``student``, ``momentum``, or ``NAME`` for a
-            method's ``NAME_backbone``); None: the method's default (DINO's teacher).
-        linear, knn, fewshot, finetune, linear_aug: each protocol's settings (its defaults where
-            not given); fine-tuning runs at the data's resolution.
-        out: folder of the results (or one ``.json`` file for one protocol); None:
-            ``<default_root_dir>/results`` after a fit.
+        protocols: ``finetune`` (every weight trained, a new classifier), ``linear_aug`` (the
+            papers' linear probe on augmented images), and on features ``linear``, ``knn``, ``fewshot``.
+        features: the representation of the linear probes and kNN (``cls``, DINO's ``last4`` for
+            ViT-S, ``avg``, DINO's ``cls_avg`` for ViT-B).
+        which: a checkpoint's encoder (``teacher``, ``student``, ``momentum``, a method's ``NAME``);
+            None: the method's default (DINO's teacher).
+        linear, knn, fewshot, finetune, linear_aug: the protocols' settings (None: the defaults);
+            fine-tuning runs at the data's resolution.
+        out: the results' folder (a ``.json`` file for one protocol); None after a fit:
+            ``<default_root_dir>/results``.
         batch_size: images per forward pass of the feature extraction.
-        train_subset: a fixed random subset of this many training images (None: all) for the
-            protocols, drawn from the run's training split (``data.subset`` when it has one).
-        test_subset: a fixed random subset of this many test images (None: all).
+        train_subset, test_subset: fixed random subsets of this many images (None: all), drawn from
+            the run's splits (its training split: ``data.subset`` when it has one).
         seed: of those subsets, of the runs on images, and of the protocols whose own is None.
     """
 
@@ -117,17 +101,15 @@ class Evaluation:
                  linear: LinearProbe | None = None, knn: KNNClassifier | None = None, fewshot: FewShotEvaluator | None = None,
                  finetune: FineTuneSettings | None = None, linear_aug: LinearAugSettings | None = None, out: str | None = None,
                  batch_size: int = 256, train_subset: int | None = None, test_subset: int | None = None, seed: int = 0) -> None:
-        self.protocols = list(dict.fromkeys(protocols or []))
-        self.features, self.which, self.out, self.batch_size = features, which, out, batch_size
-        self.train_subset, self.test_subset, self.seed = train_subset, test_subset, seed
+        self.protocols, self.features, self.which, self.out = list(dict.fromkeys(protocols or [])), features, which, out
+        self.batch_size, self.train_subset, self.test_subset, self.seed = batch_size, train_subset, test_subset, seed
         given = {"linear": linear, "knn": knn, "fewshot": fewshot, "finetune": finetune, "linear_aug": linear_aug}
         if unused := [p for p, s in given.items() if s is not None and p not in self.protocols]:
-            print(f"ssl-vit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols "
-                  f"({', '.join(self.protocols) or 'none'}) does not run", file=sys.stderr)
-        self.settings: dict[str, Any] = {p: s if s is not None else SETTINGS[p]() for p, s in given.items()}
-        for p in ("linear", "knn", "fewshot"):  # the section's seed, where the protocol names none
-            if self.settings[p].seed is None:
-                self.settings[p] = replace(self.settings[p], seed=seed)
+            print(f"ssl-vit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols ({', '.join(self.protocols) or 'none'}) "
+                  "does not run", file=sys.stderr)
+        self.settings: dict[str, Any] = {p: s or SETTINGS[p]() for p, s in given.items()}
+        for p in ("linear", "knn", "fewshot"):  # the evaluation's seed, where the protocol names none
+            self.settings[p] = replace(self.settings[p], seed=seed) if self.settings[p].seed is None else self.settings[p]
 
     @property
     def image_protocols(self) -> list[str]:
@@ -137,72 +119,64 @@ class Evaluation:
     def frozen_protocols(self) -> list[str]:
         return [p for p in self.protocols if p not in ON_IMAGES]
 
-    # -------------------------------------------------------------- checks before a pretraining
     def check_model(self, model: Any) -> None:
-        """Before training: the encoder ``which`` names exists in the method's checkpoints, and the
-        backbone has the representations the protocols read."""
-        if not self.protocols:
-            return
+        """Before a pretraining: its checkpoints hold the encoder ``which`` names, and its backbone
+        the representations the protocols read."""
         from ssl_vit.export.sources import encoder_prefix, encoders_in, normalize_which
 
-        which = normalize_which(self.which)
-        if which is not None and not hasattr(model, encoder_prefix(which).rstrip(".")):
+        if (which := normalize_which(self.which)) is not None and self.protocols and not hasattr(model, encoder_prefix(which)[:-1]):
             raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone ({encoder_prefix(which)}*); "
                              f"it holds {', '.join(encoders_in([f'{name}.' for name, _ in model.named_children()]))}")
-        reads = [("evaluate.features", self.features)] if self.frozen_protocols else []
-        if "linear_aug" in self.protocols:
-            own = self.settings["linear_aug"].features
-            reads.append(("evaluate.linear_aug.features", own) if own else ("evaluate.features", self.features))
-        for where, mode in dict.fromkeys(reads):
+        own = "linear_aug" in self.protocols and self.settings["linear_aug"].features
+        reads = {**({"evaluate.features": self.features} if self.frozen_protocols or ("linear_aug" in self.protocols and not own) else {}),
+                 **({"evaluate.linear_aug.features": own} if own else {})}
+        for where, mode in reads.items():
             try:
                 feature_dim(model.backbone, mode)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
 
     def check_data(self, datamodule: Any) -> None:
-        """Before training: the data has a labelled test split and a class count, and a training
-        split whose size the recipe fixes (``data.subset``, ``evaluate.train_subset``) holds kNN's
-        neighbours and few-shot's shots (without a fixed size, it would mean reading the data)."""
+        """Before a pretraining: a labelled test split and a class count, and a training split whose
+        size the recipe fixes (``data.subset``, ``evaluate.train_subset``) that holds kNN's
+        neighbours and few-shot's shots (without a fixed size, knowing means reading the data)."""
         if not self.protocols:
             return
-        name = type(datamodule).__name__
+        name, evaluate_nothing = type(datamodule).__name__, "set evaluate.protocols: [] to pretrain without evaluating"
         if not datamodule.has_labelled_test_split():
             fix = "set data val_dir to a labelled folder, or " if hasattr(datamodule, "val_dir") else ""
-            raise ValueError(f"evaluate: {name} has no labelled test split to evaluate on; {fix}set evaluate.protocols: [] to pretrain without evaluating")
+            raise ValueError(f"evaluate: {name} has no labelled test split to evaluate on; {fix}{evaluate_nothing}")
         if not datamodule.num_classes:
             raise ValueError(f"evaluate: {name} does not say how many classes its labels have (num_classes is unset): a datamodule of labelled "
-                             "data sets num_classes, which the evaluations and the online probe need; or set evaluate.protocols: [] "
-                             "to pretrain without evaluating")
+                             f"data sets num_classes, which the evaluations and the online probe need; or {evaluate_nothing}")
         sizes = {"evaluate.train_subset": self.train_subset, "data.subset": getattr(datamodule, "subset", None)}
         if known := sorted((n, where) for where, n in sizes.items() if n is not None):
             self._check_sizes(*known[0], datamodule.num_classes)
 
     def _check_sizes(self, n: int, where: str | None, num_classes: int) -> None:
-        """kNN's largest k and few-shot's shots of every class must fit in ``n`` training images
-        (of the recipe's ``where``; None: of the split read)."""
-        prefix, of = ("evaluate.", f" (of {where})") if where else ("", "")
+        """kNN's largest k and few-shot's shots of every class fit in ``n`` training images (of the
+        recipe's ``where``; None: of the split read)."""
+        prefix, of, larger = ("evaluate.", f" (of {where})", f", or a larger {where}") if where else ("", "", "")
         knn, shots = self.settings["knn"], max(self.settings["fewshot"].shots)
         if "knn" in self.protocols and (short := knn.bank_shortfall(n)) is not None:
-            fix = (f"set evaluate.knn {{k: {n}}} or fewer" if len(knn.ks) == 1 else "sweep smaller k") + f", or a larger {where}"
-            raise ValueError(f"{prefix}knn: {short}{of}" + (f"; {fix}" if where else ""))
+            fix = f"; set evaluate.knn {{k: {n}}} or fewer{larger}" if len(knn.ks) == 1 else f"; sweep smaller k{larger}"
+            raise ValueError(f"{prefix}knn: {short}{of}" + (fix if where else ""))
         if "fewshot" in self.protocols and shots * num_classes > n:
-            fix = (f"set evaluate.fewshot shots to at most {n // num_classes}, or " if n >= num_classes else "") + f"a larger {where}"
-            raise ValueError(f"{prefix}fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, "
-                             f"more than the {n}{of}" + (f"; {fix}" if where else ""))
+            fix = f"; set evaluate.fewshot shots to at most {n // num_classes}{larger}" if n >= num_classes else f"; a larger {where}"
+            raise ValueError(f"{prefix}fewshot: {shots}-shot needs {shots} training images of each of the {num_classes} classes, more than the {n}{of}"
+                             + (fix if where else ""))
 
     def check_run_dirs(self, root: str | Path, resuming: bool) -> None:
-        """A new run must not meet an earlier run's evaluation checkpoints (refused after the
-        pretraining otherwise)."""
+        """A new run meets no earlier run's evaluation checkpoints (refused after it otherwise)."""
         for protocol in [] if resuming else self.image_protocols:
             if (held := newest_checkpoint(Path(root) / protocol / "checkpoints")) is not None:
-                raise ValueError(f"evaluate.{protocol}: {held.parent} already holds the {protocol} run of an earlier pretraining "
-                                 f"({held.name}): continue that run with --resume, or remove that folder first")
+                raise ValueError(f"evaluate.{protocol}: {held.parent} already holds the {protocol} run of an earlier pretraining ({held.name}): "
+                                 "continue that run with --resume, or remove that folder first")
 
-    # ----------------------------------------------------------------------------- the run
-    def after_fit(self, checkpoint: str | Path, datamodule: Any, trainer: Any, resuming: bool) -> list[EvalResult]:
+    def after_fit(self, checkpoint: str | Path, datamodule: Any, trainer: Any, resuming: bool) -> list[results.EvalResult]:
         """The recipe's evaluation of the backbone a fit ended with, on the run's processes, devices
         and precision; the runs on images checkpoint into ``<default_root_dir>/<protocol>`` (a
-        resumed fit continues them), the results go to ``out`` or ``<default_root_dir>/results``."""
+        resumed fit continues them)."""
         from ssl_vit.export import load_any_backbone
 
         backbone, info = load_any_backbone(checkpoint, which=self.which)
@@ -212,94 +186,77 @@ class Evaluation:
         return [r for r, _ in self.run(backbone, info, datamodule, self.out or root / "results", device=str(device), image_run=image_run,
                                        run_dirs={p: root / p for p in ON_IMAGES})]
 
-    def run(self, backbone: nn.Module, info: Mapping[str, Any], datamodule: Any, out: str | Path, *, device: str | torch.device | None = None,
-            image_run: ImageRun | None = None, run_dirs: Mapping[str, str | Path] | None = None, head: nn.Linear | None = None,
-            ) -> list[tuple[EvalResult, Path]]:
-        """Run the protocols on ``backbone`` and ``datamodule``'s ``eval_datasets()``; every process
-        of a run calls this, process 0 returns the results and their files, the others [].
+    def run(self, backbone: nn.Module, info: Mapping[str, Any], datamodule: Any, out: str | Path, *, device: str | None = None,
+            image_run: ImageRun | None = None, run_dirs: Mapping[str, Any] | None = None, head: nn.Linear | None = None,
+            ) -> list[tuple[results.EvalResult, Path]]:
+        """Run the protocols on ``backbone`` and ``datamodule.eval_datasets()``; every process of a
+        run calls this: process 0 returns the results and their files, the others [].
 
         Args:
-            info: what the results say of the backbone: ``method``, ``source``, ``pretrain``, and
-                ``which`` / ``default_which`` (``load_any_backbone``'s info).
+            info: what the results say of the backbone (``load_any_backbone``'s info): ``method``,
+                ``source``, ``pretrain``, ``which``.
             out: the results' folder (or file, for one protocol).
             device: where the features are extracted.
-            image_run: where and how the protocols on images train (its ``precision`` is the
-                extraction's too); ``run_dirs``: their checkpoint folders, by protocol (a run whose
+            image_run: where and how the protocols on images train (its precision is the
+                extraction's too); ``run_dirs``: their checkpoint folders by protocol (a run whose
                 folder holds a checkpoint continues with ``image_run.resume``).
             head: the classifier fine-tuning trains in place (None: a new one).
         """
-        image_run = image_run or ImageRun(seed=self.seed)
-        if len(self.protocols) > 1 and names_a_file(out):
+        image_run, done = image_run or ImageRun(seed=self.seed), []
+        if len(self.protocols) > 1 and results.names_a_file(out):
             raise ValueError(f"{len(self.protocols)} protocols write {len(self.protocols)} results: the output (--out) must be a folder, not the file {out}")
-        data = {"name": datamodule_name(datamodule), **{k: str(getattr(datamodule, k)) for k in ("train_dir", "val_dir") if getattr(datamodule, k, None)}}
-        if getattr(datamodule, "subset", None):
-            data["subset"] = datamodule.subset
-        pretrain = {**(info.get("pretrain") or {}), "data": pretraining_data((info.get("pretrain") or {}).get("data"))}
-        common = dict(method=str(info.get("method") or "unknown"), backbone=backbone_info(backbone, chosen_encoder(info)),
+        data = {"name": results.datamodule_name(datamodule), **{k: str(v) for k in ("train_dir", "val_dir") if (v := getattr(datamodule, k, None))},
+                **({"subset": datamodule.subset} if getattr(datamodule, "subset", None) else {})}
+        pretrain = {**(info.get("pretrain") or {}), "data": results.pretraining_data((info.get("pretrain") or {}).get("data"))}
+        common = dict(method=str(info.get("method") or "unknown"), backbone=results.backbone_info(backbone, chosen_encoder(info)),
                       pretrain={k: v for k, v in pretrain.items() if v is not None}, source=str(info.get("source") or "random"))
-        results = []
+
+        def write(protocol: str, settings: Any, metrics: dict[str, float], train_size: int, test_size: int, **args: Any) -> None:
+            result = results.EvalResult(**common, data={**data, "train_size": train_size, "test_size": test_size}, protocol=protocol, metrics=metrics,
+                                        protocol_args={**{k: v for k, v in asdict(settings).items() if k not in NOT_RECORDED}, **args})
+            done.append((result, result.to_json(results.result_path(out, result))))
+
         for protocol in self.image_protocols:
-            s = self.settings[protocol]
-            train_ds, test_ds, num_classes = self._splits(datamodule, s.train_views(datamodule.img_size))
+            s, size = self.settings[protocol], datamodule.img_size
+            train_ds, test_ds, num_classes = self._splits(datamodule, s.train_views(size))
             run_dir = Path(run_dirs[protocol]) if run_dirs and run_dirs.get(protocol) else None
-            resume = image_run.resume and run_dir is not None and newest_checkpoint(run_dir / "checkpoints") is not None
-            place = replace(image_run, run_dir=run_dir, resume=resume)
-            origin = {"pretrain_steps": common["pretrain"].get("steps")}
-            args = {k: v for k, v in asdict(s).items() if k not in NOT_RECORDED}
-            args.update(crop_scale=(scale := s.scale_for(datamodule.img_size)) and list(scale), max_steps=None if s.max_steps == -1 else s.max_steps,
-                        seed=place.seed, precision=place.precision, devices=place.device_count, num_nodes=place.num_nodes)
-            if protocol == "finetune":
-                new_size = datamodule.img_size if is_vit(backbone) and tuple(backbone.img_size) != (datamodule.img_size,) * 2 else None
-                run_info = {"method": f"{common['method']}+finetune", "data": {"name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)}}
-                metrics = s.run(backbone, train_ds, test_ds, num_classes, place, head=head, run_info=run_info, origin=origin, img_size=new_size)
-                args["img_size"] = new_size
-            else:
-                args["features"] = s.features or self.features
-                metrics = s.run(backbone, train_ds, test_ds, num_classes, place, features=self.features, origin=origin)
-            if metrics is None:
+            place = replace(image_run, run_dir=run_dir, resume=image_run.resume and run_dir is not None and newest_checkpoint(run_dir / "checkpoints") is not None)
+            kwargs: dict[str, Any] = {"origin": {"pretrain_steps": common["pretrain"].get("steps")}}
+            if protocol == "finetune":  # (its checkpoints and export say what the fine-tuning fed the backbone)
+                new_size = size if is_vit(backbone) and tuple(backbone.img_size) != (size, size) else None
+                kwargs.update(head=head, img_size=new_size, run_info={"method": f"{common['method']}+finetune", "data": {
+                    "name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)}})
+            if (metrics := s.run(backbone, train_ds, test_ds, num_classes, place, **kwargs, **({} if protocol == "finetune" else {"features": self.features}))) is None:
                 return []  # another process of a distributed run: process 0 tests and writes the result
-            results.append(self._write(EvalResult(**common, data={**data, "train_size": len(train_ds), "test_size": len(test_ds)},
-                                                  protocol=protocol, metrics=metrics, protocol_args=args), out))
+            extra = {"img_size": new_size} if protocol == "finetune" else {"features": s.features or self.features}
+            write(protocol, s, metrics, len(train_ds), len(test_ds), crop_scale=(scale := s.scale_for(size)) and list(scale), **extra,
+                  max_steps=None if s.max_steps == -1 else s.max_steps, seed=place.seed, precision=place.precision, devices=place.device_count,
+                  num_nodes=place.num_nodes)
         if not self.frozen_protocols or rank_zero_only.rank != 0:
-            return results
+            return done
         train_ds, test_ds, num_classes = self._splits(datamodule)
-        if device is not None:
-            backbone = backbone.to(device)
-
-        def features_of(dataset: Dataset, split: str) -> tuple[Tensor, Tensor]:
-            progress = CountProgress(f"features ({split})", total=len(dataset))  # a line a minute while it runs
-            return labelled_features(*extract_features(backbone, dataset, self.features, self.batch_size, datamodule.num_workers, device=device,
-                                                       autocast_dtype=PRECISIONS[image_run.precision], progress=progress), split)
-
-        train_f, train_l = features_of(train_ds, "train")  # [N, F], [N]
-        test_f, test_l = features_of(test_ds, "test")  # [M, F], [M]
-        data = {**data, "train_size": len(train_l), "test_size": len(test_l)}
+        backbone = backbone.to(device) if device is not None else backbone
+        train_f, train_l, test_f, test_l = [t for split, dataset in (("train", train_ds), ("test", test_ds)) for t in labelled_features(*extract_features(
+            backbone, dataset, self.features, self.batch_size, datamodule.num_workers, device=device, autocast_dtype=PRECISIONS[image_run.precision],
+            progress=CountProgress(f"features ({split})", total=len(dataset))), split)]  # [N, F], [N], [M, F], [M]; a line a minute while it runs
         for protocol in self.frozen_protocols:
             s = self.settings[protocol]
             metrics = s.evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
-            args = {**{k: v for k, v in asdict(s).items() if k not in NOT_RECORDED}, **getattr(s, "picked", {}), "features": self.features,
-                    "precision": image_run.precision}
-            results.append(self._write(EvalResult(**common, data=data, protocol=protocol, metrics=metrics, protocol_args=args), out))
-        return results
-
-    @staticmethod
-    def _write(result: EvalResult, out: str | Path) -> tuple[EvalResult, Path]:
-        return result, result.to_json(result_path(out, result))
+            write(protocol, s, metrics, len(train_l), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision)
+        return done
 
     def _splits(self, datamodule: Any, train_views: Any = None) -> tuple[Dataset, Dataset, int]:
         """The (train, test) evaluation splits, subsampled, and the class count; a missing test
         split, a split of one class and a training split too small for the protocols are refused
         here, before any feature or training."""
         train_ds, test_ds = datamodule.eval_datasets(train_views=train_views)
-        name, num_classes = datamodule_name(datamodule), datamodule.num_classes
+        name, num_classes = results.datamodule_name(datamodule), datamodule.num_classes
         if test_ds is None or not num_classes:
-            hint = " (an image folder needs val_dir)" if hasattr(datamodule, "val_dir") else ""
-            raise ValueError(f"{name}: no labelled test split to evaluate on{hint}")
+            raise ValueError(f"{name}: no labelled test split to evaluate on{' (an image folder needs val_dir)' if hasattr(datamodule, 'val_dir') else ''}")
         train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
         for split, dataset, folder in (("training", train_ds, "train_dir"), ("test", test_ds, "val_dir")):
-            classes = labelled_classes(dataset)
-            if (split == "training" and num_classes < 2) or (classes is not None and classes < 2):
-                held, where = num_classes if classes is None else classes, getattr(datamodule, folder, None)
+            if (split == "training" and num_classes < 2) or (classes := labelled_classes(dataset)) is not None and classes < 2:
+                held, where = num_classes if split == "training" and num_classes < 2 else classes, getattr(datamodule, folder, None)
                 raise ValueError(f"{name}: the {split} images{f' ({where})' if where else ''} are of {held} class{'' if held == 1 else 'es'}; "
                                  "evaluation needs at least 2 classes")
         self._check_sizes(len(train_ds), None, num_classes)

@@ -1,23 +1,15 @@
 """Weights from elsewhere into our backbones: one filter, as timm's ``checkpoint_filter_fn``, and a
 strict loader whose errors fit on one line.
 
-:func:`filter_foreign_state_dict` reads
-
-* timm ViT state dicts (our parameter names are timm's), ``head.*`` and ``fc_norm.*`` dropped; a
-  position table without the class token's entry (timm ``no_embed_class=True``) gets a zero one,
-  the same model ([CLS] then carries no position);
-* official DINO checkpoints, ``{"teacher": ..., "student": ...}`` with ``backbone.`` /
-  ``module.backbone.`` prefixes (the teacher by default, as its ``--checkpoint_key``), and the
-  released backbone-only files (timm's layout);
-* official MoCo v3 checkpoints, a ``state_dict`` with ``module.base_encoder.`` /
-  ``module.momentum_encoder.`` prefixes whose ``head.*`` is the projector (dropped, as reference
-  ``convert_to_deit.py`` does);
-* ``{"model": ...}`` wrappers (DeiT, MAE), ``module.`` (DDP) prefixes, torchvision ResNets
-  (``fc.*`` dropped) and our own checkpoints' state dicts (DINO's gives its teacher by default).
-
-Whatever the source, the position table is resampled (bicubic, ViT paper §3.2) to the model's grid
-and the first convolution adapted to its channel count (timm's ``adapt_input_conv``: RGB filters
-summed for grey images).
+:func:`filter_foreign_state_dict` reads timm's ViTs (our names are timm's; ``head.*`` and
+``fc_norm.*`` dropped; a table without the class token's position, timm's ``no_embed_class``, given
+a zero one: the same model), torchvision's ResNets (``fc.*`` dropped), the official DINO checkpoints
+(``{"teacher", "student"}`` with ``backbone.`` / ``module.backbone.`` prefixes; the teacher by
+default, as its ``--checkpoint_key``) and MoCo v3 ones (``module.base_encoder.`` /
+``module.momentum_encoder.``; the projector ``head.*`` dropped, as ``convert_to_deit.py`` does),
+``{"model": ...}`` wrappers (DeiT, MAE), ``module.`` (DDP) prefixes and our own checkpoints' state
+dicts. Whatever the source, the position table is resampled (bicubic, ViT paper §3.2) to the
+model's grid and the first convolution adapted to its channels (timm's ``adapt_input_conv``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
-"""Write an export folder: ``model.safetensors`` (always), the traced copies asked for, and
-``config.json`` last (a folder with one is a complete export). Every file is written atomically and
-checked against the eager backbone before it appears; a refused export leaves no file behind, and
-no folder of its own."""
+"""Write an export folder: ``model.safetensors``, the traced copies asked for and ``config.json``
+last (a folder with one is a complete export), each file written atomically and checked against the
+eager backbone before it appears; a refused export leaves no file, and no folder of its own.
+
+``config.json`` has timm's Hugging Face layout at the top (``architecture``, ``model_args``,
+``pretrained_cfg`` ...: ``timm.create_model("local-dir:DIR", pretrained=True)`` rebuilds plain ViTs
+and the standard ResNets) and under ``ssl_vit`` the registry name and kwargs (all
+``load_backbone(DIR)`` needs), weight layout, normalisation, method, encoder, recipe, run info and
+evaluation results."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import importlib.util
 import shutil
 from collections.abc import Sequence
@@ -14,26 +20,156 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
+from ssl_vit.backbones import ResNetBackbone, VisionTransformer
 from ssl_vit.backbones.compile import eager
-from ssl_vit.export.config import build_config, classifier_name, collect_results
-from ssl_vit.export.foreign import fit_state_dict
-from ssl_vit.export.load import instantiate, resolve
-from ssl_vit.export.sources import BackboneSource, read_safetensors
-from ssl_vit.export.traced import (
-    FILES,
-    ExportParityError,
-    check_parity,
-    example_input,
-    write_traced,
-)
-from ssl_vit.io import atomic_write, atomic_write_json, staging_dir
+from ssl_vit.backbones.vit import PatchEmbed
+from ssl_vit.export.load import BackboneSource, chosen_encoder, resolve, resolve_normalization
+from ssl_vit.export.traced import FILES, check_parity, write_traced
+from ssl_vit.io import atomic_write, atomic_write_json, read_json, staging_dir
 
 FORMATS = ("safetensors", *FILES)
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+# (width, depth, heads) -> the ViT size of timm's entry points of that shape (ViT paper Table 1, DeiT-Ti).
+TIMM_VIT_SIZES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large", (1280, 32, 16): "huge"}
+
+
+def timm_vit_name(embed_dim: int, depth: int, num_heads: int, patch_size: int, img_size: tuple[int, int]) -> str:
+    """timm's entry point of a plain ViT of this shape, ``vit_<size>_patch<P>_<image size>`` when
+    timm registers it, else its size's first (``vit_huge_patch14_224`` for a ViT-H/16) or ViT-B/16's:
+    ``model_args`` carry the shape, timm builds any from there."""
+    size = TIMM_VIT_SIZES.get((embed_dim, depth, num_heads))
+    exact = f"vit_{size}_patch{patch_size}_{img_size[0]}"
+    if size is not None and img_size[0] == img_size[1] and timm.is_model(exact):
+        return exact
+    return "vit_huge_patch14_224" if size == "huge" else f"vit_{size or 'base'}_patch16_224"
+
+
+def is_plain_vit(model: nn.Module) -> bool:
+    """Our ViT itself (a subclass may add layers) with a plain patch embedding: what timm builds."""
+    return type(model) is VisionTransformer and isinstance(model.patch_embed, PatchEmbed)
+
+
+def timm_architecture(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
+    """``(timm model name, model_args)`` that build the same network in timm, or None."""
+    if is_plain_vit(model):
+        hidden, dim = model.blocks[0].mlp.fc1.out_features, model.embed_dim
+        args: dict[str, Any] = {
+            "img_size": list(model.img_size), "patch_size": model.patch_size, "in_chans": model.in_chans, "embed_dim": dim,
+            "depth": model.depth, "num_heads": model.num_heads,
+            # timm builds int(dim * ratio) hidden units, which hidden / dim can miss by one in float
+            # rounding (176 x (469 / 176) = 468.99...); half a unit above cannot
+            "mlp_ratio": hidden / dim if int(dim * (hidden / dim)) == hidden else (hidden + 0.5) / dim,
+            "qkv_bias": model.blocks[0].attn.qkv.bias is not None, "class_token": True, "global_pool": model.global_pool,
+        }
+        if model.global_pool == "avg":  # ours averages after the final norm; timm's fc_norm would normalise after pooling
+            args["fc_norm"] = False
+        return timm_vit_name(dim, model.depth, model.num_heads, model.patch_size, tuple(model.img_size)), args
+    if isinstance(model, ResNetBackbone) and not model.small_input and model.num_stages == 4 and not getattr(model, "backbone_kwargs", {}).get("layers"):
+        return model.arch, {"in_chans": model.in_chans}  # timm's ResNets share torchvision's names
+    return None
+
+
+def _results_in(folder: Path) -> list[Path]:
+    """The JSON files below ``folder``, less those hidden or in hidden folders below it (the
+    staging folder, ``.ipynb_checkpoints``); ``folder`` itself may be hidden."""
+    return [p for p in sorted(folder.rglob("*.json")) if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+
+
+def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> list[dict[str, Any]]:
+    """Evaluation results (JSON objects with ``metrics``) of these weights: those the source carries
+    (an export), those in the run folder of a checkpoint at ``<run>/checkpoints/`` (not below
+    ``checkpoints/``; a checkpoint elsewhere lies among anything) and ``extra`` files or folders.
+    Left out: what is no result, results of the run's earlier checkpoints (a resumed run overwrites
+    ``last.ckpt``; their ``pretrain.steps`` differ) and of another encoder (``backbone.encoder``);
+    a file named in ``extra`` is refused instead."""
+    exported = chosen_encoder({"which": source.which, "method": source.method, "default_which": source.default_which})
+    results, seen = list(source.results), {r.get("file") for r in source.results}
+    found: list[tuple[Path, bool]] = []  # (file, named by the user)
+    run = Path(source.path).resolve().parent
+    if source.kind == "lightning" and run.name == "checkpoints":
+        found += [(p, False) for p in _results_in(run.parent) if "checkpoints" not in p.relative_to(run.parent).parts]
+    own_run = {p for p, _ in found}
+    for item in map(Path, extra):
+        if not item.exists():
+            raise FileNotFoundError(f"{item}: no such result file or folder")
+        found += [(p, False) for p in _results_in(item)] if item.is_dir() else [(item, True)]
+    step = source.training.get("global_step")
+    for path, named in found:
+        if str(path) in seen:
+            continue
+        try:
+            result = read_json(path)
+            if not isinstance(result, dict) or not isinstance(result.get("metrics"), dict):
+                raise ValueError(f"{path}: not an evaluation result (expected a JSON object with 'metrics')")
+        except ValueError:
+            if named:
+                raise
+            continue
+        steps = (result.get("pretrain") or {}).get("steps")
+        if path in own_run and None not in (step, steps) and steps != step:
+            continue  # a result of an earlier checkpoint of the run
+        backbone = result.get("backbone")
+        encoder = backbone.get("encoder") if isinstance(backbone, dict) else exported  # a bare {"metrics"} file: kept
+        if encoder != exported:
+            if named:
+                raise ValueError(f"{path}: a result of the {encoder or 'default'} encoder of its checkpoint; this export is of the "
+                                 f"{exported or 'default'} one ({source.which})")
+            continue
+        results.append({**result, "file": str(path)})
+        seen.add(str(path))
+    return results
+
+
+def _classifier(model: nn.Module) -> str:
+    return "head" if isinstance(model, VisionTransformer) else "fc"  # timm's name; torchvision's for ResNets
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def build_config(model: nn.Module, source: BackboneSource, results: list[dict[str, Any]], files: list[Path],
+                 parity: dict[str, float], num_classes: int = 0) -> dict[str, Any]:
+    """``config.json`` (module docstring); ``num_classes`` > 0: ``model.safetensors`` holds a classifier."""
+    from ssl_vit import __version__
+
+    norm = resolve_normalization(source.normalization, int(model.in_chans))
+    img_size = [int(s) for s in model.img_size]
+    input_size = [int(model.in_chans), *img_size]
+    first_conv = "patch_embed.proj" if is_plain_vit(model) else "conv1" if isinstance(model, ResNetBackbone) else None
+    # whose parameter names the weights use; hybrids' (a torchvision trunk under patch_embed.backbone.*
+    # and a 1x1 patch_embed.proj) and a ViT subclass's own layers are no library's
+    weights_format = "timm" if is_plain_vit(model) else "torchvision" if isinstance(model, ResNetBackbone) else "ssl_vit"
+    arch = timm_architecture(model)
+    return {
+        **({"architecture": arch[0], "model_args": arch[1]} if arch else {}),
+        "num_classes": num_classes,
+        "num_features": int(model.embed_dim),
+        "global_pool": getattr(model, "global_pool", "avg"),
+        "pretrained_cfg": {"input_size": input_size, "mean": norm["mean"], "std": norm["std"], "num_classes": num_classes,
+                           **({"first_conv": first_conv} if first_conv else {}), "classifier": _classifier(model),
+                           "fixed_input_size": isinstance(model, VisionTransformer)},
+        "mean": norm["mean"],
+        "std": norm["std"],
+        "input_size": input_size,
+        "ssl_vit": {
+            "format_version": 1, "backbone": source.backbone, "backbone_kwargs": source.backbone_kwargs,
+            "weights_format": weights_format, "img_size": img_size, "in_chans": int(model.in_chans),
+            "patch_size": getattr(model, "patch_size", None), "embed_dim": int(model.embed_dim), "normalization": norm,
+            "method": source.method, "which": source.which, "default_which": source.default_which, "source": source.path,
+            "origin": source.origin,
+            "training": source.training, "data": source.data, "recipe": source.recipe, "results": results,
+            "files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size, **({"max_abs_diff": parity[p.name]} if p.name in parity else {})}
+                      for p in files},
+            "ssl_vit_version": __version__,
+        },
+    }
 
 
 @dataclass
@@ -50,24 +186,17 @@ class ExportResult:
 def save_backbone(model: nn.Module, out_dir: str | Path, source: BackboneSource | None = None, formats: Sequence[str] = ("safetensors",),
                   results: Sequence[str | Path] = (), tolerance: float = 1e-4, opset: int | None = None, head: nn.Linear | None = None,
                   ) -> ExportResult:
-    """Export an in-memory backbone.
+    """Export a backbone made by ``create_backbone`` into ``out_dir`` (created; an earlier export
+    there is replaced). Its train/eval mode is kept; one on another device is exported as a CPU copy,
+    one compiled by ``compile_backbone`` traced through its eager modules (TorchScript and ONNX refuse
+    a dynamo-compiled function).
 
-    Args:
-        model: a backbone made by ``create_backbone``; its train/eval mode is kept, a CPU copy of it
-            exported from another device, and one compiled by ``compile_backbone`` traced through its
-            eager modules (TorchScript and ONNX refuse a dynamo-compiled function).
-        out_dir: the export folder (created; an earlier export there is replaced).
-        source: where the weights came from (method, normalisation, run info ...); None records
-            only the architecture.
-        formats: ``safetensors`` is always written; ``torchscript`` (``model.torchscript.pt``),
-            ``export`` (``torch.export``'s ``model.pt2``) and ``onnx`` (``model.onnx``) on request.
-        results: evaluation result JSONs (files or folders) to record in ``config.json``.
-        tolerance: the max abs difference from the eager outputs each file may show.
-        opset: the ONNX opset (None: the exporter's default).
-        head: a classifier on the features (a fine-tuned one), stored in ``model.safetensors``
-            under timm's name for it (``head.*`` for ViTs and hybrids, ``fc.*`` for ResNets) with
-            ``num_classes`` in ``config.json``: timm then builds the whole classifier. The backbone
-            loaders leave it out; the traced files are the backbone's.
+    ``source``: where the weights came from (None: the architecture alone). ``formats``: besides
+    ``safetensors``, ``torchscript``, ``export`` (``torch.export``) and ``onnx``; ``results``: result
+    JSONs (files, folders) for ``config.json``; ``tolerance``: the max abs difference from the eager
+    outputs a file may show. ``head``: a (fine-tuned) classifier stored under timm's name for it
+    (``head.*``; ResNets ``fc.*``) with ``num_classes`` in ``config.json``, so that timm builds the
+    classifier whole; the backbone loaders leave it out, the traced copies are the backbone's.
     """
     if unknown := sorted(set(formats) - set(FORMATS)):
         raise ValueError(f"unknown export format(s) {unknown}; choose from {', '.join(FORMATS)}")
@@ -107,15 +236,14 @@ def _write(model: nn.Module, out_dir: Path, source: BackboneSource, formats: Seq
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if head is not None:  # timm's and torchvision's classifiers have a bias: a head without one stores zeros
         bias = head.bias if head.bias is not None else torch.zeros(head.out_features, dtype=head.weight.dtype)
-        state |= {f"{classifier_name(model)}.weight": head.weight.detach().cpu(), f"{classifier_name(model)}.bias": bias.detach().cpu()}
+        state |= {f"{_classifier(model)}.weight": head.weight.detach().cpu(), f"{_classifier(model)}.bias": bias.detach().cpu()}
     data = safetensors_bytes(state, metadata={"format": "pt"})  # (the metadata timm's and Hugging Face's loaders expect)
     weights = atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: tmp.write_bytes(data))
-    # (fit_state_dict leaves the classifier out, as the backbone loaders do)
-    rebuilt = instantiate(source.backbone, source.backbone_kwargs, str(weights), lambda m: fit_state_dict(read_safetensors(weights), m))
     parity: dict[str, float] = {}
-    try:
-        parity[WEIGHTS_FILE] = check_parity(rebuilt.eval(), model, example_input(model, 2), f"weights {WEIGHTS_FILE}", tolerance)
-    except ExportParityError:
+    try:  # (the loader leaves the classifier out; config.json is gone: the file is read as a bare state dict)
+        rebuilt, _ = resolve(weights, backbone=source.backbone, backbone_kwargs=source.backbone_kwargs)
+        parity[WEIGHTS_FILE] = check_parity(rebuilt, model, f"weights {WEIGHTS_FILE}", tolerance)
+    except BaseException:
         weights.unlink()
         raise
     written = [weights]
