@@ -139,8 +139,6 @@ def test_subset_size_and_determinism(tmp_path):
     # Every subset image is a distinct training image.
     matches = [(train.flatten(1) == img.flatten()).all(1).nonzero().flatten().tolist() for img in a]
     assert all(len(m) == 1 for m in matches) and len({m[0] for m in matches}) == 10
-    with pytest.raises(ValueError, match="subset=100: give a number of images from 1 to the 40 training images"):
-        subset_images(0, size=100)
 
 
 def test_synthetic_is_deterministic_and_learnable():
@@ -487,6 +485,8 @@ def test_synthetic_splits_differ_and_labels_are_shuffled_and_balanced():
     dm = _synthetic(num_samples=16, num_test_samples=16)
     train, test = dm._load_split(True), dm._load_split(False)
     assert not torch.equal(train.images, test.images)  # another stream of the seed: no leak
+    # ... nor another seed's: seed 1's training images are not seed 0's test images
+    assert not torch.equal(_synthetic(num_samples=16, seed=1)._load_split(True).images, test.images)
     _, labels = make_synthetic_images(60, 8, 1, 6, seed=0)
     assert not torch.equal(labels, torch.arange(60) % 6)
     assert torch.bincount(labels).tolist() == [10] * 6
@@ -582,20 +582,10 @@ def test_stl10_fine_tuning_views_apply_whatever_the_pretraining_split(monkeypatc
     assert augmented >= 1
 
 
-def test_synthetic_seeds_never_share_a_stream():
-    # seed s draws train and test from streams of their own: seed 1's training images are not
-    # seed 0's test images.
-    kw = dict(num_samples=8, num_test_samples=8, num_classes=2, img_size=8, num_workers=0)
-    a, b = SyntheticDataModule(seed=0, **kw), SyntheticDataModule(seed=1, **kw)
-    a.setup()
-    b.setup()
-    assert not torch.equal(a._test_source.images, b._train_source.images)
-    assert not torch.equal(a._train_source.images, a._test_source.images)
-
-
-def test_subset_of_zero_images_is_refused():
-    with pytest.raises(ValueError, match="subset=0: give a number of images from 1"):
-        SyntheticDataModule(subset=0, num_workers=0).setup()
+@pytest.mark.parametrize("subset", [0, 33])
+def test_a_subset_of_no_image_or_more_than_the_split_is_refused(subset):
+    with pytest.raises(ValueError, match=f"subset={subset}: give a number of images from 1 to the 32 training images"):
+        _synthetic(subset=subset).setup()
 
 
 def test_eval_loader_uses_eval_batch_size():
@@ -610,10 +600,3 @@ def test_synthetic_without_test_images_says_it_has_no_labelled_test_split():
     assert dm.has_labelled_test_split() is False
     assert dm.eval_datasets()[1] is None
     assert SyntheticDataModule(num_samples=8, num_test_samples=1, img_size=8, num_workers=0).has_labelled_test_split()
-
-
-def test_idx_reader_reports_a_missing_file_as_missing(tmp_path):
-    from ssl_vit.data import read_idx
-
-    with pytest.raises(FileNotFoundError):
-        read_idx(tmp_path / "train-images-idx3-ubyte.gz")
