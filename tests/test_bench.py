@@ -691,13 +691,13 @@ def test_options_reach_the_configuration_and_the_json(captured, tmp_path, capsys
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method-batch", "0"], "--method-batch: must be >= 1, got 0"),
-    (["--backbone-batch", "-2"], "--backbone-batch: must be >= 1, got -2"),
-    (["--steps", "0"], "--steps: must be >= 1, got 0"),
-    (["--warmup", "-1"], "--warmup: must be >= 0, got -1"),
-    (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--method-batch", "0"], "--method-batch must be >= 1"),
+    (["--backbone-batch", "-2"], "--backbone-batch must be >= 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
     (["--method-batch", "1"], "--method-batch 1 cannot train mocov3"),
-    (["--compile", "--warmup", "0"], "--compile needs --warmup >= 1"),
+    (["--compile", "--warmup", "0"], "--warmup must be >= 1 with --compile"),
     (["--quick", "--preset", "tiny"], "not allowed with argument --quick"),
     (["--methods", "simclr"], "invalid choice: 'simclr'"),
 ])
