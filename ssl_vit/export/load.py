@@ -305,6 +305,7 @@ def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
         "flops": training.get("pretrain_flops", training.get("flops")),
         "wall_time_s": training.get("wall_time_s"),
         "global_batch_size": training.get("global_batch_size"),
+        "data": source.data,  # the data record (evaluation names it as it names datasets)
         "checkpoint": source.origin,  # one pretraining, whether its checkpoint or an export of it is evaluated
     }
     return {"name": source.backbone, "kwargs": dict(source.backbone_kwargs), "mean": norm["mean"], "std": norm["std"],
@@ -324,7 +325,7 @@ def load_any_backbone(spec: str | Path, map_location: Any = "cpu", *, which: str
     ``img_size``: the position table is resampled); ``weights_only``: :func:`read_torch_file`'s.
     The info dict has ``name``, ``kwargs``, ``mean``, ``std``, ``normalization_source``, ``method``,
     ``which``, ``source``, ``kind``, ``data`` (the data record), ``recipe`` and ``pretrain``
-    (``steps``, ``epochs``, ``flops``, ``checkpoint`` ... as ``EvalResult.pretrain`` takes them).
+    (``steps``, ``epochs``, ``flops``, ``data``, ``checkpoint`` ...: what ``EvalResult.pretrain`` records).
 
     Example::
 

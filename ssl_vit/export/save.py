@@ -106,22 +106,19 @@ def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> lis
             result = read_json(path)
             if not isinstance(result, dict) or not isinstance(result.get("metrics"), dict):
                 raise ValueError(f"{path}: not an evaluation result (expected a JSON object with 'metrics')")
+            backbone = result.get("backbone")
+            encoder = backbone.get("encoder") if isinstance(backbone, dict) else exported  # (a bare {"metrics"} file: kept)
+            if encoder != exported:
+                raise ValueError(f"{path}: a result of the {encoder or 'default'} encoder of its checkpoint; this export is of the "
+                                 f"{exported or 'default'} one ({source.which})")
         except ValueError:
             if named:
                 raise
             continue
         steps = (result.get("pretrain") or {}).get("steps")
-        if path in own_run and None not in (step, steps) and steps != step:
-            continue  # a result of an earlier checkpoint of the run
-        backbone = result.get("backbone")
-        encoder = backbone.get("encoder") if isinstance(backbone, dict) else exported  # a bare {"metrics"} file: kept
-        if encoder != exported:
-            if named:
-                raise ValueError(f"{path}: a result of the {encoder or 'default'} encoder of its checkpoint; this export is of the "
-                                 f"{exported or 'default'} one ({source.which})")
-            continue
-        results.append({**result, "file": str(path)})
-        seen.add(str(path))
+        if path not in own_run or None in (step, steps) or steps == step:  # (else: of an earlier checkpoint of the run)
+            results.append({**result, "file": str(path)})
+            seen.add(str(path))
     return results
 
 
@@ -149,21 +146,16 @@ def build_config(model: nn.Module, source: BackboneSource, results: list[dict[st
     arch = timm_architecture(model)
     return {
         **({"architecture": arch[0], "model_args": arch[1]} if arch else {}),
-        "num_classes": num_classes,
-        "num_features": int(model.embed_dim),
-        "global_pool": getattr(model, "global_pool", "avg"),
+        "num_classes": num_classes, "num_features": int(model.embed_dim), "global_pool": getattr(model, "global_pool", "avg"),
         "pretrained_cfg": {"input_size": input_size, "mean": norm["mean"], "std": norm["std"], "num_classes": num_classes,
                            **({"first_conv": first_conv} if first_conv else {}), "classifier": _classifier(model),
                            "fixed_input_size": isinstance(model, VisionTransformer)},
-        "mean": norm["mean"],
-        "std": norm["std"],
-        "input_size": input_size,
+        "mean": norm["mean"], "std": norm["std"], "input_size": input_size,  # (for a reader)
         "ssl_vit": {
             "format_version": 1, "backbone": source.backbone, "backbone_kwargs": source.backbone_kwargs,
             "weights_format": weights_format, "img_size": img_size, "in_chans": int(model.in_chans),
             "patch_size": getattr(model, "patch_size", None), "embed_dim": int(model.embed_dim), "normalization": norm,
-            "method": source.method, "which": source.which, "default_which": source.default_which, "source": source.path,
-            "origin": source.origin,
+            "method": source.method, "which": source.which, "default_which": source.default_which, "source": source.path, "origin": source.origin,
             "training": source.training, "data": source.data, "recipe": source.recipe, "results": results,
             "files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size, **({"max_abs_diff": parity[p.name]} if p.name in parity else {})}
                       for p in files},
@@ -174,8 +166,7 @@ def build_config(model: nn.Module, source: BackboneSource, results: list[dict[st
 
 @dataclass
 class ExportResult:
-    """What :func:`save_backbone` wrote: the folder, the files, each file's max abs difference from
-    the eager backbone's outputs, and the config."""
+    """What :func:`save_backbone` wrote; ``parity``: each file's max abs difference from the eager outputs."""
 
     out_dir: Path
     files: list[Path]
