@@ -334,7 +334,7 @@ def row_label(row: str, cfg: BenchConfig) -> str:
 
 
 def _ours(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
-    """Our model of ``row``, its loss and its EMA update."""
+    """Our model of ``row``, its loss and what follows its optimiser step."""
     from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
     if row == "backbone":
@@ -351,9 +351,9 @@ def _ours(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int]
         module = MoCoV3(proj_hidden_dim=cfg.moco_hidden_dim, proj_output_dim=cfg.moco_out_dim, pred_hidden_dim=cfg.moco_hidden_dim, **common)
     else:
         module = DINO(out_dim=cfg.dino_out_dim, hidden_dim=cfg.dino_hidden_dim, bottleneck_dim=cfg.dino_bottleneck_dim, **common)
-    # The EMA updates of a momentum encoder / teacher, as after each training step (its momentum: the schedule's start).
-    update = (lambda i: module.after_optimizer_step()) if row in ("mocov3", "dino") else None
-    return module, lambda views, labels: module.step(views, labels)["loss"], update
+    # after each optimiser step, as in training: the EMA of a momentum encoder / teacher (at the
+    # schedule's first momentum: there is no Trainer step count here), DINO's centre
+    return module, lambda views, labels: module.step(views, labels)["loss"], lambda i: module.after_optimizer_step()
 
 
 def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
