@@ -114,8 +114,8 @@ def test_shapes_at_224(name, kwargs, dim, tokens):
             assert [t.shape[1] for t in m.get_intermediate_layers(x, 2)] == [dim // 2, dim]
         else:
             assert feats.shape == (2, tokens, dim)
-            assert len(m.get_attention_maps(x)) == m.depth
-            assert m.get_attention_maps(x)[0].shape == (2, m.num_heads, tokens, tokens)
+            maps = m.get_attention_maps(x)
+            assert len(maps) == m.depth and maps[0].shape == (2, m.num_heads, tokens, tokens)
             assert [t.shape for t in m.get_intermediate_layers(x, 4)] == [(2, tokens, dim)] * 4
 
 

@@ -28,7 +28,7 @@ class HybridEmbed(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """``[B, C, H, W]`` -> tokens ``[B, N, D]`` read row-major from the map, and its grid."""
-        patch_grid(x.shape[-2], x.shape[-1], self.patch_size)
+        patch_grid(x.shape[-2], x.shape[-1], self.patch_size)  # a size the stride does not divide is refused, as for patches
         x = self.proj(self.backbone.forward_features(x))  # [B, D, h, w]
         return rearrange(x, "b d h w -> b (h w) d"), (x.shape[-2], x.shape[-1])
 
