@@ -22,9 +22,7 @@ class _TorchvisionDataModule(ImageDataModule):
         img_size, in_chans, **kwargs: ``ImageDataModule``'s (native: the dataset's size, 3 channels).
     """
 
-    _name = ""  # in messages
-    _class = ""  # of torchvision.datasets
-    _folder = ""  # torchvision's extracted folder
+    _name = _class = _folder = ""  # the dataset's name in messages, its torchvision.datasets class and extracted folder
     _download_splits: tuple[dict[str, Any], ...] = ({"train": True}, {"train": False})
 
     def __init__(self, root: str | None = None, download: bool = True, img_size: int = 32, in_chans: Literal[1, 3] = 3, **kwargs) -> None:
@@ -53,6 +51,8 @@ class _TorchvisionDataModule(ImageDataModule):
         try:
             ds = getattr(torchvision.datasets, self._class)(str(data_root(self.root)), download=download, **split)
         except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
+            if download:
+                raise  # (prepare_data: the download failed)
             raise self._not_found(f"torchvision says: {err}" + ("" if self.download else " (download=False)")) from err
         if getattr(ds, "classes", None):  # (STL-10's only when its class_names.txt is there)
             self.class_names = list(ds.classes)
