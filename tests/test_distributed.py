@@ -39,7 +39,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ssl_vit.data import MultiCrop, SyntheticDataModule, TwoViews
 from ssl_vit.eval.features import extract_features, gather_in_sampler_order
 from ssl_vit.methods import DINO, MPP, BaseMethod, MoCoV3, Supervised
-from ssl_vit.methods.distributed import unwrap_module
 
 WORLD = 2
 PER_DEVICE = 4  # b; the one-process reference trains on 2b
@@ -144,7 +143,7 @@ def _worker(out: Path) -> None:
         model.load_state_dict(init["dino"])
         counters.clear()
         fit(model, datamodule("dino", PER_DEVICE), devices=WORLD, strategy="ddp" if strategy == "ddp" else cpu_fsdp_strategy())
-        blocks = [unwrap_module(b) for b in [*model.backbone.blocks, *model.teacher_backbone.blocks]]  # (FSDP wraps each block)
+        blocks = [getattr(b, "_fsdp_wrapped_module", b) for b in [*model.backbone.blocks, *model.teacher_backbone.blocks]]  # (FSDP wraps each block)
         result[f"compiled_{strategy}"] = {
             "state": model.trainer.strategy.lightning_module_state_dict(),
             "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in blocks],

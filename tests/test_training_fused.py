@@ -117,10 +117,10 @@ def test_fp16_loss_scaling_unscales_a_fused_optimiser_before_clipping_and_skippi
     from helpers import RepeatBatch, fixed_views
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    import ssl_vit.methods.base as base
+    from ssl_vit.methods import distributed
 
     seen: list[float] = []
-    real = base.clip_gradients
+    real = distributed.clip_gradients
 
     def spy(params, clip, mode, group):
         norm = real(params, clip, mode, group)
@@ -143,11 +143,11 @@ def test_fp16_loss_scaling_unscales_a_fused_optimiser_before_clipping_and_skippi
         trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, plugins=[plugin])
         seen.clear()
-        base.clip_gradients = spy
+        distributed.clip_gradients = spy
         try:
             trainer.fit(model, torch.utils.data.DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
         finally:
-            base.clip_gradients = real
+            distributed.clip_gradients = real
         assert trainer.global_step == 2 and model.skipped_batches == int(skip)
         assert seen[0] < 100  # the unscaled norm, not 65536 times it
         moved.append((seen[0], sum(float((p.detach() - b).norm()) for p, b in zip(model.backbone.parameters(), before))))

@@ -1,25 +1,17 @@
-"""What every method shares: the backbone from the registry, the optimiser with its per-step LR and
-weight-decay schedules, gradient clipping, the online linear probe, logging, the non-finite-loss
-guard and the checkpoint's run info.
+"""What every method shares: the backbone, the optimiser and its LR / weight-decay schedules,
+gradient clipping, the online linear probe, logging, the non-finite-loss guard, the run info.
 
-A method is a ``BaseMethod`` subclass that builds its heads and loss from typed ``__init__``
-arguments and implements ``step(views, labels) -> {"loss", "features", ...}``: ``loss`` to
-back-propagate, ``features`` the detached ``[B, D]`` representation the online probe learns from,
-any other scalar is logged as ``train/<key>``. Around the optimiser step it may edit gradients
-(``before_optimizer_step``) and update what is no gradient's business: EMA targets, DINO's centre
-(``after_optimizer_step``, with the momentum schedule from :meth:`BaseMethod.cosine`).
-
-On several processes (DDP / FSDP through Lightning) a step is the one-process step on the whole
-batch: losses are local means and DDP averages gradients; what a method computes across the batch
-(MoCo v3's gathered keys, DINO's centre, synchronised BatchNorm) spans all processes; logged values
-are means over the processes; all processes take the non-finite decision together. A step's
-randomness comes from (run seed, epoch, batch, rank), so a resumed run continues as an
-uninterrupted one.
+A method builds its heads and loss from typed ``__init__`` arguments and implements ``step(views,
+labels) -> {"loss", "features", ...}`` (``features``: the ``[B, D]`` representation the probe
+learns from; other scalars are logged); around the optimiser step it may edit gradients
+(``before_optimizer_step``) and update what no gradient moves (``after_optimizer_step``: EMA
+targets, with the momentum of :meth:`BaseMethod.cosine`). On several processes a step is the
+one-process step on the whole batch (DDP averages the local means; keys, centres and BatchNorm
+statistics span the processes), and a step's randomness comes from (seed, epoch, batch, rank).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Literal
 
@@ -32,36 +24,15 @@ from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone, get_spec
 from ssl_vit.backbones.compile import check_backend, compile_backbone
-from ssl_vit.methods.distributed import (
-    ClipMode,
-    clip_gradients,
-    convert_sync_batchnorm,
-    gradient_shard_group,
-    unwrapped_name,
-)
-from ssl_vit.methods.optim import (
-    OptimizerName,
-    WeightDecayExempt,
-    build_optimizer,
-    lr_and_weight_decay,
-    materialize_adam_state,
-    param_groups,
-)
+from ssl_vit.methods import distributed, optim
+from ssl_vit.methods.distributed import ClipMode
+from ssl_vit.methods.optim import OptimizerName, WeightDecayExempt
 from ssl_vit.methods.probe import OnlineLinearProbe
 from ssl_vit.runtime import global_seed, seed_training_step
 
-# The schedules are functions of the position in training, so a run needs a length.
-NO_LENGTH = ("the schedules need the length of training: set trainer.max_steps or trainer.max_epochs "
-             "(max_time alone can stop a run but cannot size its schedules)")
-
 
 class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/Inf loss and the skip policy did not (or no longer) apply."""
-
-
-def frozen_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` that only an EMA moves (MoCo v3's momentum projector, DINO's teacher head)."""
-    return copy.deepcopy(module).requires_grad_(False)
+    """Training produced a NaN/Inf loss, and the skip policy did not (or no longer) apply."""
 
 
 def ema_update(online: nn.Module, target: nn.Module, momentum: float) -> None:
@@ -74,54 +45,36 @@ def ema_update(online: nn.Module, target: nn.Module, momentum: float) -> None:
     update_momentum(online, target, momentum)
 
 
-def data_info(datamodule: Any) -> dict[str, Any]:
-    """What the training data looked like: export takes the normalisation from it, results the dataset."""
-    info: dict[str, Any] = {"name": type(datamodule).__name__, "class": f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"}
-    for key in ("mean", "std", "img_size", "in_chans", "num_classes", "train_dir"):
-        value = getattr(datamodule, key, None)
-        if value is not None:
-            info[key] = list(value) if isinstance(value, tuple | list) else str(value) if key == "train_dir" else value
-    return info
-
-
 class BaseMethod(L.LightningModule):
     """The arguments every method shares.
 
     Args:
-        backbone, backbone_kwargs: a registered backbone (``ssl-vit backbones`` lists them) and its
-            arguments (img_size, patch_size, in_chans, drop_path_rate, ...).
+        backbone, backbone_kwargs: a registered backbone (``ssl-vit backbones``) and its arguments.
         optimizer: ``adamw`` (ViT methods), ``sgd`` or ``lars`` (large-batch ResNets).
-        base_lr: the LR per 256 images: the peak LR is ``base_lr * global_batch / 256`` (Goyal et
-            al. 2017's linear scaling, as MoCo v3 and DINO), reached after a linear warm-up of
-            ``warmup_epochs`` (or ``warmup_steps`` optimiser steps, as the ViT paper counts them)
-            and followed by a cosine to ``min_lr``.
-        weight_decay, weight_decay_end: the weight decay, with a cosine to ``weight_decay_end``
-            over the run (DINO: 0.04 -> 0.4); None keeps it constant.
-        weight_decay_exempt: the parameters without weight decay: ``bias_norm_tokens`` biases, norm
-            weights, [CLS], position and mask embeddings (big_vision, timm, MAE: the ViT paper's
-            methods); ``bias_norm`` biases and other 1-D parameters (DINO ``utils.get_params_groups``);
-            ``none`` (MoCo v3 ``main_moco.py``: ``AdamW(model.parameters(), ...)``). Never the probe's.
-        betas: AdamW's betas. sgd_momentum: SGD's / LARS's (not the EMA momentum of MoCo v3 or DINO).
-        grad_clip, grad_clip_mode: clip the model's gradients to this norm (None: no clipping), one
-            norm over all (``global``) or each parameter's (``per_param``, DINO); under FSDP the norms
-            of the whole gradients. The probe's gradients are left out.
-        num_classes: with labelled data of two classes or more, an online linear probe (BatchNorm
-            without affine + linear, AdamW at the constant ``probe_lr``) learns from the detached
-            representation and reports ``probe/val_acc``.
-        nonfinite_policy: on a NaN/Inf loss, ``raise`` stops with the step and the last good
-            checkpoint; ``skip`` drops the optimiser step (its update, its EMA update and what its
-            forward passes changed in buffers: BatchNorm statistics, DINO's centre), at most
-            ``max_skipped_batches`` batches over the run.
-        fused_optimizer: torch's fused AdamW / SGD kernels where the parameters allow it (several
-            times faster than the per-tensor loop, the same update to float rounding).
+        base_lr: LR per 256 images: the peak is ``base_lr * global_batch / 256`` (Goyal et al.'s
+            linear scaling, as MoCo v3 and DINO), after a linear warm-up of ``warmup_epochs`` (or
+            ``warmup_steps``, as the ViT paper counts it), then a cosine to ``min_lr``.
+        weight_decay, weight_decay_end: a cosine from one to the other over the run (DINO: 0.04 ->
+            0.4); ``weight_decay_end`` None keeps it constant.
+        weight_decay_exempt: no weight decay for ``bias_norm_tokens`` biases, norm weights, [CLS],
+            position and mask embeddings (big_vision, timm, MAE); ``bias_norm`` biases and other 1-D
+            parameters (DINO ``utils.get_params_groups``); ``none`` (MoCo v3 ``main_moco.py``).
+        betas: AdamW's. sgd_momentum: SGD's / LARS's (not MoCo v3's or DINO's EMA ``momentum``).
+        grad_clip, grad_clip_mode: clip the model's gradients (not the probe's) to this norm, one over
+            all (``global``) or each parameter's (``per_param``, DINO); of the whole gradients under
+            FSDP. None or 0: no clipping.
+        num_classes: with two classes or more, an online linear probe (BatchNorm without affine +
+            linear, AdamW at ``probe_lr``) learns from the detached representation: ``probe/val_acc``.
+        nonfinite_policy: on a NaN/Inf loss, ``raise`` names the step and the last good checkpoint;
+            ``skip`` drops the optimiser step, its EMA update and what it changed in buffers
+            (BatchNorm statistics, DINO's centre), at most ``max_skipped_batches`` times in the run.
+        fused_optimizer: torch's fused AdamW / SGD kernels (the same update, several times faster).
         compile_backbone, compile_backend: ``torch.compile`` the backbone and any momentum encoder
-            or teacher, one block at a time (``ssl_vit.backbones.compile``); the first steps take
-            longer (compiling), meant for GPUs (``benchmarks/RESULTS.md``). ``inductor`` needs a C++
-            compiler on a CPU; ``aot_eager`` checks that a model compiles.
+            or teacher one block at a time (``ssl_vit.backbones.compile``; for GPUs, see
+            ``benchmarks/RESULTS.md``); ``inductor`` needs a C++ compiler on a CPU.
     """
 
-    # The encoder ``ssl-vit eval`` / ``export`` / ``visualize`` take from a checkpoint by default
-    # (``--which``): ``student`` is ``backbone``; DINO's paper evaluates its teacher.
+    # The encoder evaluation and export take from a checkpoint by default: "student" is ``backbone``.
     default_encoder: str = "student"
 
     def __init__(
@@ -157,15 +110,15 @@ class BaseMethod(L.LightningModule):
         self.probe = OnlineLinearProbe(self.backbone.embed_dim, num_classes) if num_classes and num_classes > 1 else None
         self.total_steps = self.steps_per_epoch = 1  # the run's length, known when training starts
         self.peak_lr, self.global_batch_size = base_lr, None
-        self.seed: int | None = None  # the base of the per-step seeds (kept in checkpoints)
-        self.skipped_batches = 0  # non-finite batches skipped so far (kept in checkpoints)
-        self.recipe: str | None = None  # the resolved recipe, set by `ssl-vit fit`
+        self.seed: int | None = None  # the base of the per-step seeds
+        self.skipped_batches = 0  # non-finite batches skipped so far
+        self.recipe: str | None = None  # the resolved recipe (`ssl-vit fit`)
         self.data_info: dict[str, Any] | None = None
-        self._skipping = False  # the optimiser step in progress is skipped
+        self._skipping, self._compiled = False, False
         self._buffers_at_step_start: list[tuple[Tensor, Tensor]] | None = None
         self._shapes_before_wrapping: dict[str, torch.Size] = {}
         self._resumed: dict[str, Any] = {}
-        self._compiled = False
+        self._val_totals: dict[str, Tensor] = {}  # validation: [sum of a metric x images, labelled images] by name
 
     # ------------------------------------------------------------------ what a method implements
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
@@ -187,7 +140,7 @@ class BaseMethod(L.LightningModule):
     # ------------------------------------------------------------------ helpers for methods
     def target_backbone(self) -> nn.Module:
         """A frozen copy of the backbone for a momentum encoder / teacher, built without stochastic
-        depth or dropout (as the references build theirs) and loaded with the online weights."""
+        depth or dropout (as the references build theirs)."""
         spec, kwargs = get_spec(self.backbone_name), dict(self.backbone_kwargs)
         for key in ("drop_path_rate", "drop_rate", "attn_drop_rate"):
             if key in spec.allowed_kwargs() or (key in kwargs and spec.takes_any_kwargs()):
@@ -197,17 +150,15 @@ class BaseMethod(L.LightningModule):
         return target.requires_grad_(False)
 
     def cosine(self, start: float, end: float) -> float:
-        """A half cosine from ``start`` at the first optimiser step towards ``end``, at this step:
-        cos(π t / T), as DINO's ``momentum_schedule`` and MoCo v3's ``adjust_moco_momentum`` (the
-        last update still moves; lightly's schedule ends at ``max_steps - 1``, hence T + 1)."""
+        """From ``start`` at the first optimiser step towards ``end`` by cos(π t / T), as DINO's
+        ``momentum_schedule`` and MoCo v3's ``adjust_moco_momentum`` (lightly's ends at T - 1)."""
         return cosine_schedule(min(self.global_step, self.total_steps), self.total_steps + 1, start, end)
 
     def sync_batchnorm(self, *names: str) -> None:
-        """Normalise the BatchNorm layers of these submodules over the global batch when training on
-        several processes (call from ``setup``, before the optimiser is built)."""
+        """BatchNorm over the global batch in these submodules, on several processes (from ``setup``)."""
         if self._trainer is not None and self.trainer.world_size > 1:
             for name in (n for n in names if getattr(self, n) is not None):
-                setattr(self, name, convert_sync_batchnorm(getattr(self, name), self.trainer.strategy.root_device.type))
+                setattr(self, name, distributed.convert_sync_batchnorm(getattr(self, name), self.trainer.strategy.root_device.type))
 
     def compile_backbones(self, backend: str) -> None:
         """``torch.compile`` the backbone and every ``*_backbone`` (momentum encoder, teacher) in place."""
@@ -217,35 +168,35 @@ class BaseMethod(L.LightningModule):
 
     # ------------------------------------------------------------------ the run
     def setup(self, stage: str) -> None:
-        # Lightning calls this before a strategy wraps the model: FSDP flattens the parameters.
-        if not self._shapes_before_wrapping:
-            self._shapes_before_wrapping = {unwrapped_name(n): p.shape for n, p in self.named_parameters()}
-        if self._trainer is not None and self.trainer.datamodule is not None:
-            self.data_info = data_info(self.trainer.datamodule)
+        if not self._shapes_before_wrapping:  # (before a strategy wraps the model: FSDP flattens the parameters)
+            self._shapes_before_wrapping = {distributed.unwrapped_name(n): p.shape for n, p in self.named_parameters()}
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is not None:  # what export reads the normalisation from, and results the dataset
+            self.data_info = {"name": type(dm).__name__, "class": f"{type(dm).__module__}.{type(dm).__qualname__}"}
+            for key in ("mean", "std", "img_size", "in_chans", "num_classes", "train_dir"):
+                if (value := getattr(dm, key, None)) is not None:
+                    self.data_info[key] = list(value) if isinstance(value, tuple | list) else str(value) if key == "train_dir" else value
         self.sync_batchnorm("probe")  # it then learns the same whatever the split over devices
         if self.hparams.compile_backbone and not self._compiled:
-            rank_zero_info(f"[ssl_vit] compiling the backbone with torch.compile ({self.hparams.compile_backend}, one block at a time): "
-                           "the first steps take longer")
+            rank_zero_info(f"[ssl_vit] compiling the backbone with torch.compile ({self.hparams.compile_backend}, one block at a time)")
             self.compile_backbones(self.hparams.compile_backend)
             self._compiled = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        if hp.optimizer == "lars" and self._trainer is not None and gradient_shard_group(self.trainer.strategy) is not None:
-            # lightly's LARS scales each tensor by |w| / |g|: under FSDP it would see shards.
+        if hp.optimizer == "lars" and self._trainer is not None and distributed.gradient_shard_group(self.trainer.strategy) is not None:
             raise ValueError("optimizer 'lars' does not run under FSDP (its trust ratio needs whole tensors); use DDP, or adamw / sgd")
-        return build_optimizer(self._param_groups(), hp.optimizer, hp.base_lr, hp.betas, hp.sgd_momentum, hp.fused_optimizer)
+        return optim.build_optimizer(self._param_groups(), hp.optimizer, hp.base_lr, hp.betas, hp.sgd_momentum, hp.fused_optimizer)
 
     def _param_groups(self) -> list[dict[str, Any]]:
+        hp, names = self.hparams, {id(p): distributed.unwrapped_name(n) for n, p in self.named_parameters()}
         tokens = {"mask_token"} | {f"{prefix}.{n}" for prefix, m in self.named_children() if hasattr(m, "no_weight_decay") for n in m.no_weight_decay()}
-        names = {id(p): unwrapped_name(n) for n, p in self.named_parameters()}
 
-        def shape_before_wrapping(p: Tensor) -> torch.Size:  # the shape as built (FSDP shards are 1-D)
+        def shape_as_built(p: Tensor) -> torch.Size:  # (FSDP's shards are 1-D)
             return self._shapes_before_wrapping.get(names[id(p)], p.shape)
 
-        hp = self.hparams
-        return param_groups(self.named_parameters(), hp.weight_decay_exempt, tokens, hp.weight_decay, self._probe_ids(), hp.probe_lr,
-                            shape_before_wrapping)
+        return optim.param_groups(self.named_parameters(), hp.weight_decay_exempt, tokens, hp.weight_decay, self._probe_ids(), hp.probe_lr,
+                                  shape_as_built)
 
     def _probe_ids(self) -> set[int]:
         return {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
@@ -253,11 +204,12 @@ class BaseMethod(L.LightningModule):
     def on_train_start(self) -> None:
         trainer = self.trainer
         if not math.isfinite(trainer.estimated_stepping_batches):
-            raise ValueError(NO_LENGTH)
+            raise ValueError("the schedules need the length of training: set trainer.max_steps or trainer.max_epochs "
+                             "(max_time alone can stop a run but cannot size its schedules)")
         self.total_steps = max(1, int(trainer.estimated_stepping_batches))
-        batches = trainer.num_training_batches if math.isfinite(trainer.num_training_batches) and trainer.num_training_batches > 0 else self.total_steps
+        batches = trainer.num_training_batches if 0 < trainer.num_training_batches < math.inf else self.total_steps
         self.steps_per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))  # a last partial accumulation steps too
-        self.global_batch_size = None  # (set by the first batch)
+        self.global_batch_size = None  # (the first batch tells)
 
     def warmup_steps(self) -> int:
         hp = self.hparams
@@ -266,13 +218,13 @@ class BaseMethod(L.LightningModule):
     def schedule_values(self, step: int) -> dict[str, float]:
         """LR and weight decay at an optimiser step (:func:`~ssl_vit.methods.optim.lr_and_weight_decay`)."""
         hp = self.hparams
-        return lr_and_weight_decay(step, self.total_steps, self.warmup_steps(), self.peak_lr, hp.min_lr, hp.weight_decay, hp.weight_decay_end)
+        return optim.lr_and_weight_decay(step, self.total_steps, self.warmup_steps(), self.peak_lr, hp.min_lr, hp.weight_decay, hp.weight_decay_end)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._seed_step(batch_idx)
         if self.global_batch_size is None:  # the first batch: the LR scales with the global batch
-            trainer, dm = self.trainer, self.trainer.datamodule
-            per_device = getattr(dm, "batch_size", None) or getattr(trainer.train_dataloader, "batch_size", None) or len(batch[1])
+            trainer = self.trainer
+            per_device = getattr(trainer.datamodule, "batch_size", None) or getattr(trainer.train_dataloader, "batch_size", None) or len(batch[1])
             self.global_batch_size = per_device * trainer.world_size * trainer.accumulate_grad_batches
             self.peak_lr = self.hparams.base_lr * self.global_batch_size / 256
             for line in self._start_notes(per_device):
@@ -285,14 +237,13 @@ class BaseMethod(L.LightningModule):
                 group["weight_decay"] = self._schedule_now["weight_decay"]
 
     def _seed_step(self, batch_idx: int) -> None:
-        if self.seed is None:  # seed_everything's seed, else torch's (the same on every process)
+        if self.seed is None:  # seed_everything's, else torch's (the same on every process)
             self.seed = global_seed(torch.initial_seed())
         seed_training_step(self.seed, self.current_epoch, batch_idx, self.global_rank)
 
     def _start_notes(self, per_device: int) -> list[str]:
-        """What a run says when its first batch arrives: the batch and the LR it scales to, the
-        length, and settings that do not do what one may think."""
-        hp, trainer, warmup, total, batch = self.hparams, self.trainer, self.warmup_steps(), self.total_steps, self.global_batch_size
+        """The batch, the LR it scales to and the length; settings that do not do what one may think."""
+        hp, trainer, warmup, total, batch, step = self.hparams, self.trainer, self.warmup_steps(), self.total_steps, self.global_batch_size, self.global_step
         lines = [f"[ssl_vit] {type(self).__name__} on {self.backbone_name}: effective batch size {batch} = {per_device} per device x "
                  f"{trainer.world_size} device(s) x {trainer.accumulate_grad_batches} accumulation; lr = base_lr {hp.base_lr:g} x {batch}/256 "
                  f"= {self.peak_lr:.4g}; {total} optimiser steps ({self.steps_per_epoch} per epoch)"]
@@ -303,12 +254,12 @@ class BaseMethod(L.LightningModule):
                          "starts (set a shorter warm-up)")
         if self._resumed.get("total_steps") not in (None, total):
             lines.append(f"[ssl_vit] note: resumed a run planned for {self._resumed['total_steps']} optimiser steps as one of {total}: from "
-                         f"step {self.global_step} on, the LR, weight-decay and momentum schedules follow the new length (the run is not "
-                         f"the one a {total}-step run would have been)")
+                         f"step {step} on, the LR, weight-decay and momentum schedules follow the new length (the run is not the one a "
+                         f"{total}-step run would have been)")
         if self._resumed.get("global_batch_size") not in (None, batch):
             lines.append(f"[ssl_vit] note: resumed a run trained at an effective batch size of {self._resumed['global_batch_size']} with "
-                         f"{batch}: from step {self.global_step} on, a step takes {batch} images at lr {self.peak_lr:.4g} (set "
-                         "global_batch_size to keep the run's batch over another number of devices)")
+                         f"{batch}: from step {step} on, a step takes {batch} images at lr {self.peak_lr:.4g} (set global_batch_size to keep "
+                         "the run's batch over another number of devices)")
         return lines
 
     # ------------------------------------------------------------------ a training step
@@ -338,11 +289,9 @@ class BaseMethod(L.LightningModule):
                 loss = loss + probe_loss
                 logs["probe/train_loss"], logs["probe/train_acc"] = probe_loss.detach(), acc
         logs["train/lr"], logs["train/weight_decay"] = self._schedule_now["lr"], self._schedule_now["weight_decay"]
-        if self.trainer.world_size > 1:
-            # The loss of the global batch (each process's is the mean over its equal share), in one all-reduce.
+        if self.trainer.world_size > 1:  # the global batch's values (each process's are means over equal shares), in one all-reduce
             keys = [k for k, v in logs.items() if isinstance(v, Tensor)]
-            means = self.trainer.strategy.reduce(torch.stack([logs[k].float().reshape(()) for k in keys]), reduce_op="mean")
-            logs.update(zip(keys, means.unbind()))
+            logs.update(zip(keys, self.trainer.strategy.reduce(torch.stack([logs[k].float().reshape(()) for k in keys]), reduce_op="mean")))
         self.log_dict(logs, on_step=True, on_epoch=False, batch_size=labels.shape[0])
         self.log("loss", logs["train/loss"], prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=labels.shape[0])
         return loss
@@ -354,37 +303,34 @@ class BaseMethod(L.LightningModule):
             self._skipping = True
             rank_zero_info(f"[ssl_vit] non-finite loss (on rank 0: {loss.item()}) at step {self.global_step}: batch skipped "
                            f"({self.skipped_batches}/{hp.max_skipped_batches})")
-            # Not None, which Lightning refuses under DDP: a zero reaching every trainable parameter, so
-            # the backward (and DDP's reduction, which every process joins) runs; its gradients are dropped.
+            # Not None, which Lightning refuses under DDP: a zero reaching every trainable parameter, so the
+            # backward and DDP's reduction (which every process joins) run; the gradients are then dropped.
             return torch.stack([p.sum() for p in self.parameters() if p.requires_grad]).sum() * 0.0
         ckpt = getattr(self.trainer, "checkpoint_callback", None)
         last = getattr(ckpt, "last_model_path", None) or getattr(ckpt, "best_model_path", None)
-        where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
         spent = f" ({self.skipped_batches} batch(es) already skipped, the limit)" if hp.nonfinite_policy == "skip" else ""
         raise NonFiniteLossError(f"non-finite loss ({loss.item()} on rank {self.global_rank}) at step {self.global_step} (epoch "
-                                 f"{self.current_epoch}){spent}; {where}. Lower the learning rate, raise warm-up, or set nonfinite_policy: skip.")
+                                 f"{self.current_epoch}){spent}; {f'the last good checkpoint is {last}' if last else 'no checkpoint was written yet'}. "
+                                 "Lower the learning rate, raise warm-up, or set nonfinite_policy: skip.")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # fp16 loss scaling: Lightning unscales before this hook only optimisers that do not unscale
-        # in their step, as the fused ones do; ours would be clipped at 65536x their size, and a
-        # skipped batch would leave the scaler without its inf check. GradScaler.step takes it unscaled.
+        # fp16 loss scaling: Lightning unscales here only optimisers that do not unscale in their step,
+        # as the fused ones do; unscaled now, they are clipped at their size, and a skipped batch leaves
+        # the scaler its inf check (GradScaler.step takes an optimiser unscaled here as any other).
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
         if scaler is not None and scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
             scaler.unscale_(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         if self._skipping:  # without gradients the optimiser leaves every parameter and its moments alone
-            for p in (p for g in optimizer.param_groups for p in g["params"]):
+            for p in params:
                 p.grad = None
         else:
             self.before_optimizer_step()
-        if (self.hparams.grad_clip or 0) > 0:
-            # The model's gradients only: the probe's must not shrink the model's update. Every
-            # parameter, in the optimiser's order: under FSDP each process must sum the same list.
+        if (self.hparams.grad_clip or 0) > 0:  # every parameter but the probe's, in the optimiser's order (FSDP: the same list everywhere)
+            group = distributed.gradient_shard_group(self.trainer.strategy) if self._trainer is not None else None
             probe = self._probe_ids()
-            params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in probe]
-            group = gradient_shard_group(self.trainer.strategy) if self._trainer is not None else None
-            clip_gradients(params, self.hparams.grad_clip, self.hparams.grad_clip_mode, group)
-        # The state of parameters without a gradient yet, so FSDP can gather it for a checkpoint.
-        materialize_adam_state(optimizer)
+            distributed.clip_gradients([p for p in params if id(p) not in probe], self.hparams.grad_clip, self.hparams.grad_clip_mode, group)
+        optim.materialize_adam_state(optimizer)  # (for the parameters without a gradient yet: FSDP gathers it for checkpoints)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)  # (Lightning runs the last micro-batch's training_step inside it)
@@ -397,17 +343,14 @@ class BaseMethod(L.LightningModule):
             self.log_dict({f"train/{k}": v for k, v in logs.items()}, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ validation
-    def on_validation_epoch_start(self) -> None:
-        self._val_totals: dict[str, Tensor] = {}
-
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
         if self.probe is None and type(self).validation_metrics is BaseMethod.validation_metrics:
             return  # nothing to measure
         with torch.no_grad():
             features = self.backbone(images)  # [B, D]
-        # Means over the labelled images (an unreadable test file, or a process's padding, comes
-        # labelled -1): summed with their number here, divided once every process's sums are in.
+        # Means over the labelled images (an unreadable test file, or a process's padding, is labelled
+        # -1): summed with their number here, divided once every process's sums are in.
         labelled = (labels >= 0).sum().float()
         for name, value in self.validation_metrics(features, labels).items():
             total = self._val_totals.setdefault(name, torch.zeros(2, device=features.device))  # [value sum, images]
@@ -415,10 +358,11 @@ class BaseMethod(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         # (Lightning's weighted mean divides the summed weights by the process count in integers.)
-        names = sorted(getattr(self, "_val_totals", {}))
+        sums, self._val_totals = self._val_totals, {}
+        names = sorted(sums)
         if not names:
             return
-        totals = torch.stack([self._val_totals[n] for n in names])  # [K, 2]
+        totals = torch.stack([sums[n] for n in names])  # [K, 2]
         if self.trainer.world_size > 1:  # every process has batches, so the same names
             totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         for name, (value, count) in zip(names, totals.unbind()):
@@ -426,36 +370,32 @@ class BaseMethod(L.LightningModule):
                 self.log(name, value / count, prog_bar=True, sync_dist=True)  # (the same on every process)
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
-        """Metrics of one validation batch from the representation ``[B, D]``: means over the
-        labelled images."""
+        """Metrics of a validation batch from the representation ``[B, D]``: means over the labelled images."""
         return {"probe/val_acc": self.probe.accuracy(features, labels)} if self.probe is not None else {}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The checkpoint's run info: enough to rebuild the backbone and say how it was trained
-        (``ssl-vit eval`` / ``export`` / ``compare`` read it), and what a resumed run needs."""
+        """The run info: enough to rebuild the backbone and say how it was trained (``ssl-vit eval`` /
+        ``export`` / ``compare`` read it), and what a resumed run needs."""
         checkpoint["ssl_vit"] = {
             "method": type(self).__name__, "backbone": self.backbone_name, "backbone_kwargs": self.backbone_kwargs,
             "global_step": self.global_step, "epoch": self.current_epoch, "epochs": self.epochs_done(), "data": self.data_info,
             "recipe": self.recipe, "global_batch_size": self.global_batch_size, "total_steps": self.total_steps,
             "default_encoder": self.default_encoder, "seed": self.seed, "skipped_batches": self.skipped_batches,
-            "pretrain_flops": getattr(self, "pretrain_flops", None),  # set by the PretrainFlopsCounter callback
+            "pretrain_flops": getattr(self, "pretrain_flops", None),  # (set by the PretrainFlopsCounter callback)
         }
 
     def epochs_done(self) -> float | None:
-        """Epochs trained: from the loader's position (right across a resume with another batch
-        size), else optimiser steps over steps per epoch."""
+        """Epochs trained: the loader's position (right across a resume with another batch size), else steps / steps per epoch."""
         if self._trainer is None:
             return None
         done = getattr(self.trainer.train_dataloader, "epochs_done", None)
         return round(done() if callable(done) else self.global_step / self.steps_per_epoch, 4)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The recipe of this invocation (a resumed run's new length or batch) wins when the CLI
-        # gave one; the checkpoint's batch and length go to the start notes.
+        # The recipe of this invocation (a resumed run's new length or batch) wins when the CLI gave one.
         info = checkpoint.get("ssl_vit") or {}
-        self.data_info = info.get("data") or self.data_info
-        self.recipe = self.recipe or info.get("recipe")
+        self.data_info, self.recipe = info.get("data") or self.data_info, self.recipe or info.get("recipe")
         self.seed = info["seed"] if info.get("seed") is not None else self.seed
         self.skipped_batches = int(info.get("skipped_batches", 0))
         self._resumed = {"total_steps": info.get("total_steps"), "global_batch_size": info.get("global_batch_size")}

@@ -1,33 +1,25 @@
-"""DINO (Caron et al. 2021, "Emerging Properties in Self-Supervised Vision Transformers").
+"""DINO (Caron et al. 2021, "Emerging Properties in Self-Supervised Vision Transformers", §3.1,
+Appendix; reference ``main_dino.py``).
 
 Student and teacher: backbone -> DINO head (3-layer MLP, bottleneck 256, L2 normalisation,
-weight-normalised layer to K = 65536). Multi-crop: the teacher sees the 2 global crops, the student
-every crop, one backbone pass per resolution. Loss: the cross-entropy between the centred,
-sharpened teacher softmax and the student's over pairs of different views; the centre an EMA of the
-teacher's all-reduced batch mean. Teacher momentum a cosine 0.996 -> 1, teacher temperature
-0.04 -> 0.07 over 30 epochs, weight decay a cosine 0.04 -> 0.4, each parameter's gradient clipped to
-3.0, the head's last layer frozen in the first epoch (§3.1, Appendix; reference ``main_dino.py``);
-the paper's drop path 0.1 is the backbone's ``drop_path_rate``
-(``recipes/imagenet/dino_vit_small16.yaml``). The local crops' position embeddings are resampled
-as timm resamples them (bicubic, antialiased when shrinking; the reference does not antialias).
+weight-normalised layer to K = 65536). The teacher sees the 2 global crops, the student every crop
+(one backbone pass per resolution; the local crops' position embeddings resampled as timm does,
+antialiased when shrinking). Loss: the cross-entropy between the centred, sharpened teacher softmax
+and the student's over pairs of different views; the centre an EMA of the teacher's all-reduced
+batch mean. The paper's drop path 0.1 is the backbone's ``drop_path_rate``.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ssl_vit import losses
 from ssl_vit.heads import DINOHead
-from ssl_vit.losses import (
-    DINOLoss,
-    embedding_std,
-    teacher_entropy,
-    teacher_student_kl,
-    teacher_temperature,
-)
-from ssl_vit.methods.base import BaseMethod, ema_update, frozen_copy
+from ssl_vit.methods.base import BaseMethod, ema_update
 from ssl_vit.methods.distributed import ClipMode
 from ssl_vit.methods.optim import WeightDecayExempt
 
@@ -84,8 +76,8 @@ class DINO(BaseMethod):
                          weight_decay_exempt=weight_decay_exempt, grad_clip=grad_clip, grad_clip_mode=grad_clip_mode, **kwargs)
         self.head = DINOHead(self.backbone.embed_dim, out_dim, use_bn_in_head, norm_last_layer, head_layers, hidden_dim, bottleneck_dim)
         self.teacher_backbone = self.target_backbone()
-        self.teacher_head = frozen_copy(self.head)
-        self.criterion = DINOLoss(out_dim, student_temp, center_momentum)
+        self.teacher_head = copy.deepcopy(self.head).requires_grad_(False)
+        self.criterion = losses.DINOLoss(out_dim, student_temp, center_momentum)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -98,12 +90,12 @@ class DINO(BaseMethod):
     def check_views(self, num_views: int) -> None:
         g = self.hparams.n_global_crops
         if g < 1 or num_views < max(g, 2):
-            raise ValueError(f"DINO needs at least {max(g, 2)} views with n_global_crops >= 1 global crops first, got {num_views} views "
-                             f"and n_global_crops {g}; use MultiCrop")
+            raise ValueError(f"DINO needs at least {max(g, 2)} views with {g} global crops first, got {num_views}; use MultiCrop"
+                             + (" (and n_global_crops >= 1)" if g < 1 else ""))
 
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
         hp, b = self.hparams, views[0].shape[0]
-        teacher_temp = teacher_temperature(self.current_epoch, hp.warmup_teacher_temp, hp.teacher_temp, hp.warmup_teacher_temp_epochs)
+        teacher_temp = losses.teacher_temperature(self.current_epoch, hp.warmup_teacher_temp, hp.teacher_temp, hp.warmup_teacher_temp_epochs)
         with torch.no_grad():
             t_out = self.teacher_head(self.teacher_backbone(torch.cat(views[: hp.n_global_crops]))).chunk(hp.n_global_crops)  # g x [B, K]
         # The student: one backbone pass per resolution (reference MultiCropWrapper), one head pass.
@@ -113,9 +105,10 @@ class DINO(BaseMethod):
         s_out = self.head(feats).chunk(len(views))  # V x [B, K]
         center = self.criterion.center.clone()  # the centre this batch is centred with (the loss then moves it)
         loss = self.criterion(t_out, s_out, teacher_temp=teacher_temp)
-        return {"loss": loss, "features": feats[:b].detach(), "embedding_std": embedding_std(feats[:b]),
-                "teacher_entropy": teacher_entropy(t_out[0], teacher_temp, center),
-                "teacher_student_kl": teacher_student_kl(t_out[0], s_out[0], teacher_temp, hp.student_temp, center),
+        # Collapse monitors (§5.3, Fig. 7) on the first global crop.
+        return {"loss": loss, "features": feats[:b].detach(), "embedding_std": losses.embedding_std(feats[:b]),
+                "teacher_entropy": losses.teacher_entropy(t_out[0], teacher_temp, center),
+                "teacher_student_kl": losses.teacher_student_kl(t_out[0], s_out[0], teacher_temp, hp.student_temp, center),
                 "teacher_temp": torch.tensor(teacher_temp)}
 
     def before_optimizer_step(self) -> None:

@@ -1,13 +1,7 @@
 """What training on several processes needs beyond Lightning's DDP / FSDP: BatchNorm over the
-global batch (on CPU process groups too), gradient clipping of FSDP's sharded gradients, and the
-parameter names and modules inside FSDP's wrappers.
-
-FSDP (Lightning's ``FSDPStrategy``, ``use_orig_params=True``) wraps the model before the optimiser
-is built: every parameter is then a flat 1-D view of this process's shard, its name carrying the
-wrappers (``blocks.0._fsdp_wrapped_module.attn.qkv.weight``). Rules that read a parameter's name or
-shape therefore read the unwrapped name and the shape recorded before wrapping, and a gradient's
-norm sums the shards of every process of the sharding group.
-"""
+global batch (on CPU process groups too), clipping of sharded gradients, parameter names inside
+wrappers. FSDP (``use_orig_params=True``) wraps the model before the optimiser is built: each
+parameter is then a flat 1-D view of this process's shard, its name carrying the wrappers."""
 
 from __future__ import annotations
 
@@ -20,22 +14,14 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 ClipMode = Literal["global", "per_param"]
-# Name parts that wrappers insert: FSDP, activation checkpointing, torch.compile.
-_WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def unwrapped_name(name: str) -> str:
-    """``backbone.blocks.0._fsdp_wrapped_module.norm1.weight`` -> ``backbone.blocks.0.norm1.weight``."""
-    for part in _WRAPPERS:
-        name = name.replace(part + ".", "")
+    """A parameter's name without the parts FSDP, activation checkpointing and torch.compile insert:
+    ``backbone.blocks.0._fsdp_wrapped_module.norm1.weight`` -> ``backbone.blocks.0.norm1.weight``."""
+    for part in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(part, "")
     return name
-
-
-def unwrap_module(module: nn.Module) -> nn.Module:
-    """The module inside FSDP / activation-checkpointing / ``torch.compile`` wrappers."""
-    while isinstance(inner := next((getattr(module, a) for a in _WRAPPERS if hasattr(module, a)), None), nn.Module):
-        module = inner
-    return module
 
 
 def gradient_shard_group(strategy: Any) -> dist.ProcessGroup | None:
@@ -50,15 +36,11 @@ def gradient_shard_group(strategy: Any) -> dist.ProcessGroup | None:
 
 def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, mode: ClipMode = "global",
                    shard_group: dist.ProcessGroup | None = None) -> Tensor:
-    """Clip the gradients of ``params`` in place by ``min(1, max_norm / (norm + 1e-6))`` (the
-    coefficient of ``torch.nn.utils.clip_grad_norm_`` and DINO's ``utils.clip_gradients``), with one
-    norm over all of them (``global``: the ViT paper's clipping) or each parameter's own
-    (``per_param``: DINO's). Returns the norm(s) before clipping: a scalar, or ``[len(params)]``.
-
-    ``shard_group`` (:func:`gradient_shard_group`): each norm is then the square root of the sum
-    over the group of each process's sum of squares, so every process applies the coefficient of
-    the whole gradient; every process must pass the same parameters in the same order (an empty
-    shard, or no gradient, counts 0)."""
+    """Scale the gradients of ``params`` in place by ``min(1, max_norm / (norm + 1e-6))`` (as
+    ``torch.nn.utils.clip_grad_norm_`` and DINO's ``utils.clip_gradients``), the norm over all of
+    them (``global``, the ViT paper's) or each one's (``per_param``, DINO's); returns the norm(s).
+    With a ``shard_group`` the squares are summed over its processes, so each applies the whole
+    gradient's coefficient: all pass the same parameters in the same order (no gradient counts 0)."""
     grads = [p.grad for p in params]
     if shard_group is None and mode == "global":
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
@@ -100,11 +82,10 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Mo
 
 
 class AllReduceBatchNorm(_BatchNorm):
-    """BatchNorm over the batch of every process of ``process_group`` (default: all) for inputs
-    ``[B, C, *]`` on any device; plain BatchNorm in eval mode or without a process group. The
-    statistics are all-reduced with gradients, so the backward pass sums the gradients of the batch
-    statistics over the processes as torch's SyncBatchNorm kernel does. Parameters and buffers are
-    ``nn.BatchNorm{1,2,3}d``'s, so checkpoints load either way."""
+    """BatchNorm over the batch of every process of ``process_group`` (default: all), inputs
+    ``[B, C, *]`` on any device; plain BatchNorm in eval mode or alone. The statistics are
+    all-reduced with their gradients (the backward sums them over the processes, as torch's
+    SyncBatchNorm kernel); parameters and buffers are ``nn.BatchNorm{1,2,3}d``'s."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None) -> None:

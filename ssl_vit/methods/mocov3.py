@@ -1,16 +1,15 @@
-"""MoCo v3 (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised Vision Transformers").
+"""MoCo v3 (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised Vision Transformers";
+reference ``moco/builder.py``, ``vits.py``, ``main_moco.py``).
 
 Query encoder: backbone -> 3-layer projector -> 2-layer predictor; momentum encoder: an EMA copy of
-backbone and projector, its momentum a cosine from 0.99 to 1. Loss: ctr(q1, k2) + ctr(q2, k1),
-InfoNCE scaled by 2τ with the keys of every process. For a ViT the patch projection stays at its
-random init (§4, "random patch projection") and the linear layers are initialised as the reference
-``vits.py``; its fixed 2-D sin-cos position embedding is ``backbone_kwargs: {pos_embed: sincos}``, its
-12-head ViT-S the backbone ``vit_small_mocov3``. Recipe (reference CONFIG.md): AdamW, base LR
-1.5e-4 per 256, weight decay 0.1, 40 warm-up epochs, 300 epochs, batch 4096.
+backbone and projector. Loss: ctr(q1, k2) + ctr(q2, k1), InfoNCE scaled by 2τ against the keys of
+every process. The reference's fixed sin-cos position embedding is ``backbone_kwargs: {pos_embed:
+sincos}``, its 12-head ViT-S the backbone ``vit_small_mocov3``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from ssl_vit.backbones import is_vit
 from ssl_vit.heads import MoCoV3PredictionHead, MoCoV3ProjectionHead
 from ssl_vit.losses import MoCoV3Loss, embedding_std
-from ssl_vit.methods.base import BaseMethod, ema_update, frozen_copy
+from ssl_vit.methods.base import BaseMethod, ema_update
 from ssl_vit.methods.optim import WeightDecayExempt
 
 
@@ -29,16 +28,16 @@ class MoCoV3(BaseMethod):
     """MoCo v3.
 
     Args:
-        temperature: τ; None: the paper's for the backbone, 0.2 for a ViT or hybrid, 1.0 for a
-            ResNet (§4; ``main_moco.py``'s ``--moco-t``).
+        temperature: τ; None: the paper's, 0.2 for a ViT or hybrid, 1.0 for a ResNet (§4).
         proj_hidden_dim, proj_output_dim, pred_hidden_dim: the heads' widths (4096 / 256 / 4096).
         momentum, momentum_end: the momentum encoder's cosine schedule (0.99 -> 1).
-        freeze_patch_embed: random patch projection (§4): the ViT's patch projection is drawn as
-            the reference draws it (Xavier-uniform over the flattened filter) and gets no gradient.
-        reference_init: the ViT's linear layers as ``vits.py`` initialises them: Xavier-uniform,
-            Q, K and V each as a layer of its own, zero biases (else timm's truncated normal).
-        weight_decay, warmup_epochs, weight_decay_exempt: :class:`BaseMethod`'s, with MoCo v3's
-            ViT defaults (0.1 on every parameter, 40 warm-up epochs).
+        freeze_patch_embed: §4's random patch projection: a ViT's drawn as ``vits.py`` draws it
+            (Xavier-uniform over the flattened filter) and given no gradient.
+        reference_init: a ViT's linear layers initialised as ``vits.py`` (see :func:`xavier_init_linears`;
+            else timm's truncated normal).
+        weight_decay, warmup_epochs, weight_decay_exempt: :class:`BaseMethod`'s with the reference's
+            ViT recipe (CONFIG.md: AdamW, 1.5e-4 per 256, weight decay 0.1 on every parameter, 40
+            warm-up epochs of 300, batch 4096).
         **kwargs: the other arguments of :class:`BaseMethod`.
     """
 
@@ -72,7 +71,7 @@ class MoCoV3(BaseMethod):
         self.projector = MoCoV3ProjectionHead(dim, proj_hidden_dim, proj_output_dim)
         self.predictor = MoCoV3PredictionHead(proj_output_dim, pred_hidden_dim, proj_output_dim)
         self.momentum_backbone = self.target_backbone()
-        self.momentum_projector = frozen_copy(self.projector)
+        self.momentum_projector = copy.deepcopy(self.projector).requires_grad_(False)
         self.criterion = MoCoV3Loss(temperature if temperature is not None else 0.2 if vit else 1.0)
         # Both views share a backbone pass unless it normalises over the batch (the reference's
         # MoCo_ResNet encodes each view with its own BatchNorm statistics).

@@ -58,10 +58,12 @@ class MPP(BaseMethod):
             rank_zero_info("[ssl_vit] note: MPP on a hybrid corrupts the stem's feature vectors, but the stem's receptive field spans "
                            "neighbouring patches: the uncorrupted tokens already saw the corrupted patches' pixels, an easier task "
                            "than on a ViT (the ViT paper ran MPP on ViT-B/16 only)")
-        grid = self.backbone.grid_size
-        if mask_prob + random_prob > 1 or num_corrupted(grid[0] * grid[1], corruption_ratio) < 1:
-            raise ValueError(f"MPP corrupts round(corruption_ratio x patches) = round({corruption_ratio} x {grid[0] * grid[1]}) patches "
-                             f"per image, at least one, and mask_prob + random_prob ({mask_prob} + {random_prob}) must be <= 1")
+        n = self.backbone.grid_size[0] * self.backbone.grid_size[1]
+        if not 0 < corruption_ratio <= 1 or num_corrupted(n, corruption_ratio) < 1:
+            raise ValueError(f"corruption ratio must be in (0, 1], got {corruption_ratio}, and corrupt at least one patch of an image: "
+                             f"round({corruption_ratio} x {n}) = {num_corrupted(n, corruption_ratio)}")
+        if mask_prob + random_prob > 1:
+            raise ValueError(f"mask_prob + random_prob must be <= 1 (the rest is kept unchanged), got {mask_prob} + {random_prob}")
         # BERT's [mask] embedding, shared by all positions, at the [CLS] token's scale.
         self.mask_token = nn.Parameter(nn.init.trunc_normal_(torch.zeros(self.backbone.embed_dim), std=0.02))
         self.head = MPPHead(self.backbone.embed_dim, self.backbone.in_chans, self.backbone.patch_size, target)

@@ -1,6 +1,5 @@
-"""A method's optimiser and its per-step schedules, as plain functions: which parameters are
-weight-decayed, the optimiser over those groups (torch's fused kernel where it can run), Adam's
-state made ahead of the first gradient, and the LR and weight decay at an optimiser step."""
+"""A method's optimiser and schedules as plain functions: the weight-decay groups, the optimiser (a
+fused kernel where it runs), Adam's state ahead of a first gradient, the LR and weight decay of a step."""
 
 from __future__ import annotations
 
@@ -44,11 +43,9 @@ def param_groups(named_parameters: Iterable[tuple[str, Tensor]], rule: WeightDec
 
 def build_optimizer(groups: list[dict[str, Any]], name: OptimizerName, lr: float, betas: tuple[float, float], sgd_momentum: float,
                     fused: bool) -> torch.optim.Optimizer:
-    """AdamW, SGD or lightly's LARS over ``groups``, each at its ``fixed_lr`` or ``lr``. ``fused``:
-    torch's fused AdamW / SGD kernel (one pass over a parameter and its moments instead of a loop
-    of elementwise ops; the same update to float rounding) where every parameter is floating point
-    on one device type that has it (CPU, CUDA). A resumed run keeps the implementation its
-    checkpoint was written with (torch restores every group setting, ``fused`` included)."""
+    """AdamW, SGD or lightly's LARS over ``groups``, each at its ``fixed_lr`` or ``lr``; ``fused``:
+    torch's fused kernel (one pass over a parameter and its moments, the same update to float
+    rounding) where it runs. A resumed run keeps its checkpoint's (torch restores ``fused`` too)."""
     for g in groups:
         g["lr"] = g.get("fixed_lr", lr)
     kernel = fused_kwargs(groups, fused)
@@ -57,9 +54,7 @@ def build_optimizer(groups: list[dict[str, Any]], name: OptimizerName, lr: float
     if name == "lars":
         return LARS(groups, lr=lr, momentum=sgd_momentum)
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **kernel)
-    # Long-lived memory before the first step's activations, not in the holes they leave: a
-    # smaller C heap on a CPU (benchmarks/RESULTS.md).
-    materialize_adam_state(optimizer)
+    materialize_adam_state(optimizer)  # long-lived memory before the activations': a smaller C heap on a CPU
     return optimizer
 
 
@@ -72,10 +67,9 @@ def fused_kwargs(groups: Iterable[dict[str, Any]], enabled: bool = True) -> dict
 
 
 def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of an Adam / AdamW the state Adam would create at its first gradient
-    (step 0, zero moments; as ``torch.optim.Adam._init_group``), so the numbers do not change. Adam
-    makes it lazily, and a parameter without a gradient yet (DINO's frozen last layer, a skipped
-    batch) would have none: FSDP cannot gather the optimiser state of a checkpoint then."""
+    """Give every parameter of an Adam / AdamW the state Adam makes lazily at its first gradient (as
+    ``torch.optim.Adam._init_group``: the numbers do not change). Without it a parameter that had no
+    gradient yet (DINO's frozen last layer) has none, and FSDP cannot gather a checkpoint's state."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -98,12 +92,10 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
 def lr_and_weight_decay(step: int, total: int, warmup: int, peak_lr: float, min_lr: float, weight_decay: float,
                         weight_decay_end: float | None) -> dict[str, float]:
     """LR and weight decay at optimiser step ``step`` of ``total``: a linear warm-up over ``warmup``
-    steps (lightly's: step t runs at peak·(t + 1)/W, so the first step learns; the references start
-    at 0, at most peak/W apart), then a cosine from ``peak_lr`` to ``min_lr`` as DINO's
-    ``cosine_scheduler`` (cos(πi/N) over the N steps after the warm-up; lightly's schedules reach
-    their end at ``max_steps - 1``, hence ``total + 1``); the weight decay a cosine to
-    ``weight_decay_end`` over the run (None: constant). A warm-up longer than the run is cut to it;
-    past the end both stay at their end values."""
+    steps (lightly's: step t at peak·(t + 1)/W; the references start at 0), then DINO's
+    ``cosine_scheduler`` to ``min_lr`` (cos(πi/N) over the N steps left: lightly's end at
+    ``max_steps - 1``, hence ``total + 1``); the weight decay a cosine to ``weight_decay_end`` (None:
+    constant). A warm-up longer than the run is cut to it; past the end both stay at their ends."""
     warmup, step = min(int(warmup), total), min(step, total)
     lr = cosine_warmup_schedule(step, total + 1, peak_lr, min_lr, warmup, 0.0) if warmup else cosine_schedule(step, total + 1, peak_lr, min_lr)
     wd = cosine_schedule(step, total + 1, weight_decay, weight_decay if weight_decay_end is None else weight_decay_end)

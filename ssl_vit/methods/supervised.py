@@ -37,10 +37,12 @@ class Supervised(BaseMethod):
         **kwargs: Any,
     ) -> None:
         super().__init__(base_lr=base_lr, weight_decay=weight_decay, grad_clip=grad_clip, **kwargs)
-        num_classes, dim = self.hparams.num_classes or 0, self.backbone.embed_dim
+        num_classes, dim = self.hparams.num_classes, self.backbone.embed_dim
+        if not num_classes:
+            raise ValueError("the supervised baseline needs num_classes (labelled data)")
         if num_classes < 2:
-            raise ValueError(f"the supervised baseline needs num_classes, at least 2 (labelled data: an image folder with one "
-                             f"subfolder per class), got {num_classes or None}")
+            raise ValueError(f"the supervised baseline needs at least 2 classes; the data has {num_classes} (an image folder: one "
+                             "subfolder per class)")
         last = nn.Linear(head_hidden_dim or dim, num_classes)
         nn.init.zeros_(last.weight)  # the ViT paper's zero-initialised head
         nn.init.zeros_(last.bias)
