@@ -108,7 +108,7 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert cli_main([*args, "--out", str(tmp_path / "named.json")]) == 0  # the record file, named
     assert json.loads((tmp_path / "named.json").read_text())["method"] == "random"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
-        assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup"] == 0.8
+        assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup_alpha"] == 0.8
         assert record["protocol_args"]["warmup_epochs"] == 5.0
         # what ran: 2 steps of the 1-epoch run, with its seed
         assert (record["protocol_args"]["max_steps"], record["protocol_args"]["seed"]) == (2, 0)
@@ -131,11 +131,11 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
 def test_eval_precision_reaches_the_extraction_and_the_training_and_is_recorded(tmp_path, monkeypatch, capsys):
     import torch
 
-    import ssl_vit.eval.run as run
+    import ssl_vit.eval.evaluate as evaluate
 
     seen = []
-    extract = run.extract_features
-    monkeypatch.setattr(run, "extract_features", lambda *a, **k: seen.append(k["autocast_dtype"]) or extract(*a, **k))
+    extract = evaluate.extract_features
+    monkeypatch.setattr(evaluate, "extract_features", lambda *a, **k: seen.append(k["autocast_dtype"]) or extract(*a, **k))
     base = ["--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--precision", "bf16-mixed"]
     assert cli_main(["eval", "knn", *base, "--k", "5", "--out", str(tmp_path / "knn.json")]) == 0
     assert seen == [torch.bfloat16, torch.bfloat16]
@@ -164,7 +164,7 @@ def test_fine_tuning_does_not_export_over_the_export_it_reads(tmp_path, capsys):
                                            "the fine-tuned model would replace the pretrained one: name another folder\n")
     assert (out / "model.safetensors").read_bytes() == before
     # a run folder holding the checkpoint read (no export there) may take the export
-    from ssl_vit.eval.options import check_export
+    from ssl_vit.cli.options import check_export
 
     (tmp_path / "run").mkdir()
     check_export(str(tmp_path / "run"), backbone=str(tmp_path / "run" / "last.ckpt"))
@@ -172,14 +172,14 @@ def test_fine_tuning_does_not_export_over_the_export_it_reads(tmp_path, capsys):
 
 def test_the_export_folder_itself_is_tried_for_a_write_when_it_exists_else_its_parent(monkeypatch, tmp_path):
     # options.check_export: a read-only existing --export folder must fail before the fine-tuning
-    import ssl_vit.eval.options as options
-    from ssl_vit.eval.options import check_export
+    import ssl_vit.cli.options as options
+    from ssl_vit.cli.options import check_export
 
     tried, real = [], options.tempfile.NamedTemporaryFile
     monkeypatch.setattr(options.tempfile, "NamedTemporaryFile", lambda **kw: tried.append(Path(kw["dir"])) or real(**kw))
     (tmp_path / "exp").mkdir()
-    check_export(str(tmp_path / "exp"))
-    check_export(str(tmp_path / "new"))
+    check_export(str(tmp_path / "exp"), "random:vit")
+    check_export(str(tmp_path / "new"), "random:vit")
     assert tried == [tmp_path / "exp", tmp_path]
 
 
@@ -190,15 +190,16 @@ def test_backbone_kwargs_that_are_not_a_json_object_are_a_usage_error(capsys):
 
 
 def test_a_read_out_the_backbone_lacks_is_one_line_before_any_data(capsys, monkeypatch):
-    import ssl_vit.cli.eval as eval_cli
+    import ssl_vit.cli.options as options
 
-    monkeypatch.setattr(eval_cli, "build_datamodule", lambda *a, **k: pytest.fail("the data was built first"))
+    monkeypatch.setattr(options, "build_datamodule", lambda *a, **k: pytest.fail("the data was built first"))
     resnet = ["--backbone", "random:resnet18", "--backbone-kwargs", '{"img_size": 16, "in_chans": 3, "small_input": true}', *SYNTH]
     assert cli_main(["eval", "linear", "--augment", *resnet, "--features", "last4"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --features last4: feature mode 'last4' needs a token sequence (ViT or hybrid); "
                                        "resnet18 has no tokens, use mode='cls' (--features cls: its globally pooled feature map)\n")
-    assert cli_main(["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--features", "avg"]) == 1
-    assert capsys.readouterr().err.startswith("ssl-vit eval: error: --features avg: fine-tuning classifies from the backbone's own pooled")
+    with pytest.raises(SystemExit):  # fine-tuning classifies from the backbone's own output: it has no --features
+        cli_main(["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--features", "avg"])
+    assert "unrecognized arguments: --features avg" in capsys.readouterr().err
     shallow = ["--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH]  # depth 2
     assert cli_main(["eval", "linear", *shallow, "--features", "last4"]) == 1
     assert capsys.readouterr().err == ("ssl-vit eval: error: --features last4: feature mode 'last4' reads the [CLS] of the last 4 blocks "
@@ -212,13 +213,11 @@ def test_options_of_the_probe_on_images_need_augment(capsys):
 
 
 def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, monkeypatch, capsys):
-    import ssl_vit.eval.run as run
-    from ssl_vit.cli.eval import FEATURE_PROTOCOL_NAMES
+    import ssl_vit.eval.evaluate as evaluate
 
-    assert set(FEATURE_PROTOCOL_NAMES) == set(run.FEATURE_PROTOCOLS)
     calls = []
-    extract = run.extract_features
-    monkeypatch.setattr(run, "extract_features", lambda *a, **k: calls.append(1) or extract(*a, **k))
+    extract = evaluate.extract_features
+    monkeypatch.setattr(evaluate, "extract_features", lambda *a, **k: calls.append(1) or extract(*a, **k))
     args = ["eval", "frozen", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path),
             "--epochs", "2", "--shots", "1", "2", "--seeds", "2", "--k", "5"]
     assert cli_main(args) == 0
@@ -235,7 +234,7 @@ def test_eval_frozen_runs_every_feature_protocol_on_one_extraction(tmp_path, mon
     one_file = list(args)
     one_file[one_file.index("--out") + 1] = str(tmp_path / "one.json")
     assert cli_main(one_file) == 1
-    assert "3 protocols write 3 records: the output (--out) must be a folder, not the file" in capsys.readouterr().err
+    assert "3 protocols write 3 results: the output (--out) must be a folder, not the file" in capsys.readouterr().err
 
 
 def test_eval_finetune_checkpoints_into_its_run_dir_and_resumes(tmp_path, capsys):
@@ -513,17 +512,17 @@ def test_a_bad_heap_setting_is_one_line(monkeypatch, capsys):
 
 
 def test_trainer_devices_of_the_device_options():
-    from ssl_vit.cli.eval import _trainer_devices
+    from ssl_vit.cli.eval import trainer_devices
 
-    assert _trainer_devices("cuda:1", 1) == [1]  # that GPU, not the first
-    assert _trainer_devices("cuda", 4) == 4 and _trainer_devices("cpu", 2) == 2
+    assert trainer_devices("cuda:1", 1) == [1]  # that GPU, not the first
+    assert trainer_devices("cuda", 4) == 4 and trainer_devices("cpu", 2) == 2
     with pytest.raises(ValueError, match="--device cuda:1 names one GPU; with --devices 2 use --device cuda"):
-        _trainer_devices("cuda:1", 2)
+        trainer_devices("cuda:1", 2)
 
 
 def test_eval_data_is_normalised_as_the_backbone_was_trained_or_else_as_the_dataset():
+    from ssl_vit.cli.options import build_datamodule
     from ssl_vit.data import FashionMNISTDataModule
-    from ssl_vit.eval.data_args import build_datamodule
     from ssl_vit.export import load_any_backbone
 
     grey, info = load_any_backbone("random:vit", backbone_kwargs={**json.loads(TINY), "in_chans": 1})
@@ -587,7 +586,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_evaluation(tmp_path, 
 
 
 def test_the_output_folders_are_made_before_the_fine_tuning_and_not_on_a_bad_command(tmp_path, monkeypatch, capsys):
-    import ssl_vit.eval.image_runs as image_runs
+    from ssl_vit.eval.finetune import FineTuneSettings
 
     made = []
 
@@ -595,7 +594,7 @@ def test_the_output_folders_are_made_before_the_fine_tuning_and_not_on_a_bad_com
         made.append(((tmp_path / "a" / "b").is_dir(), (tmp_path / "c").is_dir(), (tmp_path / "c" / "exp").exists()))
         raise RuntimeError("stopped here")
 
-    monkeypatch.setattr(image_runs, "run_finetune", training)
+    monkeypatch.setattr(FineTuneSettings, "run", training)
     args = ["eval", "finetune", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--out", str(tmp_path / "a" / "b"),
             "--export", str(tmp_path / "c" / "exp")]
     assert cli_main([*args, "--data-arg", "img_size=abc"]) == 1  # a bad command leaves no folders behind
@@ -668,11 +667,11 @@ def test_the_epochs_error_comes_before_the_warm_up_note(monkeypatch, capsys):
 
 
 def test_more_neighbours_than_training_images_is_said_before_the_features(monkeypatch, capsys):
-    import ssl_vit.eval.run as run
+    import ssl_vit.eval.evaluate as evaluate
 
-    monkeypatch.setattr(run, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
+    monkeypatch.setattr(evaluate, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--k", "65"]) == 1
-    assert capsys.readouterr().err == "ssl-vit eval: error: --k 65: more neighbours than the 64 training images\n"
+    assert capsys.readouterr().err == "ssl-vit eval: error: knn: k=65 neighbours, but the kNN bank holds 64 training examples\n"
 
 
 def _image_folder(root, classes: dict[str, int], mode: str = "RGB"):
@@ -693,23 +692,22 @@ def _image_folder(root, classes: dict[str, int], mode: str = "RGB"):
     ],
 )
 def test_data_of_one_class_is_refused_before_the_features(tmp_path, monkeypatch, capsys, train, val, message):
-    import ssl_vit.eval.run as run
+    import ssl_vit.eval.evaluate as evaluate
 
-    monkeypatch.setattr(run, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
+    monkeypatch.setattr(evaluate, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
     data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', train)}",
             "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', val)}", "--num-workers", "0"]
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--k", "1"]) == 1
-    assert capsys.readouterr().err == f"ssl-vit eval: error: --data imagefolder: {message.format(tmp=tmp_path)}\n"
+    assert capsys.readouterr().err == f"ssl-vit eval: error: imagefolder: {message.format(tmp=tmp_path)}\n"
 
 
 def test_training_data_of_one_class_is_refused_when_its_images_list_no_labels(tmp_path, monkeypatch, capsys):
-    # eval/cli.py: a datamodule whose splits do not list their labels (a plugin's) still says how
+    # evaluate.py: a datamodule whose splits do not list their labels (a plugin's) still says how
     # many classes it has; one is refused before the features.
-    import ssl_vit.cli.eval as eval_cli
-    import ssl_vit.eval.run as run
+    import ssl_vit.eval.evaluate as evaluate
 
-    monkeypatch.setattr(eval_cli, "labelled_classes", lambda dataset: None)
-    monkeypatch.setattr(run, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
+    monkeypatch.setattr(evaluate, "labelled_classes", lambda dataset: None)
+    monkeypatch.setattr(evaluate, "extract_features", lambda *a, **k: pytest.fail("features were extracted"))
     data = ["--data", "imagefolder", "--data-arg", f"train_dir={_image_folder(tmp_path / 'train', {'a': 3})}",
             "--data-arg", f"val_dir={_image_folder(tmp_path / 'val', {'a': 2})}", "--num-workers", "0"]
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *data, "--k", "1"]) == 1
@@ -763,8 +761,8 @@ def test_a_data_argument_of_the_wrong_type_names_its_key_and_type(tmp_path, caps
 def test_the_types_a_data_argument_is_checked_against():
     from typing import Optional
 
+    from ssl_vit.cli.options import ArgText, parse_data_args
     from ssl_vit.errors import plain_type
-    from ssl_vit.eval.data_args import ArgText, parse_data_args
 
     assert plain_type(int) == (int, False) and plain_type(str | None) == (str, True) and plain_type(Optional[float]) == (float, True)  # noqa: UP045 (the old spelling, on purpose)
     assert plain_type(tuple[float, ...] | None) is None and plain_type(int | str) is None
@@ -778,8 +776,8 @@ def test_the_types_a_data_argument_is_checked_against():
 
 
 def test_annotations_are_read_as_python_does_with_none_only_where_allowed():
+    from ssl_vit.cli.options import note_channel_conversion
     from ssl_vit.errors import annotations_of, check_argument_types, literal_choices
-    from ssl_vit.eval.data_args import note_channel_conversion
 
     class A:
         def __init__(self, x: int, y: float = 1.0) -> None: ...
@@ -839,8 +837,7 @@ def test_a_datamodule_of_ones_own_is_named_by_its_dotted_path(tmp_path, monkeypa
     # ... as a recipe's evaluation and a checkpoint's pretraining data name it (compare pairs them)
     import my_data
 
-    from ssl_vit.eval.data_args import datamodule_name
-    from ssl_vit.eval.results import pretraining_data
+    from ssl_vit.eval.results import datamodule_name, pretraining_data
 
     assert datamodule_name(my_data.MySynth()) == "my_data.MySynth"
     assert pretraining_data({"name": "MySynth", "class": "my_data.MySynth"}) == "my_data.MySynth"
@@ -915,7 +912,7 @@ def test_eval_linear_sweeps_several_lrs_and_records_the_one_it_picked(tmp_path, 
     # one LR: a plain run, recorded as a number
     assert cli_main([*args, "--lr", "0.1", "--out", str(tmp_path / "one.json")]) == 0
     one = json.loads((tmp_path / "one.json").read_text())["protocol_args"]
-    assert one["base_lr"] == 0.1 and "selected_base_lr" not in one and "select_fraction" not in one
+    assert one["base_lr"] == 0.1 and "selected_base_lr" not in one
 
 
 def test_eval_knn_sweeps_several_k_and_records_the_one_it_picked(tmp_path, capsys):
@@ -930,28 +927,25 @@ def test_eval_knn_sweeps_several_k_and_records_the_one_it_picked(tmp_path, capsy
     # one k: a plain run, recorded as a number
     assert cli_main([*args, "--k", "5", "--out", str(tmp_path / "one.json")]) == 0
     one = json.loads((tmp_path / "one.json").read_text())["protocol_args"]
-    assert one["k"] == 5 and "selected_k" not in one and "select_fraction" not in one
+    assert one["k"] == 5 and "selected_k" not in one
 
 
 @pytest.mark.parametrize("extra, message", [
     (["linear", "--augment", "--lr", "0.1", "0.2"], "--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one"),
-    (["linear", "--lr", "0.1", "0.1"], "--lr: the LRs of a sweep must be distinct, got 0.1 0.1"),
     (["frozen", "--lr", "0.1", "-1"], "--lr must be > 0, got 0.1 -1"),
-    (["linear", "--lr", "0.1", "--select-fraction", "0.2"], "--select-fraction: holds out features to pick the LR of a sweep; give --lr several values"),
+    (["linear", "--lr", "0.1", "--select-fraction", "0.2"], "--select-fraction: holds out features to pick the LR (--lr) or k (--k) of a sweep"),
     (["frozen", "--lr", "0.1", "0.2", "--select-fraction", "1"], "--select-fraction must be in (0, 1), got 1"),
-    (["knn", "--k", "5", "5"], "--k: the k of a sweep must be distinct, got 5 5"),
     (["knn", "--k", "1", "0"], "--k must be >= 1, got 1 0"),
-    (["knn", "--k", "5", "--select-fraction", "0.2"], "--select-fraction: holds out features to pick the k of a sweep; give --k several values"),
-    (["frozen", "--select-fraction", "0.2"],
-     "--select-fraction: holds out features to pick the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values"),
+    (["knn", "--k", "5", "--select-fraction", "0.2"], "--select-fraction: holds out features to pick the LR (--lr) or k (--k) of a sweep"),
+    (["frozen", "--select-fraction", "0.2"], "--select-fraction: holds out features to pick the LR (--lr) or k (--k) of a sweep"),
     (["knn", "--k", "1", "60"],
-     "--k 1 60: k=60 neighbours, but the k sweep holds out 6 of the 64 training images (select_fraction 0.1) and leaves 58 to vote"),
-    (["knn", "--k", "1", "65"], "--k 1 65: more neighbours than the 64 training images"),
+     "knn: k=60 neighbours, but the k sweep holds out 6 of the 64 training examples (select_fraction 0.1) and leaves 58 to vote"),
+    (["knn", "--k", "1", "65"], "knn: k=65 neighbours, but the kNN bank holds 64 training examples"),
     # frozen: what counts is the protocols it runs
     (["frozen", "--protocols", "linear", "--k", "5", "20", "--select-fraction", "0.2"],
-     "--select-fraction: holds out features to pick the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values"),
+     "--select-fraction: holds out features to pick the LR (--lr) or k (--k) of a sweep"),
     (["frozen", "--protocols", "knn", "--lr", "0.1", "0.3", "--select-fraction", "0.2"],
-     "--select-fraction: holds out features to pick the LR (--lr) or kNN's k (--k) of a sweep; give one of them several values"),
+     "--select-fraction: holds out features to pick the LR (--lr) or k (--k) of a sweep"),
 ])
 def test_a_sweep_that_cannot_run_is_refused_before_any_work(capsys, extra, message):
     assert cli_main(["eval", *extra, "--backbone", "random:vit_tiny", *SYNTH]) == 1
@@ -991,7 +985,7 @@ def test_lightnings_advertisement_is_dropped_and_its_start_up_lines_stay():
 
 
 def test_an_out_record_file_with_an_upper_case_suffix_is_a_file_not_a_folder(tmp_path):
-    from ssl_vit.eval.options import check_out
+    from ssl_vit.cli.options import check_out
 
     out = tmp_path / "new" / "results.JSON"
     check_out(str(out), create=True)
@@ -999,11 +993,10 @@ def test_an_out_record_file_with_an_upper_case_suffix_is_a_file_not_a_folder(tmp
 
 
 def test_an_export_over_the_backbone_export_is_refused_however_the_path_is_spelt(tmp_path, monkeypatch):
-    from ssl_vit.eval.options import check_export
-    from ssl_vit.export.save import CONFIG_FILE
+    from ssl_vit.cli.options import check_export
 
     (tmp_path / "exp").mkdir()
-    (tmp_path / "exp" / CONFIG_FILE).write_text("{}")
+    (tmp_path / "exp" / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="is the export --backbone reads"):
         check_export("exp", backbone=str(tmp_path / "exp"))  # relative --export, absolute --backbone
@@ -1014,19 +1007,20 @@ def test_an_export_over_the_backbone_export_is_refused_however_the_path_is_spelt
 def test_layer_decay_one_means_no_decay_and_is_accepted():
     import argparse
 
-    from ssl_vit.eval.options import check_options
+    from ssl_vit.cli.eval import RULES
+    from ssl_vit.errors import check_option_values
 
-    check_options(argparse.Namespace(layer_decay=1.0))  # "(0, 1] (1: no decay)"
-    check_options(argparse.Namespace(layer_decay=0.75))
+    check_option_values(argparse.Namespace(layer_decay=1.0), RULES)  # "(0, 1] (1: no decay)"
+    check_option_values(argparse.Namespace(layer_decay=0.75), RULES)
     for bad in (0.0, 1.01):
         with pytest.raises(ValueError, match="--layer-decay must be in"):
-            check_options(argparse.Namespace(layer_decay=bad))
+            check_option_values(argparse.Namespace(layer_decay=bad), RULES)
 
 
 def test_data_args_override_the_recorded_normalisation_and_the_backbone_size():
     from types import SimpleNamespace
 
-    from ssl_vit.eval.data_args import build_datamodule
+    from ssl_vit.cli.options import build_datamodule
 
     grey = SimpleNamespace(img_size=(28, 28), in_chans=1)
     recorded = {"kind": "lightning", "normalization_source": "recorded", "mean": [0.3], "std": [0.2]}

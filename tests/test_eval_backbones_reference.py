@@ -20,7 +20,13 @@ from ssl_vit import create_backbone
 from ssl_vit.backbones import ResNetBackbone, VisionTransformer
 from ssl_vit.backbones.hybrid import HybridEmbed, hybrid_vit
 from ssl_vit.backbones.pos_embed import resample_pos_embed, sincos_2d_pos_embed
-from ssl_vit.eval.finetune import FineTuneModule, FineTuneSettings, new_head, param_groups_layer_decay, set_drop_path
+from ssl_vit.eval.finetune import (
+    FineTuneModule,
+    FineTuneSettings,
+    new_head,
+    param_groups_layer_decay,
+    set_drop_path,
+)
 from ssl_vit.eval.linear import LARS, LinearProbe, predict_logits
 from ssl_vit.eval.linear_augmented import AugmentedLinearProbe
 from ssl_vit.heads import LinearProbeHead

@@ -361,7 +361,7 @@ def test_records_in_subfolders_are_found_and_a_bad_item_of_a_list_is_named_by_it
 
 def test_a_result_file_that_is_not_json_is_named(tmp_path):
     # results.py read_json: compare reads many files; the error says which one
-    from ssl_vit.eval.results import read_json
+    from ssl_vit.io import read_json
 
     bad = tmp_path / "broken.json"
     bad.write_text("{not json")

@@ -143,3 +143,25 @@ def check_output_folder(folder: str | Path, what: str, create: bool = False) -> 
             path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OSError(f"{what}: cannot write into the folder {existing} ({err.strerror or err})") from None
+
+
+def check_out(out: str, create: bool = False) -> None:
+    """``--out``: a folder of results, or a result file (``*.json``) in one, that can be written."""
+    path, is_file = Path(out).expanduser(), Path(out).suffix.lower() == ".json"
+    if is_file and path.is_dir():
+        raise ValueError(f"--out {out}: is a folder; a name ending in .json names the record file itself")
+    if not is_file and path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder; name a folder for the records, or a record file ending in .json")
+    check_output_folder(path.parent if is_file else path, f"--out {out}", create)
+
+
+def check_export(export: str, backbone: str, create: bool = False) -> None:
+    """``--export DIR``: a folder in a folder that can be written, and not the export ``--backbone``
+    reads (the fine-tuned model would replace the pretrained one)."""
+    path, source = Path(export).expanduser(), Path(backbone).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--export {export}: exists and is not a directory; name a folder")
+    source = source if source.is_dir() else source.parent
+    if path.is_dir() and source.resolve() == path.resolve() and (source / "config.json").is_file():
+        raise ValueError(f"--export {export}: is the export --backbone reads; the fine-tuned model would replace the pretrained one: name another folder")
+    check_output_folder(path if path.is_dir() else path.parent, f"--export {export}", create)

@@ -122,7 +122,7 @@ class Evaluation:
     def check_model(self, model: Any) -> None:
         """Before a pretraining: its checkpoints hold the encoder ``which`` names, and its backbone
         the representations the protocols read."""
-        from ssl_vit.export.sources import encoder_prefix, encoders_in, normalize_which
+        from ssl_vit.export.load import encoder_prefix, encoders_in, normalize_which
 
         if (which := normalize_which(self.which)) is not None and self.protocols and not hasattr(model, encoder_prefix(which)[:-1]):
             raise ValueError(f"evaluate.which: a {type(model).__name__} checkpoint has no {which} backbone ({encoder_prefix(which)}*); "
@@ -223,12 +223,13 @@ class Evaluation:
             place = replace(image_run, run_dir=run_dir, resume=image_run.resume and run_dir is not None and newest_checkpoint(run_dir / "checkpoints") is not None)
             kwargs: dict[str, Any] = {"origin": {"pretrain_steps": common["pretrain"].get("steps")}}
             if protocol == "finetune":  # (its checkpoints and export say what the fine-tuning fed the backbone)
-                new_size = size if is_vit(backbone) and tuple(backbone.img_size) != (size, size) else None
-                kwargs.update(head=head, img_size=new_size, run_info={"method": f"{common['method']}+finetune", "data": {
+                extra = {"img_size": size if is_vit(backbone) and tuple(backbone.img_size) != (size, size) else None}
+                kwargs.update(head=head, img_size=extra["img_size"], run_info={"method": f"{common['method']}+finetune", "data": {
                     "name": data["name"], "mean": list(datamodule.mean), "std": list(datamodule.std)}})
-            if (metrics := s.run(backbone, train_ds, test_ds, num_classes, place, **kwargs, **({} if protocol == "finetune" else {"features": self.features}))) is None:
+            else:
+                extra, kwargs["features"] = {"features": s.features or self.features}, self.features
+            if (metrics := s.run(backbone, train_ds, test_ds, num_classes, place, **kwargs)) is None:
                 return []  # another process of a distributed run: process 0 tests and writes the result
-            extra = {"img_size": new_size} if protocol == "finetune" else {"features": s.features or self.features}
             write(protocol, s, metrics, len(train_ds), len(test_ds), crop_scale=(scale := s.scale_for(size)) and list(scale), **extra,
                   max_steps=None if s.max_steps == -1 else s.max_steps, seed=place.seed, precision=place.precision, devices=place.device_count,
                   num_nodes=place.num_nodes)
@@ -236,9 +237,13 @@ class Evaluation:
             return done
         train_ds, test_ds, num_classes = self._splits(datamodule)
         backbone = backbone.to(device) if device is not None else backbone
-        train_f, train_l, test_f, test_l = [t for split, dataset in (("train", train_ds), ("test", test_ds)) for t in labelled_features(*extract_features(
-            backbone, dataset, self.features, self.batch_size, datamodule.num_workers, device=device, autocast_dtype=PRECISIONS[image_run.precision],
-            progress=CountProgress(f"features ({split})", total=len(dataset))), split)]  # [N, F], [N], [M, F], [M]; a line a minute while it runs
+        feats = {}
+        for split, dataset in (("train", train_ds), ("test", test_ds)):
+            progress = CountProgress(f"features ({split})", total=len(dataset))  # a line a minute while it runs
+            feats[split] = labelled_features(*extract_features(backbone, dataset, mode=self.features, batch_size=self.batch_size, device=device,
+                                                               num_workers=datamodule.num_workers, autocast_dtype=PRECISIONS[image_run.precision],
+                                                               progress=progress), split)
+        (train_f, train_l), (test_f, test_l) = feats["train"], feats["test"]  # [N, F], [N]; [M, F], [M]
         for protocol in self.frozen_protocols:
             s = self.settings[protocol]
             metrics = s.evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
@@ -255,8 +260,8 @@ class Evaluation:
             raise ValueError(f"{name}: no labelled test split to evaluate on{' (an image folder needs val_dir)' if hasattr(datamodule, 'val_dir') else ''}")
         train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
         for split, dataset, folder in (("training", train_ds, "train_dir"), ("test", test_ds, "val_dir")):
-            if (split == "training" and num_classes < 2) or (classes := labelled_classes(dataset)) is not None and classes < 2:
-                held, where = num_classes if split == "training" and num_classes < 2 else classes, getattr(datamodule, folder, None)
+            if (held := classes if (classes := labelled_classes(dataset)) is not None else num_classes) < 2:
+                where = getattr(datamodule, folder, None)
                 raise ValueError(f"{name}: the {split} images{f' ({where})' if where else ''} are of {held} class{'' if held == 1 else 'es'}; "
                                  "evaluation needs at least 2 classes")
         self._check_sizes(len(train_ds), None, num_classes)

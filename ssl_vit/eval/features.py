@@ -1,15 +1,14 @@
-"""Frozen features of a backbone over a labelled dataset: the input of the kNN, few-shot and
-linear-probe protocols (DINO ``eval_linear.py`` / ``eval_knn.py``).
+"""Frozen features of a backbone over a labelled dataset, the input of the kNN, few-shot and
+linear-probe protocols (DINO ``eval_linear.py`` / ``eval_knn.py``). A ViT's read-outs:
 
-Four read-outs of a ViT:
-    ``"cls"``     the [CLS] token after the final LayerNorm, i.e. ``backbone(x)`` (ViT paper §3.1;
-                  a ViT built with ``global_pool="avg"`` returns the patch mean there, as timm);
-    ``"last4"``   the [CLS] tokens of the last 4 blocks (each through the final LayerNorm),
-                  concatenated: DINO's linear protocol for ViT-S (``eval_linear.py``);
-    ``"avg"``     the mean of the patch tokens after the final LayerNorm (timm's ``global_pool="avg"``);
-    ``"cls_avg"`` [CLS] and the patch mean, concatenated: DINO's linear protocol for ViT-B
-                  (``eval_linear.py --n_last_blocks 1 --avgpool_patchtokens true``).
-ResNets have one read-out, the globally pooled feature map (``"cls"`` = ``backbone(x)``).
+    ``cls``      the [CLS] token after the final LayerNorm, ``backbone(x)`` (ViT paper §3.1; the patch
+                 mean for a ViT built with ``global_pool="avg"``, as timm);
+    ``last4``    the [CLS] of the last 4 blocks (each through the final norm), concatenated: DINO's
+                 linear protocol for ViT-S;
+    ``avg``      the mean of the patch tokens after the final LayerNorm (timm's ``global_pool="avg"``);
+    ``cls_avg``  [CLS] and the patch mean concatenated: DINO's for ViT-B (``--avgpool_patchtokens``).
+
+ResNets have one, the globally pooled feature map (``cls``).
 """
 
 from __future__ import annotations
@@ -32,19 +31,16 @@ FEATURE_MODES: tuple[str, ...] = get_args(FeatureMode)
 
 
 def gather_in_sampler_order(num_samples: int) -> Callable[[Tensor], Tensor]:
-    """The ``gather`` of :func:`extract_features` when each process reads its share of a dataset
-    of ``num_samples`` items through ``DistributedSampler(shuffle=False)``: every process gets
-    ``[num_samples, ...]`` in dataset order (DINO ``eval_knn.py`` gathers its bank so). That
-    sampler gives process r the items r, r + W, r + 2W ... padded with the first items to a
-    multiple of W: the gathered shares are interleaved back and the padding cut off."""
+    """The ``gather`` of :func:`extract_features` when each process reads its share through
+    ``DistributedSampler(shuffle=False)``: every process gets ``[num_samples, ...]`` in dataset
+    order (DINO ``eval_knn.py`` gathers its bank so). That sampler gives process r the items r,
+    r + W, r + 2W ... padded with the first ones: the shares are interleaved, the padding cut."""
 
     def gather(x: Tensor) -> Tensor:  # [n_local, ...] -> [num_samples, ...]
-        if world_info()[1] == 1:
+        if (world := world_info()[1]) == 1:
             return x[:num_samples]
-        # NCCL moves only CUDA tensors; gloo takes them where they are.
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
-        local = x.to(device).contiguous()
-        shares = [torch.empty_like(local) for _ in range(world_info()[1])]
+        local = x.to(torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device).contiguous()  # (NCCL: CUDA only)
+        shares = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(shares, local)
         return torch.stack(shares, dim=1).flatten(0, 1)[:num_samples].to(x.device)  # item i at row i
 
@@ -56,15 +52,14 @@ def feature_dim(backbone: nn.Module, mode: FeatureMode = "cls", n_last_blocks: i
     if mode not in FEATURE_MODES:
         raise ValueError(f"unknown feature mode {mode!r}; choose one of {', '.join(FEATURE_MODES)}")
     if mode != "cls" and not is_vit(backbone):
-        name = getattr(backbone, "backbone_name", type(backbone).__name__)
-        raise ValueError(f"feature mode {mode!r} needs a token sequence (ViT or hybrid); {name} has no tokens, "
-                         "use mode='cls' (--features cls: its globally pooled feature map)")
+        raise ValueError(f"feature mode {mode!r} needs a token sequence (ViT or hybrid); {getattr(backbone, 'backbone_name', type(backbone).__name__)} "
+                         "has no tokens, use mode='cls' (--features cls: its globally pooled feature map)")
     if mode in ("last4", "cls_avg") and backbone.num_prefix_tokens < 1:
-        raise ValueError(f"feature mode {mode!r} reads the [CLS] token, and this backbone has none (num_prefix_tokens=0); "
-                         "use mode 'cls' (its own pooled output) or 'avg'")
+        raise ValueError(f"feature mode {mode!r} reads the [CLS] token, and this backbone has none (num_prefix_tokens=0); use mode 'cls' (its own "
+                         "pooled output) or 'avg'")
     if mode == "last4" and n_last_blocks > backbone.depth:
-        raise ValueError(f"feature mode 'last4' reads the [CLS] of the last {n_last_blocks} blocks (DINO's linear protocol), "
-                         f"but this backbone has {backbone.depth}; choose another mode (cls, avg, cls_avg)")
+        raise ValueError(f"feature mode 'last4' reads the [CLS] of the last {n_last_blocks} blocks (DINO's linear protocol), but this backbone has "
+                         f"{backbone.depth}; choose another mode (cls, avg, cls_avg)")
     return backbone.embed_dim * {"last4": n_last_blocks, "cls_avg": 2}.get(mode, 1)
 
 
@@ -76,57 +71,38 @@ def embed(backbone: nn.Module, x: Tensor, mode: FeatureMode = "cls", n_last_bloc
         return torch.cat([t[:, 0] for t in backbone.get_intermediate_layers(x, n_last_blocks)], dim=-1)  # [B, n*D]
     tokens = backbone.forward_features(x)  # [B, 1+N, D]
     avg = tokens[:, backbone.num_prefix_tokens :].mean(dim=1)  # [B, D]
-    # (DINO interleaves the two; a linear read-out does not depend on the order)
-    return avg if mode == "avg" else torch.cat([tokens[:, 0], avg], dim=-1)  # [B, D] or [B, 2D]
+    return avg if mode == "avg" else torch.cat([tokens[:, 0], avg], dim=-1)  # [B, 2D] (DINO interleaves them: no matter to a linear read-out)
 
 
 @torch.no_grad()
-def extract_features(
-    backbone: nn.Module,
-    data: Dataset | DataLoader | Iterable[tuple[Tensor, Tensor]],
-    mode: FeatureMode = "cls",
-    batch_size: int = 256,
-    num_workers: int = 0,
-    n_last_blocks: int = 4,
-    device: torch.device | str | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    out_device: torch.device | str = "cpu",
-    gather: Callable[[Tensor], Tensor] | None = None,
-    progress: CountProgress | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Features ``[N, F]`` (float32) and labels ``[N]`` of a frozen backbone over a dataset, in
-    dataset order, in ``eval()`` mode (each submodule's own mode restored after).
+def extract_features(backbone: nn.Module, data: Dataset | Iterable[tuple[Tensor, Tensor]], mode: FeatureMode = "cls", batch_size: int = 256,
+                     num_workers: int = 0, n_last_blocks: int = 4, device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
+                     out_device: torch.device | str = "cpu", gather: Callable[[Tensor], Tensor] | None = None,
+                     progress: CountProgress | None = None) -> tuple[Tensor, Tensor]:
+    """Features ``[N, F]`` (float32) and labels ``[N]`` of a frozen backbone, in dataset order, in
+    ``eval()`` mode (each submodule's own mode restored after).
 
     Args:
-        data: a dataset of ``(image [C, H, W], label)`` (batched here, in order) or an iterable of
-            ``(images [B, C, H, W], labels [B])`` batches.
-        mode: the read-out (module docstring); ResNets only ``"cls"``.
-        n_last_blocks: how many blocks ``"last4"`` concatenates (DINO: 4 for ViT-S).
-        device: where the backbone runs (default: where its parameters are).
-        autocast_dtype: e.g. ``torch.bfloat16`` to run under autocast.
-        out_device: where the features are collected (CPU keeps accelerator memory free).
-        gather: applied to the collected features and labels so every process gets the whole
-            set (:func:`gather_in_sampler_order`).
-        progress: told of every batch, to print a line now and then.
+        data: a dataset of ``(image [C, H, W], label)``, batched here, or ``(images, labels)`` batches.
+        mode: the read-out (module docstring); ``n_last_blocks``: how many ``last4`` concatenates.
+        device: where the backbone runs (default: where its parameters are); ``autocast_dtype``:
+            e.g. ``torch.bfloat16``; ``out_device``: where the features are collected.
+        gather: applied to the features and labels so every process gets the whole set
+            (:func:`gather_in_sampler_order`); ``progress``: told of every batch.
     """
     feature_dim(backbone, mode, n_last_blocks)
     device = torch.device(device) if device is not None else next(backbone.parameters()).device
     if isinstance(data, Dataset):
         data = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    feats, labels = [], []
-    if progress is not None:
-        progress.start()
+    feats, labels, progress = [], [], progress or CountProgress("features", None, every_n_seconds=float("inf"))
+    progress.start()
     with eval_mode(backbone):
         for x, y, *_ in data:
             with amp:
                 feats.append(embed(backbone, x.to(device, non_blocking=True), mode, n_last_blocks).float().to(out_device))  # [B, F]
             labels.append(torch.as_tensor(y).long().reshape(-1).to(out_device))
-            if progress is not None:
-                progress.update(len(labels[-1]))
-    if progress is not None:
-        progress.finish()
+            progress.update(len(labels[-1]))
+    progress.finish()
     features, targets = torch.cat(feats), torch.cat(labels)  # [N, F], [N]
-    if gather is not None:
-        features, targets = gather(features), gather(targets)
-    return features, targets
+    return (gather(features), gather(targets)) if gather is not None else (features, targets)

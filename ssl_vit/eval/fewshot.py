@@ -1,20 +1,12 @@
-"""Few-shot linear evaluation of the ViT paper (§4.1 "Metrics").
-
-"Few-shot accuracies are obtained by solving a regularized least-squares regression problem that
-maps the (frozen) representation of a subset of training images to {−1, 1}^K target vectors",
-in closed form, as the authors' evaluator (big_vision ``evaluators/fewshot_lsr.py``):
-
-- the support features are standardised by their own mean and std (the queries by the same);
-- a constant column of 100 is appended: the bias, so large that the penalty barely touches it;
-- W = argmin ‖XW − Y‖² + λ‖W‖², Y = 2·onehot − 1, solved in the primal (XᵀX + λI)⁻¹XᵀY when
-  n ≥ d or the dual Xᵀ(XXᵀ + λI)⁻¹Y when n < d (the same solution, a smaller system);
-- λ = 2¹⁰ (big_vision's ``l2_reg``): with n ≈ d a near-interpolating solution sits on the
-  double-descent peak;
-- shots 1/5/10/25 per class; each seed draws one random order of every class and the k-shot
-  support is its first k (nested, as big_vision); the mean and std over 5 seeds (big_vision: 3).
-
-Optional λ selection (``l2_grid``): for k ≥ 2 shots each class's support is split in half, every
-λ is fitted on one half and scored on the other, the best (the largest on ties) refitted on all.
+"""Few-shot linear evaluation of the ViT paper (§4.1): "a regularized least-squares regression
+problem that maps the (frozen) representation of a subset of training images to {−1, 1}^K target
+vectors", in closed form as the authors' evaluator (big_vision ``evaluators/fewshot_lsr.py``):
+support features standardised by their own mean and std, a bias column of 100 (which the penalty
+barely touches), W = argmin ‖XW − Y‖² + λ‖W‖² with Y = 2·onehot − 1 and λ = 2¹⁰ (with n ≈ d a
+near-interpolating solution sits on the double-descent peak); 1/5/10/25 shots per class, each
+seed one random order of every class whose first k are the k-shot support (nested), averaged
+over 5 seeds (big_vision: 3). Optional ``l2_grid``: for k ≥ 2 shots every λ is fitted on one half
+of each class's support and scored on the other, the best (the largest on ties) refitted on all.
 """
 
 from __future__ import annotations
@@ -28,8 +20,8 @@ from torch import Tensor
 
 
 def ridge_solve(x: Tensor, y: Tensor, l2_reg: float) -> Tensor:
-    """W ``[d, K]`` minimising ‖xW − y‖² + λ‖W‖² for x ``[n, d]``, y ``[n, K]``, in float64:
-    primal when n ≥ d, dual (push-through identity, an n×n system) when n < d."""
+    """W ``[d, K]`` minimising ‖xW − y‖² + λ‖W‖² for x ``[n, d]``, y ``[n, K]`` (float64): the primal
+    (XᵀX + λI)⁻¹XᵀY when n ≥ d, else the dual Xᵀ(XXᵀ + λI)⁻¹Y (the same W, an n×n system)."""
     x, y = x.double(), y.double()
     n, d = x.shape
     if n >= d:
@@ -60,15 +52,9 @@ def _pick_l2(x: Tensor, y: Tensor, per_class: list[Tensor], num_classes: int, l2
 
 @dataclass
 class FewShotEvaluator:
-    """The few-shot protocol (module docstring).
-
-    Args:
-        shots: examples per class in a support (ViT paper: 1, 5, 10, 25).
-        num_seeds: support draws averaged per shot count.
-        l2_reg: the ridge λ on standardised features (big_vision: 2¹⁰).
-        l2_grid: λ candidates chosen per support by a half/half split (k >= 2 shots).
-        seed: the first draw's seed, then ``seed + 1`` ... (None: the evaluation's seed, 0 alone).
-    """
+    """The few-shot protocol (module docstring): ``shots`` per class, ``num_seeds`` support draws
+    (seeded ``seed``, ``seed + 1`` ...; None: the evaluation's seed, 0 alone), the ridge ``l2_reg``
+    or the best of ``l2_grid``."""
 
     shots: list[int] | tuple[int, ...] = (1, 5, 10, 25)
     num_seeds: int = 5

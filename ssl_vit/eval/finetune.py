@@ -1,18 +1,13 @@
 """End-to-end fine-tuning of a pretrained backbone with a linear head: the BEiT/MAE recipe (MAE
-Appendix A.1, ``main_finetune.py``; DeiT for the regularisers).
-
-- layer-wise LR decay (BEiT §2.5 / MAE ``util/lr_decay.py``): a parameter's layer id is 0 for
-  ``patch_embed``/``cls_token``/``pos_embed``, i + 1 for block i, depth + 1 for the final norm
-  and the head, and its LR is scaled by ``layer_decay ** (depth + 1 - id)``: the layers nearest
-  the input, which hold the most general features, move least. ResNets get one id per stage
-  (stem 0, ``layer{i}`` i, head ``num_stages + 1``); a hybrid's ResNet trunk is in ``patch_embed``;
-- AdamW, linear warm-up then cosine decay per step; weight decay 0.05 but for biases, norms and
-  ``backbone.no_weight_decay()`` (MAE ``param_groups_lrd``);
-- drop path rising linearly with depth, label smoothing 0.1, optional RandAugment, random erasing
-  and MixUp/CutMix (torchvision ``transforms.v2``);
-- optionally another resolution: the position embedding is interpolated (bicubic, ViT paper §3.2);
-- every weight trains: a fixed sin-cos position embedding (MoCo v3) becomes a learned one starting
-  from the table, as MAE's and MoCo v3's fine-tuning (timm's ViT) load it.
+Appendix A.1, ``main_finetune.py``; DeiT's regularisers). Layer-wise LR decay (BEiT §2.5, MAE
+``util/lr_decay.py``): layer id 0 for ``patch_embed``/``cls_token``/``pos_embed``, i + 1 for block
+i, depth + 1 for the final norm and the head, the LR scaled by ``layer_decay ** (depth + 1 - id)``
+so the most general layers move least (ResNets: one id per stage; a hybrid's trunk is in
+``patch_embed``). AdamW, warm-up then cosine decay per step, weight decay but for biases, norms
+and ``no_weight_decay()``; drop path rising with depth, label smoothing, optional RandAugment,
+random erasing and MixUp/CutMix; optionally another resolution (the position embedding
+interpolated, ViT paper §3.2). Every weight trains: a fixed sin-cos table (MoCo v3) becomes a
+learned position embedding starting from it, as timm's ViT loads it in MAE's and MoCo v3's code.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
@@ -34,14 +28,7 @@ from ssl_vit.backbones import is_vit
 from ssl_vit.backbones.compile import compile_backbone
 from ssl_vit.data import SingleView
 from ssl_vit.eval.linear import warmup_cosine
-from ssl_vit.eval.train_run import (
-    ImageRun,
-    accuracy_metrics,
-    drop_unlabelled_batch,
-    log_accuracy,
-    nothing_to_learn,
-    train_and_test,
-)
+from ssl_vit.eval.train_run import ImageClassifier, ImageRun, train_and_test
 from ssl_vit.methods.optim import fused_kwargs
 from ssl_vit.runtime import seed_training_step
 
@@ -118,30 +105,22 @@ def default_crop_scale(img_size: int) -> tuple[float, float]:
 
 @dataclass
 class FineTuneSettings:
-    """The fine-tuning protocol: MAE's ViT-B recipe (``FINETUNE.md``) but 10 epochs (MAE's 100 is a
-    long run); ``ssl-vit eval finetune``'s options, a recipe's ``evaluate.finetune``.
+    """The fine-tuning protocol (``ssl-vit eval finetune``, a recipe's ``evaluate.finetune``): MAE's
+    ViT-B recipe (``FINETUNE.md``) but 10 epochs, a first look.
 
     Args:
-        epochs: passes over the training split.
-        batch_size: images per process and step; the LR scales with the global batch (MAE's rule).
-        base_lr: LR per 256 images (MAE ViT-B: 5e-4; ViT-L: 1e-3 with layer_decay 0.75).
-        layer_decay: layer-wise LR decay; 1: off (MAE ViT-B: 0.65).
-        drop_path_rate: stochastic depth at the last block (MAE ViT-B: 0.1); ViTs only.
-        label_smoothing: DeiT/MAE: 0.1.
-        weight_decay: AdamW's (MAE: 0.05).
-        warmup_epochs: linear LR warm-up before the cosine decay (MAE: 5 of 100).
-        mixup_alpha, cutmix_alpha: Beta parameters of MixUp / CutMix (MAE: 0.8 / 1.0; 0: off);
-            with both, one of the two per batch (timm's switch prob 0.5).
-        rand_augment: ``(ops, magnitude)`` of RandAugment on the training crops (MAE: 2, 9); None: off.
-        random_erasing: probability of one random box (2-33 % of the image, aspect 0.3-3.3) of
-            normal noise in the normalised image, before MixUp (Zhong et al. 2020; MAE: 0.25).
-        augment: train on a random resized crop + flip (False: on the evaluation transform).
-        crop_scale: that crop's area range; None: :func:`default_crop_scale`.
-        betas: AdamW's (torch's fused kernel where the parameters allow it).
-        max_steps: stop after this many optimiser steps (-1: no cap; the LR schedule follows).
-        checkpoint_every: steps between the run's checkpoints.
-        compile_backbone: ``torch.compile`` the backbone one block at a time, with ``compile_backend``
-            (for GPUs: no faster on a 2-core CPU).
+        batch_size: images per process and step; the LR ``base_lr · global batch / 256`` (MAE ViT-B:
+            5e-4 with ``layer_decay`` 0.65 (1: off); ViT-L: 1e-3 with 0.75).
+        drop_path_rate: stochastic depth at the last block (ViTs); label smoothing, AdamW's weight
+            decay and ``betas``, ``warmup_epochs``: MAE's.
+        mixup_alpha, cutmix_alpha: MixUp / CutMix (MAE: 0.8 / 1.0; 0: off; both: one per batch).
+        rand_augment: ``(ops, magnitude)`` of RandAugment on the crops (MAE: 2, 9); None: off.
+        random_erasing: the probability of a random box (2-33 % of the image) of noise, before
+            MixUp (Zhong et al. 2020; MAE: 0.25).
+        augment, crop_scale: train on a random resized crop (+ flip) of this area range (None:
+            :func:`default_crop_scale`); False: on the evaluation transform.
+        max_steps: a cap on the optimiser steps (-1: none); ``checkpoint_every``: the run's interval.
+        compile_backbone: ``torch.compile`` its blocks with ``compile_backend`` (for GPUs).
     """
 
     epochs: int = 10
@@ -176,35 +155,27 @@ class FineTuneSettings:
     def run(self, backbone: nn.Module, train_ds: Dataset, test_ds: Dataset, num_classes: int, run: ImageRun | None = None, *,
             head: nn.Linear | None = None, run_info: Mapping[str, Any] | None = None, origin: Mapping[str, Any] | None = None,
             img_size: int | None = None) -> dict[str, float] | None:
-        """Fine-tune ``backbone`` (in place, with ``head`` or a new one) on ``train_ds`` and return
-        its test ``{"top1", "top5"}`` (None in processes other than 0); ``img_size``: fine-tune
-        at this resolution; ``run_info``: what its checkpoints say of the backbone's origin."""
+        """Fine-tune ``backbone`` (in place, with ``head`` or a new one) and return its test
+        ``{"top1", "top5"}`` (None in processes other than 0); see :class:`FineTuneModule`."""
         run = run or ImageRun()
         return train_and_test(lambda total, per_epoch, world: FineTuneModule(
             backbone, num_classes, self, world_size=world, seed=run.seed, total_steps=total, steps_per_epoch=per_epoch, head=head,
             run_info=run_info, img_size=img_size), train_ds, test_ds, self, run, "fine-tuning", origin)
 
 
-class FineTuneModule(L.LightningModule):
-    """Backbone + linear head trained end to end (module docstring; ``settings``: the recipe).
-
-    Args:
-        world_size: processes; the LR is ``base_lr · batch_size · world_size / 256``.
-        seed: of each batch's draws (drop path, MixUp, erasing), which depend only on the batch's
-            position in training, so a resumed run draws the same.
-        total_steps, steps_per_epoch: the LR schedule's length in optimiser steps (None: the
-            trainer's estimate).
-        head: the classifier (``embed_dim -> num_classes``), trained in place; None: :func:`new_head`.
-        run_info: what the run's checkpoints say of the backbone's origin besides its architecture
-            (``method``, ``data`` with its ``mean``/``std``), as pretraining checkpoints do:
-            ``ssl-vit export`` and ``ssl-vit eval`` read the fine-tuned backbone from them.
-        img_size: fine-tune at this resolution (a ViT's position embedding interpolated).
-    """
+class FineTuneModule(ImageClassifier):
+    """Backbone + linear head trained end to end (module docstring) on ``world_size`` processes;
+    ``seed``: of each batch's draws (drop path, MixUp, erasing), a function of its position in
+    training so that a resumed run draws the same; ``total_steps``, ``steps_per_epoch``: the LR
+    schedule (None: the trainer's estimate); ``head``: the classifier trained in place (None:
+    :func:`new_head`); ``run_info``: what its checkpoints say of the backbone's origin (``method``,
+    ``data`` with ``mean``/``std``), as pretraining checkpoints do, so that ``ssl-vit export`` and
+    ``ssl-vit eval`` read the fine-tuned backbone from them; ``img_size``: another resolution."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, settings: FineTuneSettings | None = None, *, world_size: int = 1, seed: int = 0,
                  total_steps: int | None = None, steps_per_epoch: int | None = None, head: nn.Linear | None = None,
                  run_info: Mapping[str, Any] | None = None, img_size: int | None = None) -> None:
-        super().__init__()
+        super().__init__(num_classes)
         s = self.settings = settings or FineTuneSettings()
         recorded = {k: v for k, v in asdict(s).items() if k != "checkpoint_every"}
         self.save_hyperparameters({**recorded, "num_classes": num_classes, "world_size": world_size, "seed": seed, "total_steps": total_steps,
@@ -224,7 +195,6 @@ class FineTuneModule(L.LightningModule):
         self.mix = v2.RandomChoice(mixes) if len(mixes) == 2 else (mixes[0] if mixes else None)
         # value "random": N(0, 1) noise per pixel, drawn per image (a batch given whole would share one box)
         self.erase = v2.RandomErasing(p=s.random_erasing, value="random") if s.random_erasing > 0 else None
-        self.test_acc = accuracy_metrics(num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))  # [B, num_classes]
@@ -244,16 +214,13 @@ class FineTuneModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.train()  # Lightning keeps each module's mode: a backbone handed over in eval mode would train so
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return drop_unlabelled_batch(batch)
-
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         seed_training_step(self.hparams.seed, self.current_epoch, batch_idx, self.global_rank)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch
         if len(y) == 0:
-            return nothing_to_learn(self)  # a batch of unreadable files only
+            return self.nothing_to_learn()  # a batch of unreadable files only
         if self.erase is not None:
             x = torch.stack([self.erase(image) for image in x])  # [B, C, H, W], normalised
         if self.mix is not None:
@@ -261,11 +228,6 @@ class FineTuneModule(L.LightningModule):
         loss = F.cross_entropy(self(x), y, label_smoothing=self.settings.label_smoothing)
         self.log("train_loss", loss, prog_bar=True)
         return loss
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        if len(y):
-            log_accuracy(self, self.test_acc, self(x), y)
 
     def configure_optimizers(self) -> dict[str, Any]:
         s, hp = self.settings, self.hparams

@@ -1,19 +1,14 @@
 """Weighted k-nearest-neighbour classification of frozen features (DINO §4 "k-NN", reference
-``eval_knn.py: knn_classifier``; Wu et al. 2018).
-
-For a query q and a bank of training features b_i (all L2-normalised), the k most similar bank
-entries (cosine similarity s_i = q·b_i) vote for their labels with weight exp(s_i / T):
+``eval_knn.py: knn_classifier``; Wu et al. 2018). The k bank entries most similar to a query
+(L2-normalised, cosine similarity s_i) vote for their labels with weight exp(s_i / T):
 
     score(c) = Σ_{i in top-k(q)} exp(s_i / T) · [y_i = c],       prediction = argmax_c score(c).
 
-Several k sweep it (DINO's ``eval_knn.py`` reports k = 10, 20, 100, 200 from one search): every
-k votes from one top-max(k) search, k is picked on a held-out ``select_fraction`` of the training
-features (queried against the rest of them, never the test split), and the test split is then
-classified with the whole bank at that k; every k's test top-1 is kept beside the pick.
-
-Not ``lightly.utils.benchmarking.knn_predict``: that forms a batch's similarities to the whole
-bank at once; here the bank may be split into chunks with a running top-k, so memory stays
-``O(chunk_size · (bank_chunk_size + k))`` however large the bank is.
+Several k sweep it (DINO reports k = 10, 20, 100, 200 from one search): k is picked on a held-out
+``select_fraction`` of the training features queried against the rest (never the test split),
+then the test split is classified with the whole bank at that k; every k's test top-1 is kept.
+Not lightly's ``knn_predict``: that compares a batch with the whole bank at once; here the bank
+may be chunked with a running top-k, in memory ``O(chunk_size · (bank_chunk_size + k))``.
 """
 
 from __future__ import annotations
@@ -44,17 +39,11 @@ def _topk_in_chunks(q: Tensor, bank: Tensor, k: int, bank_chunk_size: int | None
 
 @dataclass
 class KNNClassifier:
-    """DINO's weighted kNN protocol (module docstring).
-
-    Args:
-        k: neighbours that vote (DINO §4: 20); several: a sweep, k picked on held-out training features.
-        temperature: T of the vote weights exp(sim / T) (DINO §4: 0.07).
-        chunk_size: queries per similarity block.
-        bank_chunk_size: split the bank too, with a running top-k (None: the whole bank at once).
-        device: where to compute (default: where the bank is).
-        select_fraction: the share of the training features held out to pick a sweep's k.
-        seed: of that held-out draw (None: the evaluation's seed, 0 alone).
-    """
+    """DINO's weighted kNN protocol (module docstring): ``k`` neighbours (DINO §4: 20; several: a
+    sweep) vote with weights exp(sim / ``temperature``) (0.07); ``chunk_size`` queries per block
+    against ``bank_chunk_size`` bank rows (None: all) on ``device`` (default: the bank's);
+    ``select_fraction`` of the training features held out to pick a sweep's k, drawn with ``seed``
+    (None: the evaluation's seed, 0 alone)."""
 
     k: int | list[int] = 20
     temperature: float = 0.07
@@ -73,8 +62,8 @@ class KNNClassifier:
         return max(1, round(self.select_fraction * n)) if len(self.ks) > 1 else 0
 
     def bank_shortfall(self, n: int) -> str | None:
-        """Why a bank of ``n`` training examples is too small for these k (None: it is not): the
-        largest k must fit in the bank, and in a sweep in what the held-out part leaves."""
+        """Why a bank of ``n`` training examples is too small (None: it is not): the largest k must fit,
+        in a sweep in what the held-out part leaves."""
         most, held = max(self.ks), self._held_out(n)
         if most > n:
             return f"k={most} neighbours, but the kNN bank holds {n} training examples"
@@ -85,9 +74,8 @@ class KNNClassifier:
 
     @torch.no_grad()
     def votes(self, bank: Tensor, bank_labels: Tensor, queries: Tensor, num_classes: int, ks: tuple[int, ...] | None = None) -> dict[int, Tensor]:
-        """Class votes ``{k: [Q, C]}`` of queries ``[Q, F]`` against a bank ``[N, F]`` with labels
-        ``[N]``, for each k from one top-max(k) search (the sorted list begins with every smaller
-        top-k); on the queries' device."""
+        """Class votes ``{k: [Q, C]}`` of queries ``[Q, F]`` against a bank ``[N, F]`` labelled ``[N]``,
+        every k from one top-max(k) search (it begins with every smaller top-k)."""
         ks = ks or self.ks
         assert bank.ndim == queries.ndim == 2 and bank.shape[1] == queries.shape[1] and bank_labels.shape == bank.shape[:1]
         if max(ks) > bank.shape[0]:

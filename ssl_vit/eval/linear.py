@@ -1,20 +1,14 @@
-"""Linear probe on frozen features (MAE §4 / Appendix A.3, ``main_linprobe.py``).
+"""Linear probe on frozen features (MAE §4 / Appendix A.3, ``main_linprobe.py``): a BatchNorm
+without affine parameters and one Linear layer (:class:`~ssl_vit.heads.LinearProbeHead`; the BN
+re-normalises features whose scale differs wildly between methods, and the pair stays linear),
+on features extracted once. SGD, momentum 0.9, weight decay 0, a linear warm-up then cosine decay
+to 0 per step (MAE ``util/lr_sched.py``), ``lr = base_lr · batch_size / 256``; base LR 0.01 (our
+choice for SGD on standardised features) or MAE's LARS at 0.1.
 
-The head is a BatchNorm without affine parameters followed by one Linear layer
-(:class:`~ssl_vit.heads.LinearProbeHead`): the BN only re-normalises the frozen features, whose
-scale differs wildly between methods, so one recipe fits all, and the pair is still a linear
-classifier. The features are extracted once, so an epoch is a few small matrix products.
-
-Recipe: SGD, momentum 0.9, weight decay 0, a linear warm-up then cosine decay to 0 per step (MAE
-``util/lr_sched.py``), ``lr = base_lr · batch_size / 256`` (the linear scaling rule). The base
-LR 0.01 is our choice for SGD on BN-standardised features; MAE's own recipe is LARS
-(``optimizer="lars"``) at base LR 0.1 (:data:`PROBE_BASE_LR`).
-
-Several base LRs sweep it, as the papers tune their probes (MoCo v3 §4 and DINO sweep the LR;
-DINOv2 trains one classifier per setting on the same batches): one head per LR trains on the same
-batches of the training features less a held-out ``select_fraction``, the LR whose head is most
-accurate on the held-out part wins (ties: the first listed), and the probe is trained again on
-every training feature at that LR. The test split chooses nothing.
+Several base LRs sweep it, as the papers tune their probes (MoCo v3 §4, DINO; DINOv2 trains one
+classifier per setting on the same batches): one head per LR trains on the training features less
+a held-out ``select_fraction``, the LR most accurate there wins (ties: the first listed), and the
+probe is trained again on every training feature at it. The test split chooses nothing.
 """
 
 from __future__ import annotations
@@ -68,9 +62,7 @@ class LARS(torch.optim.Optimizer):
 
 def probe_optimizer(params: Iterable[nn.Parameter], optimizer: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
     """SGD with momentum, or :class:`LARS` (MAE's linear probe)."""
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    return LARS(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return (torch.optim.SGD if optimizer == "sgd" else LARS)(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 def warmup_cosine(opt: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> CosineWarmupScheduler:
@@ -92,20 +84,12 @@ def predict_logits(head: nn.Module, features: Tensor, chunk_size: int = 4096) ->
 
 @dataclass
 class LinearProbe:
-    """The linear-probe protocol (module docstring).
-
-    Args:
-        epochs, batch_size: passes over the training features, and examples per step.
-        base_lr: the LR is ``base_lr · batch_size / 256``; None: :data:`PROBE_BASE_LR` of the
-            optimiser; several: a sweep, one picked on held-out training features.
-        optimizer: ``sgd`` (momentum) or ``lars`` (MAE's).
-        momentum, weight_decay: of SGD / LARS (MAE's linear probe: weight decay 0).
-        warmup_epochs: linear warm-up before the per-step cosine decay to 0.
-        seed: head initialisation, batch order and held-out draw (None: the evaluation's seed, 0 alone).
-        device: where to train (default: where the features are).
-        select_fraction: the share of the training features held out to pick a sweep's LR.
-        progress_every_n_seconds: a line of progress this often while the heads train.
-    """
+    """The linear-probe protocol (module docstring): ``epochs`` over the features in batches of
+    ``batch_size``; ``base_lr`` per 256 examples (None: :data:`PROBE_BASE_LR`; several: a sweep,
+    ``select_fraction`` held out to pick one); ``optimizer`` with ``momentum`` and ``weight_decay``;
+    ``warmup_epochs`` before the cosine decay; ``seed`` of the head, the batch order and the
+    held-out draw (None: the evaluation's, 0 alone); on ``device`` (default: the features'); a
+    line of progress every ``progress_every_n_seconds``."""
 
     epochs: int = 100
     batch_size: int = 256
@@ -129,15 +113,13 @@ class LinearProbe:
         return list(self.base_lr) if isinstance(self.base_lr, list | tuple) else [self.base_lr]
 
     def fit(self, features: Tensor, labels: Tensor, num_classes: int, base_lr: float | None = None) -> LinearProbeHead:
-        """A head trained on features ``[N, F]`` at ``base_lr`` (default: the first of ours). Each
-        epoch visits a seeded permutation in ``N // batch_size`` full batches (the rest dropped,
-        as MAE's ``drop_last``; a set smaller than a batch is one batch)."""
+        """A head trained on features ``[N, F]`` at ``base_lr`` (default: our first): each epoch a
+        seeded permutation in ``N // batch_size`` full batches (MAE's ``drop_last``; at least one)."""
         return self.fit_heads(features, labels, num_classes, [base_lr or self.base_lrs[0]])[0]
 
     def fit_heads(self, features: Tensor, labels: Tensor, num_classes: int, base_lrs: Sequence[float]) -> list[LinearProbeHead]:
-        """One head per base LR, trained together on the same batches: head i is the head ``fit``
-        trains at ``base_lrs[i]`` (same initialisation and order; the summed loss gives each head
-        its own gradient, each head is its own parameter group)."""
+        """One head per base LR on the same batches: head i is the one ``fit`` trains at ``base_lrs[i]``
+        (the summed loss gives each head its own gradient, each its own parameter group)."""
         assert features.ndim == 2 and labels.shape == features.shape[:1]
         device = torch.device(self.device) if self.device is not None else features.device
         x, y = features.to(device).float(), labels.to(device).long()  # [N, F], [N]

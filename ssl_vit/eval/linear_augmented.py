@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,14 +30,7 @@ from ssl_vit.data import SingleView
 from ssl_vit.eval.features import FeatureMode, embed, feature_dim
 from ssl_vit.eval.finetune import default_crop_scale
 from ssl_vit.eval.linear import PROBE_BASE_LR, probe_optimizer, warmup_cosine
-from ssl_vit.eval.train_run import (
-    ImageRun,
-    accuracy_metrics,
-    drop_unlabelled_batch,
-    log_accuracy,
-    nothing_to_learn,
-    train_and_test,
-)
+from ssl_vit.eval.train_run import ImageClassifier, ImageRun, train_and_test
 from ssl_vit.heads import LinearProbeHead
 
 
@@ -102,13 +94,13 @@ class LinearAugSettings:
                     p.requires_grad_(True)
 
 
-class AugmentedLinearProbe(L.LightningModule):
+class AugmentedLinearProbe(ImageClassifier):
     """A linear head on a frozen backbone, trained on images (module docstring); its checkpoints
     hold the head alone (the backbone is rebuilt from its source on resume)."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, settings: LinearAugSettings | None = None, *, features: FeatureMode = "cls",
                  world_size: int = 1, total_steps: int = 1, steps_per_epoch: int = 1) -> None:
-        super().__init__()
+        super().__init__(num_classes)
         s = self.settings = settings or LinearAugSettings()
         self.save_hyperparameters({**{k: v for k, v in vars(s).items() if k != "checkpoint_every"}, "features": features, "num_classes": num_classes,
                                    "world_size": world_size, "total_steps": total_steps, "steps_per_epoch": steps_per_epoch})
@@ -116,7 +108,6 @@ class AugmentedLinearProbe(L.LightningModule):
         self.features = features
         self.head = LinearProbeHead(feature_dim(backbone, features), num_classes)
         self.lr = s.base_lr * s.batch_size * world_size / 256
-        self.test_acc = accuracy_metrics(num_classes)
         self.strict_loading = False  # (the checkpoints leave the frozen backbone out)
 
     def train(self, mode: bool = True) -> AugmentedLinearProbe:
@@ -132,21 +123,13 @@ class AugmentedLinearProbe(L.LightningModule):
             f = embed(self.backbone, x, self.features)  # [B, F]
         return self.head(f)  # [B, num_classes]
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return drop_unlabelled_batch(batch)
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch
         if len(y) < 2:
-            return nothing_to_learn(self)  # BatchNorm needs two examples (a batch of unreadable files: skipped)
+            return self.nothing_to_learn()  # BatchNorm needs two examples (a batch of unreadable files: skipped)
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        if len(y):
-            log_accuracy(self, self.test_acc, self(x), y)
 
     def configure_optimizers(self) -> dict[str, Any]:
         s, hp = self.settings, self.hparams

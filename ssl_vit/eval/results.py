@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ssl_vit import __version__
-from ssl_vit.io import atomic_write_text
+from ssl_vit.io import atomic_write_text, read_json
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -233,17 +233,6 @@ class EvalResult:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> EvalResult:
         return cls.from_dict(read_json(path), where=str(path))
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    """A result file's content; a missing file or invalid JSON is an error naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no result file at {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
 
 
 def names_a_file(out: str | Path) -> bool:

@@ -1,12 +1,10 @@
-"""The training run of the evaluations that train on images (fine-tuning, the linear probe on
-augmented images): a Lightning Trainer over a resumable, seeded training order, then the test.
-
-With a ``run_dir`` the run is checkpointed (atomically) into ``<run_dir>/checkpoints`` every
-``checkpoint_every`` steps and at the end; a SIGTERM / SIGUSR1 saves after the current step and
-raises :class:`EvalRunInterrupted`, and ``resume`` continues from the newest checkpoint there to
-the weights the uninterrupted run reaches (data order, augmentations and random draws are
-functions of the position in training). A resume is refused, in one line saying why, from a
-checkpoint of another kind of run, of another backbone, or of a run started with other settings.
+"""The run of the evaluations that train on images (fine-tuning, the linear probe on augmented
+images): a Lightning Trainer over a resumable, seeded training order, then the test. With a
+``run_dir`` it is checkpointed (atomically) into ``<run_dir>/checkpoints``; a SIGTERM / SIGUSR1
+saves after the current step and raises :class:`EvalRunInterrupted`, and ``resume`` continues to
+the weights the uninterrupted run reaches (order, augmentations and draws are functions of the
+position in training). A resume from a checkpoint of another kind of run, of another backbone, or
+of other settings is refused in one line saying so.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import lightning as L
 import torch
@@ -60,13 +58,6 @@ class ImageRun:
         return self.devices if isinstance(self.devices, int) else len(self.devices)
 
 
-class RunSettings(Protocol):  # FineTuneSettings, LinearAugSettings
-    epochs: int
-    batch_size: int
-    max_steps: int
-    checkpoint_every: int
-
-
 class EvalRunInterrupted(RuntimeError):
     """A signal stopped a run on images after a step; its state is in ``checkpoint`` and the same
     call with ``resume`` continues it."""
@@ -76,32 +67,33 @@ class EvalRunInterrupted(RuntimeError):
         self.signal_name, self.step, self.checkpoint, self.rank = signal_name, step, checkpoint, rank
 
 
-def drop_unlabelled_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """A batch without its items labelled -1 (an evaluation split's unreadable files,
-    ``ImageFiles.for_evaluation``): they neither train nor count in the accuracy."""
-    x, y = batch
-    keep = y >= 0  # [B]
-    return batch if bool(keep.all()) else (x[keep], y[keep])
+class ImageClassifier(L.LightningModule):
+    """What the two classifiers trained on images share: batches without their items labelled -1
+    (an evaluation split's unreadable files, ``ImageFiles.for_evaluation``), which neither train
+    nor count, and top-1 (top-5 with >= 5 classes) over a test pass, logged as ``test_top1`` ..."""
 
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.test_acc = nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in (1, 5) if k == 1 or num_classes >= 5})
 
-def nothing_to_learn(module: L.LightningModule) -> Tensor | None:
-    """``training_step``'s return for a batch with nothing to learn from: None (Lightning skips
-    the step) on one process; under DDP, where every process must join the gradient reduction, a
-    zero reaching every trainable parameter (a zero gradient to the average)."""
-    if module._trainer is None or module._trainer.world_size <= 1:
-        return None
-    return torch.stack([p.sum() for p in module.parameters() if p.requires_grad]).sum() * 0.0
+    def on_before_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
+        x, y = batch
+        return batch if bool((y >= 0).all()) else (x[y >= 0], y[y >= 0])
 
+    def nothing_to_learn(self) -> Tensor | None:
+        """``training_step``'s return for a batch with nothing to learn from: None (Lightning skips
+        the step) on one process; under DDP, where every process joins the gradient reduction, a
+        zero reaching every trainable parameter (a zero gradient to the average)."""
+        if self._trainer is None or self._trainer.world_size <= 1:
+            return None
+        return torch.stack([p.sum() for p in self.parameters() if p.requires_grad]).sum() * 0.0
 
-def accuracy_metrics(num_classes: int) -> nn.ModuleDict:
-    """Top-1 (and top-5 with >= 5 classes) over a test pass, logged as ``test_top1`` ..."""
-    return nn.ModuleDict({f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ((1, 5) if num_classes >= 5 else (1,))})
-
-
-def log_accuracy(module: L.LightningModule, metrics: nn.ModuleDict, logits: Tensor, labels: Tensor) -> None:
-    for name, metric in metrics.items():
-        metric.update(logits, labels)
-        module.log(f"test_{name}", metric, on_epoch=True)
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x) if len(y) else None
+        for name, metric in self.test_acc.items() if len(y) else []:
+            metric.update(logits, y)
+            self.log(f"test_{name}", metric, on_epoch=True)
 
 
 class _PlainIndex(Dataset):
@@ -125,16 +117,14 @@ def training_loader(train_ds: Dataset, sampler: ResumableSampler, batch_size: in
                            batch_size=batch_size, drop_last=sampler.num_samples > batch_size, num_workers=num_workers)
 
 
-def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], train_ds: Dataset, test_ds: Dataset, settings: RunSettings,
+def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], train_ds: Dataset, test_ds: Dataset, settings: Any,
                    run: ImageRun, what: str, origin: Mapping[str, Any] | None = None) -> dict[str, float] | None:
-    """Train ``make_module(total_steps, steps_per_epoch, world_size)`` on ``train_ds`` for
-    ``settings.epochs`` (capped at ``max_steps``), then return its test ``{"top1", "top5"}``.
-
-    With several processes (DDP; Lightning starts them on one machine as ``ssl-vit fit`` does)
-    each trains on its share of every epoch; process 0 alone then tests on the whole split and
-    returns the metrics, the others None (a distributed test would count padded images twice).
-    ``what`` names the run in messages; ``origin`` (the backbone's pretraining step) is kept with
-    the run's settings: a resume on the weights of another step is refused."""
+    """Train ``make_module(total_steps, steps_per_epoch, world_size)`` for ``settings.epochs``
+    (``batch_size`` per process, at most ``max_steps``; ``checkpoint_every``), then return its test
+    ``{"top1", "top5"}``. With several processes (DDP, started by Lightning as in ``ssl-vit fit``)
+    each trains on its share of every epoch; process 0 alone tests on the whole split and returns
+    the metrics, the others None (a distributed test would count padded images twice). ``what``
+    names the run; ``origin`` (the backbone's pretraining step) is kept with its settings."""
     L.seed_everything(run.seed, workers=True, verbose=False)
     callbacks: list[L.Callback] = [ProgressLog(name=what)]
     ckpt_path = held = None
