@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -232,12 +231,13 @@ def test_a_seeded_item_leaves_the_callers_random_stream_as_it_was():
     assert float(x[0, 0, 0]) == random.random()  # the item's own draw: from its own seed
 
 
-# -- data_args.py -----------------------------------------------------------------------------------
+# -- cli/options.py -----------------------------------------------------------------------------------
 
 
 def test_dataset_names_map_to_their_datamodules_and_back():
     import ssl_vit.data as data
-    from ssl_vit.eval.data_args import DATASETS, datamodule_class, dataset_name
+    from ssl_vit.cli.options import DATASETS, datamodule_class
+    from ssl_vit.eval.results import dataset_name
 
     for name, cls in (("fashion_mnist", data.FashionMNISTDataModule), ("cifar10", data.CIFAR10DataModule), ("cifar100", data.CIFAR100DataModule),
                       ("stl10", data.STL10DataModule), ("imagefolder", data.ImageFolderDataModule), ("synthetic", data.SyntheticDataModule)):
@@ -249,7 +249,7 @@ def test_dataset_names_map_to_their_datamodules_and_back():
 
 
 def test_a_data_argument_splits_at_its_first_equals_sign_and_nulls_an_optional():
-    from ssl_vit.eval.data_args import ArgText, key_value, parse_data_args
+    from ssl_vit.cli.options import ArgText, key_value, parse_data_args
 
     assert key_value(" root=/data/a=b") == ("root", "/data/a=b")
     for text in ("null", "~", "None", ""):
@@ -274,44 +274,38 @@ def test_the_arguments_of_a_datamodule_stop_at_an_init_that_does_not_forward_the
 
 
 def test_labelled_classes_leave_the_unlabelled_out():
-    from ssl_vit.eval.data_args import labelled_classes
+    from ssl_vit.eval.evaluate import labelled_classes
 
     assert labelled_classes(SimpleNamespace(source=SimpleNamespace(labels=[-1, 0, 1, 1, -1]))) == 2
     assert labelled_classes(SimpleNamespace(source=SimpleNamespace(labels=[-1, 2, 2]))) == 1
 
 
-# -- eval/cli.py: what each option reaches --------------------------------------------------------
+# -- cli/eval.py: what each option reaches --------------------------------------------------------
 
 TINY_ARGS = ["--backbone", "random:vit", "--backbone-kwargs", json.dumps(TINY)]
 
 
 def _spy_feature_protocols(monkeypatch) -> dict:
-    """The feature protocols replaced by recorders of their constructor arguments and of the
+    """The feature protocols' evaluations replaced by recorders of their settings and of the
     features they are given; the extraction recorded, then run (without worker processes)."""
-    import ssl_vit.eval.run as run
+    import dataclasses
+
+    import ssl_vit.eval.evaluate as evaluate
 
     calls: dict = {}
+    for name in ("linear", "knn", "fewshot"):
+        def spy(self, train_f, train_l, test_f, test_l, num_classes, name=name):
+            calls[name], calls[f"{name}:data"] = dataclasses.asdict(self), (len(train_l), test_l.tolist(), num_classes)
+            return {"top1": 0.5, "1shot": 0.5}
 
-    def spy(name):
-        class Spy:
-            def __init__(self, **kwargs) -> None:
-                calls[name] = kwargs
-
-            def evaluate(self, train_f, train_l, test_f, test_l, num_classes):
-                calls[f"{name}:data"] = (len(train_l), test_l.tolist(), num_classes)
-                return {"top1": 0.5, "1shot": 0.5}
-
-        return Spy
-
-    for name in list(run.FEATURE_PROTOCOLS):
-        monkeypatch.setitem(run.FEATURE_PROTOCOLS, name, spy(name))
-    extract = run.extract_features
+        monkeypatch.setattr(evaluate.SETTINGS[name], "evaluate", spy)
+    extract = evaluate.extract_features
 
     def extraction(backbone, dataset, **kwargs):
         calls.setdefault("extract", []).append(dict(kwargs))
         return extract(backbone, dataset, **{**kwargs, "num_workers": 0})
 
-    monkeypatch.setattr(run, "extract_features", extraction)
+    monkeypatch.setattr(evaluate, "extract_features", extraction)
     return calls
 
 
@@ -323,9 +317,14 @@ def test_every_frozen_feature_option_reaches_its_protocol_and_the_extraction(tmp
             "--warmup-epochs", "3", "--lr", "0.5", "--optimizer", "lars", "--k", "3", "--temperature", "0.2", "--shots", "1", "2", "--seeds", "4",
             "--l2", "8", "--seed", "9", "--features", "avg", "--train-subset", "48", "--test-subset", "16", "--out", str(tmp_path)]
     assert cli_main(args) == 0
-    assert calls["linear"] == {"epochs": 7, "base_lr": 0.5, "optimizer": "lars", "batch_size": 32, "warmup_epochs": 3, "seed": 9}
-    assert calls["knn"] == {"k": 3, "temperature": 0.2}
-    assert calls["fewshot"] == {"shots": [1, 2], "num_seeds": 4, "l2_reg": 8.0, "seed": 9}
+
+    def picked(name, *keys):
+        return {k: calls[name][k] for k in keys}
+
+    assert picked("linear", "epochs", "base_lr", "optimizer", "batch_size", "warmup_epochs", "seed") == {
+        "epochs": 7, "base_lr": 0.5, "optimizer": "lars", "batch_size": 32, "warmup_epochs": 3, "seed": 9}
+    assert picked("knn", "k", "temperature", "seed") == {"k": 3, "temperature": 0.2, "seed": 9}
+    assert picked("fewshot", "shots", "num_seeds", "l2_reg", "seed") == {"shots": [1, 2], "num_seeds": 4, "l2_reg": 8.0, "seed": 9}
     assert [{k: e[k] for k in ("mode", "batch_size", "num_workers", "autocast_dtype")} for e in calls["extract"]] == [
         {"mode": "avg", "batch_size": 8, "num_workers": 3, "autocast_dtype": None}] * 2
     # --train-subset: 48 of the 64 training images; --test-subset: torch's randperm under --seed,
@@ -333,35 +332,39 @@ def test_every_frozen_feature_option_reaches_its_protocol_and_the_extraction(tmp
     test_labels = SyntheticDataModule(num_samples=64, num_test_samples=32, num_classes=4, img_size=16, num_workers=0).eval_datasets()[1].source.labels
     chosen = torch.randperm(32, generator=torch.Generator().manual_seed(9))[:16].sort().values
     assert calls["knn:data"] == (48, test_labels[chosen].tolist(), 4)
-    records = {json.loads(p.read_text())["protocol"]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert records["knn"]["protocol_args"] == {"k": 3, "temperature": 0.2, "features": "avg", "precision": "32-true"}
-    assert records["fewshot"]["data"]["train_size"] == 48 and records["fewshot"]["data"]["test_size"] == 16
+    results = {json.loads(p.read_text())["protocol"]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert results["knn"]["protocol_args"] == {"k": 3, "temperature": 0.2, "select_fraction": 0.1, "seed": 9, "features": "avg", "precision": "32-true"}
+    assert results["fewshot"]["data"]["train_size"] == 48 and results["fewshot"]["data"]["test_size"] == 16
 
 
 def test_as_many_neighbours_as_training_images_is_allowed(tmp_path, monkeypatch):
-    # --k: "more neighbours than the training images" is the error; k = N votes with every image.
+    # "k neighbours, but the kNN bank holds fewer" is the error; k = N votes with every image.
     calls = _spy_feature_protocols(monkeypatch)
     assert cli_main(["eval", "knn", *TINY_ARGS, *SYNTH, "--k", "64", "--out", str(tmp_path)]) == 0
     assert calls["knn"]["k"] == 64
 
 
-def _spy_image_run(monkeypatch, runner: str) -> dict:
-    import ssl_vit.eval.image_runs as image_runs
+def _spy_image_run(monkeypatch, settings: type) -> dict:
+    import dataclasses
 
     calls: dict = {}
 
-    def run(backbone, train_ds, test_ds, num_classes, **kwargs):
-        calls.update(kwargs, train_transform=train_ds.transform, num_classes=num_classes)
+    def run(self, backbone, train_ds, test_ds, num_classes, place, **kwargs):
+        calls.update(dataclasses.asdict(self), **dataclasses.asdict(place), **kwargs, train_transform=train_ds.transform, num_classes=num_classes)
+        calls["features"] = self.__dict__.get("features") or kwargs.get("features")  # (the settings' own wins)
         return {"top1": 0.5, "top5": 1.0}
 
-    monkeypatch.setattr(image_runs, runner, run)
+    monkeypatch.setattr(settings, "run", run)
     return calls
 
 
-def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_path, monkeypatch):
+def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_result(tmp_path, monkeypatch):
     from ssl_vit.data import SingleView
+    from ssl_vit.eval.finetune import FineTuneSettings
 
-    calls = _spy_image_run(monkeypatch, "run_finetune")
+    calls = _spy_image_run(monkeypatch, FineTuneSettings)
+    (tmp_path / "ft" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "ft" / "checkpoints" / "last.ckpt").write_bytes(b"")  # (--resume continues a run that has a checkpoint)
     args = ["eval", "finetune", *TINY_ARGS, *SYNTH, "--epochs", "3", "--batch-size", "8", "--max-steps", "7", "--checkpoint-every", "11",
             "--lr", "0.002", "--layer-decay", "0.5", "--drop-path", "0.2", "--label-smoothing", "0.3", "--weight-decay", "0.01",
             "--warmup-epochs", "1", "--mixup", "0.4", "--cutmix", "0.6", "--rand-augment", "3", "7", "--random-erasing", "0.2",
@@ -370,14 +373,15 @@ def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_pat
     assert cli_main(args) == 0
     want = {"epochs": 3, "batch_size": 8, "max_steps": 7, "checkpoint_every": 11, "base_lr": 0.002, "layer_decay": 0.5, "drop_path_rate": 0.2,
             "label_smoothing": 0.3, "weight_decay": 0.01, "warmup_epochs": 1.0, "mixup_alpha": 0.4, "cutmix_alpha": 0.6, "random_erasing": 0.2, "img_size": 24,
-            "seed": 5, "run_dir": str(tmp_path / "ft"), "resume": True, "num_nodes": 2, "devices": 1, "accelerator": "cpu", "num_workers": 0}
+            "seed": 5, "run_dir": tmp_path / "ft", "resume": True, "num_nodes": 2, "devices": 1, "accelerator": "cpu", "num_workers": 0}
     assert {k: calls[k] for k in want} == want
     assert isinstance(calls["train_transform"], SingleView) and calls["train_transform"].scale == (0.3, 0.9)
     assert calls["train_transform"].rand_augment == (3, 7)
-    record = json.loads((tmp_path / "ft.json").read_text())["protocol_args"]
-    assert record == {"epochs": 3, "lr": 0.002, "layer_decay": 0.5, "drop_path": 0.2, "label_smoothing": 0.3, "weight_decay": 0.01, "img_size": 24,
-                      "batch_size": 8, "mixup": 0.4, "cutmix": 0.6, "rand_augment": [3, 7], "random_erasing": 0.2, "precision": "32-true",
-                      "devices": 1, "num_nodes": 2, "warmup_epochs": 1.0, "crop_scale": [0.3, 0.9], "max_steps": 7, "seed": 5}
+    recorded = json.loads((tmp_path / "ft.json").read_text())["protocol_args"]
+    assert recorded == {"epochs": 3, "batch_size": 8, "base_lr": 0.002, "layer_decay": 0.5, "drop_path_rate": 0.2, "label_smoothing": 0.3,
+                        "weight_decay": 0.01, "warmup_epochs": 1.0, "mixup_alpha": 0.4, "cutmix_alpha": 0.6, "rand_augment": [3, 7], "random_erasing": 0.2,
+                        "augment": True, "crop_scale": [0.3, 0.9], "betas": [0.9, 0.999], "max_steps": 7, "compile_backbone": False, "img_size": 24,
+                        "seed": 5, "precision": "32-true", "devices": 1, "num_nodes": 2}
     # --no-augment: the evaluation transform (resize + centre crop), recorded without a crop.
     calls.clear()
     assert cli_main(["eval", "finetune", *TINY_ARGS, *SYNTH, "--no-augment", "--out", str(tmp_path / "plain.json")]) == 0
@@ -385,21 +389,22 @@ def test_every_fine_tuning_option_reaches_the_fine_tuning_and_its_record(tmp_pat
     assert json.loads((tmp_path / "plain.json").read_text())["protocol_args"]["crop_scale"] is None
 
 
-def test_every_option_of_the_probe_on_images_reaches_it_and_its_record(tmp_path, monkeypatch):
+def test_every_option_of_the_probe_on_images_reaches_it_and_its_result(tmp_path, monkeypatch):
     from ssl_vit.data import SingleView
+    from ssl_vit.eval.linear_augmented import LinearAugSettings
 
-    calls = _spy_image_run(monkeypatch, "run_linear_augmented")
+    calls = _spy_image_run(monkeypatch, LinearAugSettings)
     args = ["eval", "linear", "--augment", *TINY_ARGS, *SYNTH, "--epochs", "3", "--probe-batch-size", "16", "--batch-size", "8", "--max-steps", "7",
             "--checkpoint-every", "11", "--lr", "0.3", "--optimizer", "lars", "--warmup-epochs", "2", "--features", "avg", "--seed", "4",
-            "--run-dir", str(tmp_path / "lin"), "--resume", "--out", str(tmp_path / "lin.json")]
+            "--run-dir", str(tmp_path / "lin"), "--out", str(tmp_path / "lin.json")]
     assert cli_main(args) == 0
     want = {"epochs": 3, "batch_size": 16, "max_steps": 7, "checkpoint_every": 11, "base_lr": 0.3, "optimizer": "lars", "warmup_epochs": 2,
-            "features": "avg", "seed": 4, "run_dir": str(tmp_path / "lin"), "resume": True, "num_nodes": 1, "devices": 1}
+            "features": "avg", "seed": 4, "run_dir": tmp_path / "lin", "resume": False, "num_nodes": 1, "devices": 1}
     assert {k: calls[k] for k in want} == want
     assert isinstance(calls["train_transform"], SingleView) and calls["train_transform"].scale == (0.5, 1.0)  # 16 px: the small-image crop
-    record = json.loads((tmp_path / "lin.json").read_text())["protocol_args"]
-    assert record == {"epochs": 3, "base_lr": 0.3, "optimizer": "lars", "batch_size": 16, "warmup_epochs": 2, "crop_scale": [0.5, 1.0],
-                      "features": "avg", "precision": "32-true", "devices": 1, "num_nodes": 1, "seed": 4, "max_steps": 7}
+    recorded = json.loads((tmp_path / "lin.json").read_text())["protocol_args"]
+    assert recorded == {"epochs": 3, "base_lr": 0.3, "optimizer": "lars", "batch_size": 16, "warmup_epochs": 2, "crop_scale": [0.5, 1.0],
+                        "features": "avg", "precision": "32-true", "devices": 1, "num_nodes": 1, "seed": 4, "max_steps": 7}
 
 
 def _parser_defaults(*argv: str) -> dict:
@@ -412,9 +417,10 @@ def test_the_eval_commands_defaults_are_the_papers_and_the_evaluators_own():
     import inspect
 
     from ssl_vit.eval.fewshot import FewShotEvaluator
-    from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings
+    from ssl_vit.eval.finetune import FineTuneSettings
     from ssl_vit.eval.knn import KNNClassifier
     from ssl_vit.eval.linear import LinearProbe
+    from ssl_vit.eval.linear_augmented import LinearAugSettings
 
     def defaults(fn) -> dict:
         return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
@@ -450,66 +456,64 @@ def test_the_eval_commands_defaults_are_the_papers_and_the_evaluators_own():
 @pytest.mark.parametrize("size, scale", [(224, (0.08, 1.0)), (96, (0.08, 1.0)), (95, (0.5, 1.0)), (32, (0.5, 1.0))])
 def test_the_default_training_crop_is_the_papers_from_96_px_on(size, scale):
     # "(0.08, 1) (DeiT/MAE/MoCo v3/DINO) for images of 96 px or more, (0.5, 1) for smaller ones".
-    from ssl_vit.eval.image_runs import FineTuneSettings, LinearAugSettings, default_crop_scale
+    from ssl_vit.eval.finetune import FineTuneSettings, default_crop_scale
+    from ssl_vit.eval.linear_augmented import LinearAugSettings
 
-    assert default_crop_scale(size) == scale == FineTuneSettings().scale_for(size) == LinearAugSettings().scale_for(size)
-
-
-def test_a_crop_of_no_area_is_refused():
-    from ssl_vit.eval.image_runs import FineTuneSettings
-
-    with pytest.raises(ValueError, match=r"crop_scale must be \(lo, hi\) with 0 < lo <= hi <= 1, got \[0.0, 1.0\]"):
-        FineTuneSettings(crop_scale=(0.0, 1.0))
+    assert default_crop_scale(size) == scale == FineTuneSettings().train_views(size).scale == LinearAugSettings().train_views(size).scale
 
 
-def test_a_probes_own_representation_wins_over_the_callers(tmp_path, monkeypatch):
-    # linear_aug_and_record: "features: the representation where settings names none".
-    from ssl_vit.eval.image_runs import LinearAugSettings, linear_aug_and_record
+def _synthetic(**kwargs):
+    from ssl_vit.data import SyntheticDataModule
 
-    calls = _spy_image_run(monkeypatch, "run_linear_augmented")
-    common = dict(img_size=16, method="m", data_record={"name": "synthetic"}, source="random", pretrain={}, backbone_record={"name": "vit"},
-                  out=tmp_path, accelerator="cpu", devices=[1], num_nodes=1, precision="32-true", seed=0, num_workers=0, run_dir=None, resume=False)
-    ds = SimpleNamespace(transform=None)
-    result, path = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(features="avg"), features="cls", **common)
+    return SyntheticDataModule(**{"num_samples": 16, "num_test_samples": 8, "num_classes": 4, "img_size": 16, "num_workers": 0, **kwargs})
+
+
+def test_a_probes_own_representation_wins_over_the_evaluations(tmp_path, monkeypatch):
+    from ssl_vit import create_backbone
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.linear_augmented import LinearAugSettings
+    from ssl_vit.eval.train_run import ImageRun
+
+    calls = _spy_image_run(monkeypatch, LinearAugSettings)
+    backbone, on_one_gpu = create_backbone("vit", **TINY), ImageRun(devices=[1])
+    ((result, path),) = Evaluation(["linear_aug"], "cls", linear_aug=LinearAugSettings(features="avg")).run(backbone, {}, _synthetic(), tmp_path,
+                                                                                                          image_run=on_one_gpu)
     assert calls["features"] == "avg" and result.protocol_args["features"] == "avg" and path.name.endswith("linear_aug-avg.json")
     assert result.protocol_args["devices"] == 1  # [1]: one GPU, the second
-    result, _ = linear_aug_and_record(None, ds, ds, 4, LinearAugSettings(), features="last4", **{**common, "pretrain": {"steps": 3}})
+    ((result, _),) = Evaluation(["linear_aug"], "last4").run(backbone, {"pretrain": {"steps": 3}}, _synthetic(), tmp_path, image_run=on_one_gpu)
     assert calls["features"] == "last4" == result.protocol_args["features"]
     assert calls["origin"] == {"pretrain_steps": 3}  # (as fine-tuning: not resumed on another step's weights)
 
 
 def test_a_fine_tuning_on_a_chosen_gpu_records_one_device(tmp_path, monkeypatch):
     from ssl_vit import create_backbone
-    from ssl_vit.eval.image_runs import FineTuneSettings, finetune_and_record
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.finetune import FineTuneSettings
+    from ssl_vit.eval.train_run import ImageRun
 
-    calls = _spy_image_run(monkeypatch, "run_finetune")
-    ds = SimpleNamespace(transform=None)
-    result, _ = finetune_and_record(create_backbone("vit", **TINY), ds, ds, 4, FineTuneSettings(), img_size=16, new_img_size=None, method="m",
-                                    data_record={"name": "synthetic"}, normalization={}, source="random", pretrain={"steps": 7},
-                                    backbone_record={"name": "vit"}, out=tmp_path, accelerator="gpu", devices=[1], num_nodes=1,
-                                    precision="32-true", seed=0, num_workers=0, run_dir=None, resume=False)
+    calls = _spy_image_run(monkeypatch, FineTuneSettings)
+    ((result, _),) = Evaluation(["finetune"]).run(create_backbone("vit", **TINY), {"pretrain": {"steps": 7}}, _synthetic(), tmp_path,
+                                                  image_run=ImageRun(accelerator="gpu", devices=[1]))
     assert result.protocol_args["devices"] == 1 and result.protocol_args["img_size"] is None
     assert result.protocol_args["max_steps"] is None  # -1, no cap, is recorded as none
     # The run keeps the backbone's pretraining step: not resumed on the weights of another one.
     assert calls["origin"] == {"pretrain_steps": 7}
-    with pytest.raises(ValueError, match="max_steps -1 \\(no cap\\) or >= 1; got 10, 256, 500 and 0"):
-        FineTuneSettings(max_steps=0)
 
 
-# -- eval/run.py ------------------------------------------------------------------------------------
+# -- eval/evaluate.py -------------------------------------------------------------------------------
 
 
 def test_a_feature_row_with_one_nan_is_refused_and_label_zero_is_kept():
-    from ssl_vit.eval.run import check_finite, drop_unlabelled
+    from ssl_vit.eval.evaluate import labelled_features
 
     feats = torch.zeros(4, 3)
     feats[2, 1] = float("nan")
     with pytest.raises(ValueError, match="non-finite .* for 1 of 4 test images"):
-        check_finite(feats, "test")
-    f, labels = drop_unlabelled(torch.arange(4.0).view(4, 1), torch.tensor([0, -1, 1, 0]), "train")
+        labelled_features(feats, torch.zeros(4), "test")
+    f, labels = labelled_features(torch.arange(4.0).view(4, 1), torch.tensor([0, -1, 1, 0]), "train")
     assert labels.tolist() == [0, 1, 0] and f.flatten().tolist() == [0.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="no train image could be read or has a label"):
-        drop_unlabelled(torch.zeros(2, 1), torch.tensor([-1, -1]), "train")
+        labelled_features(torch.zeros(2, 1), torch.tensor([-1, -1]), "train")
 
 
 class _Labelled(Dataset):
@@ -523,40 +527,44 @@ class _Labelled(Dataset):
         return torch.full((3, 16, 16), float(i) / len(self)), self.labels[i]
 
 
-def test_the_record_counts_the_images_evaluated_and_goes_where_its_pretraining_says(tmp_path):
-    # The data sizes are of the labelled images the protocol saw; a record of the same name from
-    # another pretraining (or a file that is no record) is kept, the next free _2, _3 ... taken.
+def test_the_result_counts_the_images_evaluated_and_goes_where_its_pretraining_says(tmp_path):
+    # The data sizes are of the labelled images the protocol saw; a result of the same name from
+    # another pretraining (or a file that is no result) is kept, the next free _2, _3 ... taken.
     from ssl_vit import create_backbone
-    from ssl_vit.eval.run import evaluate_features, names_a_record, result_path
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.knn import KNNClassifier
+    from ssl_vit.eval.results import names_a_file, result_path
 
-    backbone = create_backbone("vit", **TINY)
-    train, test = _Labelled([0, 1, -1, 0, 1, 1]), _Labelled([0, -1, 1])
-    common = dict(method="m", data={"name": "synthetic"}, num_classes=2, source="run/a.ckpt", out_dir=tmp_path)
-    (first,) = evaluate_features(backbone, train, test, {"knn": {"k": 2}}, **common)
+    backbone, dm = create_backbone("vit", **TINY), _synthetic(num_classes=2)
+    dm.eval_datasets = lambda train_views=None: (_Labelled([0, 1, -1, 0, 1, 1]), _Labelled([0, -1, 1]))
+
+    def evaluate(k, source):
+        return Evaluation(["knn"], knn=KNNClassifier(k=k)).run(backbone, {"method": "m", "source": source}, dm, tmp_path)[0][0]
+
+    first = evaluate(2, "run/a.ckpt")
     assert (first.data["train_size"], first.data["test_size"]) == (5, 2)
     name = "m_vit-D32-L2-H2-4_synthetic_knn.json"
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
-    evaluate_features(backbone, train, test, {"knn": {"k": 3}}, **common)  # the same pretraining: replaced
+    evaluate(3, "run/a.ckpt")  # the same pretraining: replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
-    evaluate_features(backbone, train, test, {"knn": {"k": 2}}, **{**common, "source": "run/b.ckpt"})  # another: added
+    evaluate(2, "run/b.ckpt")  # another: added
     (tmp_path / name.replace(".json", "_3.json")).write_text("not a record")
-    (other,) = evaluate_features(backbone, train, test, {"knn": {"k": 2}}, **{**common, "source": "run/c.ckpt"})
+    other = evaluate(2, "run/c.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == [name, name.replace(".json", "_2.json"), name.replace(".json", "_3.json"),
                                                           name.replace(".json", "_4.json")]
     assert result_path(tmp_path, other) == tmp_path / name.replace(".json", "_4.json")
-    assert names_a_record(tmp_path / "R.JSON") and result_path(tmp_path / "R.JSON", other) == tmp_path / "R.JSON"
+    assert names_a_file(tmp_path / "R.JSON") and result_path(tmp_path / "R.JSON", other) == tmp_path / "R.JSON"
 
 
-def test_an_image_folders_record_name_has_no_colon(tmp_path):
-    from ssl_vit.eval.results import EvalResult
-    from ssl_vit.eval.run import result_path
+def test_an_image_folders_result_name_has_no_colon(tmp_path):
+    from ssl_vit.eval.results import EvalResult, result_path
 
     result = EvalResult(method="m", backbone={"name": "vit"}, data={"name": "imagefolder", "train_dir": "/d/flowers/train"}, protocol="knn",
                         metrics={"top1": 0.5}, protocol_args={}, pretrain={}, source="random")
     assert ":" not in result_path(tmp_path, result).name and "imagefolder-flowers-train" in result_path(tmp_path, result).name
 
 
-# -- training/cli.py, training/recipe_checks.py ---------------------------------------------------
+# -- cli/fit.py, cli/recipe_checks.py ----------------------------------------------------------------
 
 
 def _trainer(**kwargs):
@@ -569,43 +577,36 @@ def _trainer(**kwargs):
 def _vit_model(**kwargs):
     from ssl_vit import create_backbone
 
-    return SimpleNamespace(backbone=create_backbone("vit", **{**TINY, **kwargs}))
+    return SimpleNamespace(backbone=create_backbone("vit", **{**TINY, **kwargs}), check_views=lambda num_views: None)
 
 
 def test_an_image_size_the_patch_does_not_divide_in_either_side_is_refused():
-    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import validate_run
+    from ssl_vit.errors import ConfigError
 
     for img in ((16, 18), (18, 16)):
         with pytest.raises(ConfigError, match=rf"^data.img_size \({img[0]}, {img[1]}\) is not divisible by the backbone's patch size 4$"):
             validate_run(_vit_model(), SimpleNamespace(img_size=img, in_chans=3), _trainer(), None)
 
 
-def test_multi_crop_sizes_are_checked_as_it_resolves_them():
-    # MultiCrop(global_size=None) takes the data's size; its local size is then resolved from it
-    # (here given: 10, which 4-px patches do not divide). Global crops larger than the backbone's
-    # images are refused, whatever the data's own size.
-    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
-    from ssl_vit.data import MultiCrop
+def test_the_crops_a_view_transform_makes_are_checked_against_the_backbone():
+    # Every crop size (MultiCrop's local size as it resolves it: here 10, which 4-px patches do not
+    # divide); crops larger than the backbone's images are refused, whatever the data's own size.
+    from ssl_vit.cli.recipe_checks import validate_run
+    from ssl_vit.data import MultiCrop, TwoViews
+    from ssl_vit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^data.views MultiCrop.local_size 10 is not divisible by the backbone's patch size 4$"):
-        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(local_size=10)), _trainer(), None)
+    with pytest.raises(ConfigError, match=r"^data.views MultiCrop makes 10x10 crops, which the backbone's patch size 4 does not divide$"):
+        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(local_size=10).with_img_size(16)), _trainer(), None)
     with pytest.raises(ConfigError, match=r"the backbone was built for 16x16 images .* but the data gives 24x24 crops .*; set them to match$"):
-        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=MultiCrop(global_size=24, local_size=8)), _trainer(), None)
-    from ssl_vit.data import TwoViews
-
-    with pytest.raises(ConfigError, match=r"the backbone was built for 16x16 images .* but the data gives 24x24 crops"):  # one size of all views
+        validate_run(_vit_model(), SimpleNamespace(img_size=24, in_chans=3, views=MultiCrop(local_size=8).with_img_size(24)), _trainer(), None)
+    with pytest.raises(ConfigError, match=r"the backbone was built for 16x16 images .* but the data gives 24x24 crops"):  # the crops, not img_size
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3, views=TwoViews(size=24)), _trainer(), None)
 
 
-def test_a_trainer_without_any_length_is_refused_by_the_run_checks():
-    from ssl_vit.cli.recipe_checks import NO_LENGTH, ConfigError, validate_run
-
-    with pytest.raises(ConfigError, match=re.escape(NO_LENGTH)):
-        validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=-1), None)
-
-
 def test_non_square_data_is_checked_on_each_side_against_the_backbone(capsys):
-    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import validate_run
+    from ssl_vit.errors import ConfigError
 
     for img in ((16, 24), (24, 16)):  # wider or taller than the backbone's 16x16: refused
         with pytest.raises(ConfigError, match=rf"built for 16x16 images .* but the data gives {img[0]}x{img[1]} crops .*; set them to match$"):
@@ -616,28 +617,11 @@ def test_non_square_data_is_checked_on_each_side_against_the_backbone(capsys):
 
 
 def test_zero_epochs_is_refused_by_name():
-    from ssl_vit.cli.recipe_checks import ConfigError, validate_run
+    from ssl_vit.cli.recipe_checks import validate_run
+    from ssl_vit.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^trainer.max_epochs 0 trains nothing"):
         validate_run(_vit_model(), SimpleNamespace(img_size=16, in_chans=3), _trainer(max_steps=-1, max_epochs=0), None)
-
-
-@pytest.mark.parametrize("flag", ["--config={path}", "-c {path}"])
-def test_a_broken_recipe_named_in_any_spelling_is_one_line(tmp_path, flag):
-    from ssl_vit.cli.recipe_checks import ConfigError, check_yaml_files
-
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("model: {a: 1\n")
-    with pytest.raises(ConfigError, match=rf"^{broken}: not valid YAML \(line 2, column 1\)"):
-        check_yaml_files(flag.format(path=broken).split())
-
-
-def test_resume_and_a_ckpt_path_in_its_equals_form_are_refused_together():
-    from ssl_vit.cli.recipe_checks import ConfigError, normalise_argv
-
-    with pytest.raises(ConfigError, match="--resume and --ckpt_path both say where to continue from"):
-        normalise_argv(["--resume", "--ckpt_path=x.ckpt"])
-    assert normalise_argv(["--resume", "-c", "a.yaml"]) == ["--ckpt_path", "last", "-c", "a.yaml"]
 
 
 class DINO:
@@ -648,7 +632,8 @@ class DINO:
 
 
 def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_change(tmp_path):
-    from ssl_vit.cli.recipe_checks import ConfigError, check_continuable
+    from ssl_vit.cli.recipe_checks import check_continuable
+    from ssl_vit.errors import ConfigError
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {}, "ssl_vit": {"method": "DINO", "backbone": "vit_small", "backbone_kwargs": TINY}}, path)
@@ -660,7 +645,7 @@ def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_chang
     check_continuable(DINO(), str(path))  # (Lightning then compares the weights' shapes)
 
 
-# -- cli.py -------------------------------------------------------------------------------------------
+# -- cli/__init__.py: the dispatcher ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("error, code, line", [

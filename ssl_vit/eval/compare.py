@@ -1,10 +1,8 @@
-"""One table of evaluation results: SSL methods against the supervised baseline and random
-initialisation (``ssl-vit compare``; the report and its figures: :mod:`ssl_vit.eval.report`).
-
-Rows are (method, backbone[, dataset]), the backbone with the representation when it is not
-[CLS] (``vit/16 [last4]``) and, when one method and backbone were pretrained more than once, what
-tells the pretrainings apart (``vit/16 (100 ep)``). Columns are each protocol's metrics, what a
-sweep picked for the row (``linear LR``, ``knn k``), then "Δ sup" and "Δ rand": the protocol's
+"""One table of evaluation results, SSL methods against the supervised baseline and random
+initialisation (``ssl-vit compare``; its report: :mod:`ssl_vit.eval.report`). Rows are (method,
+backbone[, dataset]), the backbone with a representation other than [CLS] (``vit/16 [last4]``)
+and what tells one method's pretrainings apart (``vit/16 (100 ep)``); columns each protocol's
+metrics, what a sweep picked (``linear LR``, ``knn k``), and "Δ sup" / "Δ rand": the protocol's
 main metric minus that of the ``supervised`` / ``random`` row of the same backbone and dataset.
 """
 
@@ -16,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ssl_vit.eval.results import PROTOCOLS, EvalResult, method_order, read_json
+from ssl_vit.eval.results import PROTOCOLS, EvalResult, method_order
+from ssl_vit.io import read_json
 
 BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
 # protocol -> (its results' protocol_args key of what a sweep picked, the column's name)
@@ -80,12 +79,9 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
     return list(unique.values())
 
 
-def _metric_order(name: str) -> tuple[int, float, str]:
-    if name.startswith("top") and name[3:].isdigit():
-        return (0, float(name[3:]), name)
-    if name.endswith("shot") and name[:-4].isdigit():
-        return (1, float(name[:-4]), name)
-    return (2, 0.0, name)
+def _metric_order(name: str) -> tuple[int, float, str]:  # top1, top5, top10, then 1shot, 5shot ...
+    kind = 0 if name.startswith("top") and name[3:].isdigit() else 1 if name.endswith("shot") and name[:-4].isdigit() else 2
+    return (kind, float(name.removeprefix("top").removesuffix("shot")) if kind < 2 else 0.0, name)
 
 
 @dataclass

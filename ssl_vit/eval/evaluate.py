@@ -78,24 +78,14 @@ def labelled_features(features: Tensor, labels: Tensor, split: str) -> tuple[Ten
 
 
 class Evaluation:
-    """Evaluations of one backbone (module docstring); none by default.
-
-    Args:
-        protocols: ``finetune`` (every weight trained, a new classifier), ``linear_aug`` (the
-            papers' linear probe on augmented images), and on features ``linear``, ``knn``, ``fewshot``.
-        features: the representation of the linear probes and kNN (``cls``, DINO's ``last4`` for
-            ViT-S, ``avg``, DINO's ``cls_avg`` for ViT-B).
-        which: a checkpoint's encoder (``teacher``, ``student``, ``momentum``, a method's ``NAME``);
-            None: the method's default (DINO's teacher).
-        linear, knn, fewshot, finetune, linear_aug: the protocols' settings (None: the defaults);
-            fine-tuning runs at the data's resolution.
-        out: the results' folder (a ``.json`` file for one protocol); None after a fit:
-            ``<default_root_dir>/results``.
-        batch_size: images per forward pass of the feature extraction.
-        train_subset, test_subset: fixed random subsets of this many images (None: all), drawn from
-            the run's splits (its training split: ``data.subset`` when it has one).
-        seed: of those subsets, of the runs on images, and of the protocols whose own is None.
-    """
+    """Evaluations of one backbone (module docstring; none by default): the ``protocols`` with their
+    settings (None: the defaults; fine-tuning runs at the data's resolution); ``features``: the
+    linear probes' and kNN's representation (``cls``, ``last4``, ``avg``, ``cls_avg``); ``which``:
+    a checkpoint's encoder (None: the method's default, DINO's teacher); ``out``: the results'
+    folder (None after a fit: ``<default_root_dir>/results``); ``batch_size``: of the feature
+    extraction; ``train_subset``, ``test_subset``: fixed random subsets of the splits (the run's
+    ``data.subset`` already one); ``seed``: of those, of the runs on images, of the protocols
+    whose own is None."""
 
     def __init__(self, protocols: list[Protocol] | None = None, features: FeatureMode = "cls", which: str | None = None,
                  linear: LinearProbe | None = None, knn: KNNClassifier | None = None, fewshot: FewShotEvaluator | None = None,
@@ -189,19 +179,13 @@ class Evaluation:
     def run(self, backbone: nn.Module, info: Mapping[str, Any], datamodule: Any, out: str | Path, *, device: str | None = None,
             image_run: ImageRun | None = None, run_dirs: Mapping[str, Any] | None = None, head: nn.Linear | None = None,
             ) -> list[tuple[results.EvalResult, Path]]:
-        """Run the protocols on ``backbone`` and ``datamodule.eval_datasets()``; every process of a
-        run calls this: process 0 returns the results and their files, the others [].
-
-        Args:
-            info: what the results say of the backbone (``load_any_backbone``'s info): ``method``,
-                ``source``, ``pretrain``, ``which``.
-            out: the results' folder (or file, for one protocol).
-            device: where the features are extracted.
-            image_run: where and how the protocols on images train (its precision is the
-                extraction's too); ``run_dirs``: their checkpoint folders by protocol (a run whose
-                folder holds a checkpoint continues with ``image_run.resume``).
-            head: the classifier fine-tuning trains in place (None: a new one).
-        """
+        """Run the protocols on ``backbone`` and ``datamodule.eval_datasets()`` and write their results
+        into ``out``; every process of a run calls this, process 0 returns the results and their
+        files. ``info``: what the results say of the backbone (``load_any_backbone``'s: ``method``,
+        ``source``, ``pretrain``, ``which``); ``device``: of the feature extraction; ``image_run``:
+        where and how the runs on images train (its precision is the extraction's too), into
+        ``run_dirs`` (by protocol; one holding a checkpoint continues with ``image_run.resume``);
+        ``head``: the classifier fine-tuning trains in place (None: a new one)."""
         image_run, done = image_run or ImageRun(seed=self.seed), []
         if len(self.protocols) > 1 and results.names_a_file(out):
             raise ValueError(f"{len(self.protocols)} protocols write {len(self.protocols)} results: the output (--out) must be a folder, not the file {out}")
@@ -218,7 +202,7 @@ class Evaluation:
 
         for protocol in self.image_protocols:
             s, size = self.settings[protocol], datamodule.img_size
-            train_ds, test_ds, num_classes = self._splits(datamodule, s.train_views(size))
+            train_ds, test_ds, num_classes = self._splits(datamodule, views := s.train_views(size))
             run_dir = Path(run_dirs[protocol]) if run_dirs and run_dirs.get(protocol) else None
             place = replace(image_run, run_dir=run_dir, resume=image_run.resume and run_dir is not None and newest_checkpoint(run_dir / "checkpoints") is not None)
             kwargs: dict[str, Any] = {"origin": {"pretrain_steps": common["pretrain"].get("steps")}}
@@ -230,7 +214,7 @@ class Evaluation:
                 extra, kwargs["features"] = {"features": s.features or self.features}, self.features
             if (metrics := s.run(backbone, train_ds, test_ds, num_classes, place, **kwargs)) is None:
                 return []  # another process of a distributed run: process 0 tests and writes the result
-            write(protocol, s, metrics, len(train_ds), len(test_ds), crop_scale=(scale := s.scale_for(size)) and list(scale), **extra,
+            write(protocol, s, metrics, len(train_ds), len(test_ds), crop_scale=views and list(views.scale), **extra,
                   max_steps=None if s.max_steps == -1 else s.max_steps, seed=place.seed, precision=place.precision, devices=place.device_count,
                   num_nodes=place.num_nodes)
         if not self.frozen_protocols or rank_zero_only.rank != 0:

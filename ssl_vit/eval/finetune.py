@@ -106,22 +106,13 @@ def default_crop_scale(img_size: int) -> tuple[float, float]:
 @dataclass
 class FineTuneSettings:
     """The fine-tuning protocol (``ssl-vit eval finetune``, a recipe's ``evaluate.finetune``): MAE's
-    ViT-B recipe (``FINETUNE.md``) but 10 epochs, a first look.
-
-    Args:
-        batch_size: images per process and step; the LR ``base_lr · global batch / 256`` (MAE ViT-B:
-            5e-4 with ``layer_decay`` 0.65 (1: off); ViT-L: 1e-3 with 0.75).
-        drop_path_rate: stochastic depth at the last block (ViTs); label smoothing, AdamW's weight
-            decay and ``betas``, ``warmup_epochs``: MAE's.
-        mixup_alpha, cutmix_alpha: MixUp / CutMix (MAE: 0.8 / 1.0; 0: off; both: one per batch).
-        rand_augment: ``(ops, magnitude)`` of RandAugment on the crops (MAE: 2, 9); None: off.
-        random_erasing: the probability of a random box (2-33 % of the image) of noise, before
-            MixUp (Zhong et al. 2020; MAE: 0.25).
-        augment, crop_scale: train on a random resized crop (+ flip) of this area range (None:
-            :func:`default_crop_scale`); False: on the evaluation transform.
-        max_steps: a cap on the optimiser steps (-1: none); ``checkpoint_every``: the run's interval.
-        compile_backbone: ``torch.compile`` its blocks with ``compile_backend`` (for GPUs).
-    """
+    ViT-B recipe (``FINETUNE.md``; ViT-L: ``base_lr`` 1e-3, ``layer_decay`` 0.75, 1: off) but 10
+    epochs, a first look. ``batch_size`` is per process, the LR ``base_lr · global batch / 256``;
+    ``drop_path_rate`` at the last block (ViTs); MixUp / CutMix (MAE: 0.8 / 1.0; 0: off; both: one
+    per batch), RandAugment ``(ops, magnitude)`` (MAE: 2, 9) and ``random_erasing`` of a box of
+    noise before MixUp (Zhong et al. 2020; MAE: 0.25); ``augment``: a random resized crop (+ flip)
+    of ``crop_scale`` (None: :func:`default_crop_scale`), else the evaluation transform;
+    ``max_steps``: a cap (-1: none); ``compile_backbone``: ``torch.compile`` its blocks (GPUs)."""
 
     epochs: int = 10
     batch_size: int = 256
@@ -143,14 +134,9 @@ class FineTuneSettings:
     compile_backbone: bool = False
     compile_backend: str = "inductor"
 
-    def scale_for(self, img_size: int) -> tuple[float, float] | None:
-        """The training crop's area range at this resolution (None: not augmented)."""
-        return (self.crop_scale or default_crop_scale(img_size)) if self.augment else None
-
     def train_views(self, img_size: int) -> SingleView | None:
         """The training images' transform (None: the evaluation transform)."""
-        scale = self.scale_for(img_size)
-        return None if scale is None else SingleView(scale=tuple(scale), rand_augment=self.rand_augment)
+        return SingleView(scale=tuple(self.crop_scale or default_crop_scale(img_size)), rand_augment=self.rand_augment) if self.augment else None
 
     def run(self, backbone: nn.Module, train_ds: Dataset, test_ds: Dataset, num_classes: int, run: ImageRun | None = None, *,
             head: nn.Linear | None = None, run_info: Mapping[str, Any] | None = None, origin: Mapping[str, Any] | None = None,

@@ -1,17 +1,10 @@
 """The papers' linear evaluation: a linear classifier trained on augmented images through the
 frozen backbone (MoCo v3 ``main_lincls.py``, DINO ``eval_linear.py``, MAE ``main_linprobe.py``).
-
-Unlike :class:`~ssl_vit.eval.linear.LinearProbe`, which fits its head on features extracted once
-from the evaluation transform, every step here runs a random resized crop and flip of each image
-through the backbone, as the papers' ImageNet numbers are measured: one backbone pass per image
-and epoch, and usually a little higher accuracy.
-
-- the backbone is frozen and kept in eval mode (a ResNet's BatchNorm on its running statistics,
-  no dropout or drop path: MoCo v3 ``main_lincls.py`` "model.eval()");
-- the head is :class:`~ssl_vit.heads.LinearProbeHead` (BatchNorm without affine, then Linear;
-  MAE), on the chosen representation (``ssl_vit.eval.features``);
-- SGD with momentum 0.9 or LARS (MAE), weight decay 0, ``lr = base_lr · batch / 256``, a linear
-  warm-up then cosine decay to 0 per step; the test on the evaluation transform.
+Unlike :class:`~ssl_vit.eval.linear.LinearProbe` on features extracted once, each step runs a
+random resized crop and flip of every image through the backbone, as the papers' ImageNet numbers
+are measured. The backbone stays in eval mode (a ResNet's BatchNorm on its running statistics, no
+dropout or drop path: "model.eval()"); the head is MAE's BN + linear on the chosen representation;
+SGD with momentum 0.9 or LARS, weight decay 0, ``lr = base_lr · batch / 256``, warm-up then cosine.
 """
 
 from __future__ import annotations
@@ -36,20 +29,11 @@ from ssl_vit.heads import LinearProbeHead
 
 @dataclass
 class LinearAugSettings:
-    """The papers' linear evaluation (module docstring): ``ssl-vit eval linear --augment``'s
-    options, a recipe's ``evaluate.linear_aug``.
-
-    Args:
-        epochs: passes over the training split (MAE: 90, DINO: 100).
-        batch_size: images per process and step; the LR scales with the global batch.
-        base_lr: LR per 256 images; None: 0.01 with SGD, 0.1 with LARS (MAE's probe).
-        optimizer: ``sgd`` (momentum 0.9) or ``lars`` (MAE).
-        warmup_epochs: linear LR warm-up before the cosine decay (MAE: 10 of 90).
-        crop_scale: the crop's area range; None: ``default_crop_scale``.
-        features: the representation (``last4``: DINO's for ViT-S); None: the evaluation's.
-        max_steps: stop after this many optimiser steps (-1: no cap; the LR schedule follows).
-        checkpoint_every: steps between the run's checkpoints.
-    """
+    """The papers' linear evaluation (``ssl-vit eval linear --augment``, a recipe's
+    ``evaluate.linear_aug``): ``epochs`` (MAE: 90, DINO: 100) of ``batch_size`` images per process;
+    ``base_lr`` per 256 images (None: :data:`PROBE_BASE_LR`); ``warmup_epochs`` (MAE: 10);
+    ``crop_scale`` (None: ``default_crop_scale``); ``features`` (None: the evaluation's);
+    ``max_steps`` (-1: no cap); ``checkpoint_every`` step of the run."""
 
     epochs: int = 100
     batch_size: int = 256
@@ -65,11 +49,8 @@ class LinearAugSettings:
         if self.base_lr is None:  # (the LR that runs is the one recorded)
             self.base_lr = PROBE_BASE_LR[self.optimizer]
 
-    def scale_for(self, img_size: int) -> tuple[float, float]:
-        return self.crop_scale or default_crop_scale(img_size)
-
     def train_views(self, img_size: int) -> SingleView:
-        return SingleView(scale=tuple(self.scale_for(img_size)))
+        return SingleView(scale=tuple(self.crop_scale or default_crop_scale(img_size)))
 
     def run(self, backbone: nn.Module, train_ds: Dataset, test_ds: Dataset, num_classes: int, run: ImageRun | None = None,
             features: FeatureMode = "cls", origin: Mapping[str, Any] | None = None) -> dict[str, float] | None:

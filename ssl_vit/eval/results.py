@@ -1,10 +1,7 @@
-"""The result every evaluation writes: one JSON per (backbone, protocol), which ``ssl-vit compare``
-tabulates, and the names it gives backbones and datasets.
+"""The result every evaluation writes, one JSON per (backbone, protocol), which ``ssl-vit compare``
+tabulates; and the names results give backbones and datasets. Metrics are fractions in [0, 1]::
 
-Metrics are fractions in [0, 1] (``top1``, ``top5``, ``5shot`` ...); summaries print percentages::
-
-    EvalResult(method="dino", backbone={"name": "vit_tiny", "kwargs": {"patch_size": 4}},
-               data={"name": "fashion_mnist"}, protocol="knn", metrics={"top1": 0.8123}).summary_line()
+    EvalResult("dino", {"name": "vit_tiny", "kwargs": {"patch_size": 4}}, {"name": "fashion_mnist"}, "knn", {"top1": 0.8123}).summary_line()
     # 'knn       dino  vit_tiny/4  fashion_mnist  top1=81.23%'
 """
 
@@ -16,7 +13,6 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,27 +25,22 @@ if TYPE_CHECKING:
 
 # linear_aug: the linear probe trained on augmented images (the papers' protocol).
 PROTOCOLS: tuple[str, ...] = ("linear", "linear_aug", "knn", "fewshot", "finetune")
-# The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
+# The number a protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
 MAIN_METRIC: dict[str, str] = {"linear": "top1", "linear_aug": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
 # A datamodule as ``--data`` and results name it.
 DATASETS: dict[str, str] = {"fashion_mnist": "FashionMNISTDataModule", "cifar10": "CIFAR10DataModule", "cifar100": "CIFAR100DataModule",
                             "stl10": "STL10DataModule", "imagefolder": "ImageFolderDataModule", "synthetic": "SyntheticDataModule"}
-# The arguments that size a backbone of free shape, with their tags in labels: two ``vit`` of
-# other sizes are rows of their own in ``compare``, each compared with a baseline of its size.
-SHAPE_TAGS: tuple[tuple[str, str], ...] = (("resnet", "r{}"), ("num_stages", "S{}"), ("layers", "B{}"), ("embed_dim", "D{}"), ("depth", "L{}"),
-                                           ("num_heads", "H{}"), ("mlp_ratio", "M{}"))
+# The arguments that size a backbone of free shape, and their tags in its label: two ``vit`` of
+# other sizes are rows of their own, each compared with a baseline of its size.
+SHAPE_TAGS = {"resnet": "r{}", "num_stages": "S{}", "layers": "B{}", "embed_dim": "D{}", "depth": "L{}", "num_heads": "H{}", "mlp_ratio": "M{}"}
 
 
 def topk_accuracy(scores: Tensor, labels: Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
-    """``{"top{k}": fraction of rows of scores [Q, C] whose label is among their k highest}``; a
-    k is left out when there are fewer than k classes (top-5 of 3 classes means nothing)."""
-    assert scores.ndim == 2 and scores.shape[0] == labels.shape[0]
-    ks = tuple(k for k in ks if k <= scores.shape[1])
-    if not ks:
-        return {}
-    ranked = scores.topk(max(ks), dim=1).indices  # [Q, max k], best first
-    labels = labels.to(scores.device).long()[:, None]
-    return {f"top{k}": (ranked[:, :k] == labels).any(dim=1).float().mean().item() for k in ks}
+    """``{"top{k}": the share of rows of scores [Q, C] whose label is among their k highest}``, for
+    the k below the class count (top-5 of 3 classes means nothing)."""
+    ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices  # [Q, k], best first
+    hits = ranked == labels.to(scores.device).long()[:, None]  # [Q, k]
+    return {f"top{k}": hits[:, :k].any(dim=1).float().mean().item() for k in ks if k <= scores.shape[1]}
 
 
 def method_order(method: str) -> tuple[int, str]:
@@ -58,72 +49,49 @@ def method_order(method: str) -> tuple[int, str]:
 
 
 def backbone_info(model: nn.Module, encoder: str | None = None) -> dict[str, Any]:
-    """``{"name", "kwargs"}`` of a backbone made by ``create_backbone`` (else its class name), and
+    """``{"name", "kwargs"}`` of a backbone made by ``create_backbone`` (else its class name), with
     ``"encoder"``: a checkpoint's encoder other than the method's default (DINO's student)."""
     info = {"name": getattr(model, "backbone_name", type(model).__name__), "kwargs": dict(getattr(model, "backbone_kwargs", {}))}
     return info if encoder is None else {**info, "encoder": encoder}
 
 
-def shape_tags(kwargs: Mapping[str, Any]) -> list[str]:
-    """``{"resnet": "resnet18", "num_stages": 1, "embed_dim": 64}`` -> ``["r18", "S1", "D64"]``."""
-    def text(value: Any) -> str:
-        if isinstance(value, list | tuple):
-            return ".".join(map(text, value))
-        return f"{value:g}" if isinstance(value, float) else str(value).removeprefix("resnet")
-
-    return [fmt.format(text(kwargs[key])) for key, fmt in SHAPE_TAGS if kwargs.get(key) is not None]
-
-
 def dataset_name(class_name: str, path: str | None = None) -> str:
-    """``FashionMNISTDataModule`` -> ``fashion_mnist``; a datamodule of one's own by its import
-    path when known (``mypkg.data.Flowers``, as ``--data`` takes it), also when it is named like
-    a built-in one: its results are not the built-in dataset's."""
+    """``FashionMNISTDataModule`` -> ``fashion_mnist``; a datamodule of one's own by its import path
+    (``mypkg.data.Flowers``, as ``--data`` takes it), also one named like a built-in one."""
     builtin = path is None or path.startswith("ssl_vit.data.")
     return next((name for name, cls in DATASETS.items() if cls == class_name and builtin), path or class_name)
 
 
 def datamodule_name(datamodule: Any) -> str:
-    """A datamodule's name in results, so that ``compare`` puts a recipe's beside ``ssl-vit eval``'s."""
     cls = type(datamodule)
     return dataset_name(cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
 
 
 def data_label(data: Mapping[str, Any]) -> str:
-    """A dataset's name, with the last two parts of an image folder's folder
-    (``imagefolder:flowers/train``): every such dataset has the one name."""
+    """A dataset's name, with the last two parts of an image folder's folder (``imagefolder:flowers/train``)."""
     folders = [data[k] for k in ("train_dir", "val_dir") if isinstance(data.get(k), str)]
     return str(data["name"]) + (":" + "/".join(Path(folders[0]).parts[-2:]) if folders else "")
 
 
 def pretraining_data(data: Mapping[str, Any] | None) -> str | None:
-    """The data a checkpoint was pretrained on (its data record: class name, ``class`` path,
-    folders), named as results name datasets; None when it records none."""
-    if not data or not isinstance(data.get("name"), str):
-        return None
-    return data_label({**data, "name": dataset_name(data["name"], data.get("class"))})
+    """The data a checkpoint's data record names, as results name datasets; None when it names none."""
+    return data_label({**data, "name": dataset_name(data["name"], data.get("class"))}) if data and isinstance(data.get("name"), str) else None
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-@dataclass
+@dataclasses.dataclass
 class EvalResult:
     """One evaluation of one backbone by one protocol.
 
     Attributes:
-        method: the pretext method (``mpp``, ``mocov3``, ``dino`` ...), ``supervised`` or
-            ``random`` (untrained weights: the lower bound).
+        method: the pretext method (``mpp``, ``dino`` ...), ``supervised`` or ``random`` (untrained).
         backbone: ``{"name": registry name, "kwargs": create_backbone kwargs[, "encoder"]}``.
         data: ``{"name": dataset, ...}`` with e.g. ``train_dir``, ``train_size``, ``test_size``.
-        protocol: one of :data:`PROTOCOLS`.
-        metrics: name -> value, accuracies as fractions in [0, 1].
-        protocol_args: the protocol's settings (k, epochs, feature mode, what a sweep picked ...).
+        protocol: one of :data:`PROTOCOLS`; ``metrics``: accuracies as fractions in [0, 1].
+        protocol_args: the protocol's settings (and what a sweep picked).
         pretrain: what the backbone cost and was pretrained on: ``steps``, ``epochs``, ``flops``,
-            ``wall_time_s``, ``data``, ``checkpoint`` (its absolute path, also for an export of it).
+            ``data``, ``checkpoint`` (its absolute path, also for an export of it) ...
         source: the checkpoint or export the backbone came from, or ``"random"``.
-        created: ISO-8601 time of the evaluation (UTC).
-        ssl_vit_version: the package version that wrote the result.
+        created: the evaluation's time (ISO 8601, UTC); ``ssl_vit_version``: the writer's.
     """
 
     method: str
@@ -131,10 +99,10 @@ class EvalResult:
     data: dict[str, Any]
     protocol: str
     metrics: dict[str, float]
-    protocol_args: dict[str, Any] = field(default_factory=dict)
-    pretrain: dict[str, Any] = field(default_factory=dict)
+    protocol_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pretrain: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "random"
-    created: str = field(default_factory=_now)
+    created: str = dataclasses.field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     ssl_vit_version: str = __version__
 
     def __post_init__(self) -> None:
@@ -154,32 +122,32 @@ class EvalResult:
     @property
     def backbone_label(self) -> str:
         """``vit_tiny/4`` (name/patch), with the size of a backbone of free shape: ``vit-D128-L4-H4/7``."""
+        def text(v: Any) -> str:
+            return ".".join(map(text, v)) if isinstance(v, list | tuple) else f"{v:g}" if isinstance(v, float) else str(v).removeprefix("resnet")
+
         kwargs = self.backbone["kwargs"]
-        name = "-".join([self.backbone["name"], *shape_tags(kwargs)])
+        name = "-".join([self.backbone["name"], *(tag.format(text(kwargs[k])) for k, tag in SHAPE_TAGS.items() if kwargs.get(k) is not None)])
         return name if kwargs.get("patch_size") is None else f"{name}/{kwargs['patch_size']}"
 
     @property
     def features(self) -> str | None:
-        """The representation when not the default [CLS] (``last4``, ``avg``): another row."""
-        mode = self.protocol_args.get("features")
-        return None if mode in (None, "cls") else str(mode)
+        """The representation when not [CLS] (``last4``, ``avg``): results on it are rows of their own."""
+        return None if self.protocol_args.get("features") in (None, "cls") else str(self.protocol_args["features"])
 
     @property
     def encoder(self) -> str | None:
-        """A checkpoint's encoder other than the method's default (``student`` of DINO), else None."""
         return self.backbone.get("encoder")
 
     @property
     def comparable_label(self) -> str:
-        """``vit_tiny/4 [last4]``: a row is compared with the baseline row of this label."""
+        """``vit_tiny/4 [last4]``: a row is compared with the baseline's row of this label."""
         return self.backbone_label + (f" [{self.features}]" if self.features else "")
 
     @property
     def label(self) -> str:
-        """``comparable_label`` with the encoder when not the default: ``vit_tiny/4 [student, last4]``."""
-        if self.encoder is None:
-            return self.comparable_label
-        return f"{self.backbone_label} [{', '.join([self.encoder, *([self.features] if self.features else [])])}]"
+        """``vit_tiny/4 [student, last4]``: the comparable label with the encoder when not the default."""
+        tags = [t for t in (self.encoder, self.features) if t]
+        return f"{self.backbone_label} [{', '.join(tags)}]" if self.encoder else self.comparable_label
 
     @property
     def data_label(self) -> str:
@@ -187,9 +155,8 @@ class EvalResult:
 
     @property
     def pretraining(self) -> tuple[str, Any]:
-        """Which pretraining the backbone came from: its checkpoint (the same for an export of it)
-        and the step it was saved at. Results of other pretrainings (another run, or the same
-        ``last.ckpt`` further on) are rows and files of their own."""
+        """Which pretraining the backbone came from: its checkpoint (also for an export of it) and
+        the step it was saved at; results of other pretrainings are rows and files of their own."""
         return (os.path.normpath(self.pretrain.get("checkpoint") or self.source), self.pretrain.get("steps"))
 
     @property
@@ -198,11 +165,10 @@ class EvalResult:
 
     def summary_line(self) -> str:
         """``knn       dino  vit_tiny/4  fashion_mnist  top1=81.23% top5=99.10%`` (and a sweep's pick)."""
-        shown = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")]
-        args = self.protocol_args
+        shown, args = [f"{k}={100 * v:.2f}%" for k, v in self.metrics.items() if not k.endswith("_std")], self.protocol_args
         if args.get("selected_base_lr") is not None:
-            swept = args.get("base_lr")
-            shown.append(f"(base_lr {args['selected_base_lr']:g}, picked of {' '.join(f'{lr:g}' for lr in swept) if isinstance(swept, list) else swept})")
+            swept = " ".join(f"{lr:g}" for lr in args["base_lr"]) if isinstance(args.get("base_lr"), list) else args.get("base_lr")
+            shown.append(f"(base_lr {args['selected_base_lr']:g}, picked of {swept})")
         if args.get("selected_k") is not None:
             shown.append(f"(k {args['selected_k']}, picked of {' '.join(map(str, args.get('k', [])))})")
         return f"{self.protocol:<9} {self.method}  {self.label}  {self.data_label}  {' '.join(shown)}"
@@ -218,8 +184,7 @@ class EvalResult:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if unknown := sorted(set(d) - set(fields)):
             raise ValueError(f"{where}: unknown field(s) {unknown}; an EvalResult has {', '.join(fields)}")
-        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing := [n for n in required if n not in d]:
+        if missing := [n for n, f in fields.items() if f.default is f.default_factory is dataclasses.MISSING and n not in d]:
             raise ValueError(f"{where}: missing field(s) {missing}")
         try:
             return cls(**d)
@@ -241,17 +206,16 @@ def names_a_file(out: str | Path) -> bool:
 
 
 def result_path(out: str | Path, result: EvalResult) -> Path:
-    """Where a result goes: ``out`` itself when it names a ``.json`` file, else a file in the
-    folder ``out`` named after method, backbone (and encoder), data and protocol (and a
-    representation other than [CLS]: ``..._linear-last4.json``). A file of that name holding
-    another pretraining's result is kept: the first of ``..._2.json``, ``..._3.json`` ... that is
-    free or holds this pretraining's is taken, so evaluating a run again replaces its result and
-    evaluating another run adds one."""
+    """``out`` itself when it names a ``.json`` file, else a file in the folder ``out`` named after
+    method, backbone (and encoder), data and protocol (and a representation other than [CLS]:
+    ``..._linear-last4.json``). A file of that name holding another pretraining's result is kept:
+    the first of ``..._2.json``, ``..._3.json`` ... that is free or holds this pretraining's is
+    taken, so evaluating a run again replaces its result and evaluating another adds one."""
     if names_a_file(out):
         return Path(out)
     label = result.backbone_label.replace("/", "-") + (f"-{result.encoder}" if result.encoder else "")
-    protocol = result.protocol + (f"-{result.features}" if result.features else "")
-    stem = f"{result.method}_{label}_{result.data_label.replace(':', '-').replace('/', '-')}_{protocol}"
+    stem = f"{result.method}_{label}_{result.data_label.replace(':', '-').replace('/', '-')}_{result.protocol}"
+    stem += f"-{result.features}" if result.features else ""
     for n in itertools.count(1):
         path = Path(out) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
         try:

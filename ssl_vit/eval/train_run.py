@@ -35,8 +35,6 @@ from ssl_vit.training.checkpoint import (
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.progress import ProgressLog
 
-SETTINGS_KEY = "ssl_vit_run"  # a checkpoint's record of the settings its run was started with
-
 
 @dataclass
 class ImageRun:
@@ -153,17 +151,15 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
     per_epoch = max(1, len(train_loader))
     total = settings.epochs * per_epoch if settings.max_steps < 0 else min(settings.max_steps, settings.epochs * per_epoch)
     module = make_module(total, per_epoch, trainer.world_size)
-    # What the run is started with: a resume restores its optimiser and LR schedule, so other
-    # settings would not run while the result claimed them.
-    started = {"epochs": settings.epochs, "max_steps": settings.max_steps, "seed": run.seed, **dict(module.hparams),
-               **({"origin": dict(origin)} if origin is not None else {})}
-    trainer.callbacks.append(_KeepSettings(started))
+    # What the run is started with, kept in its checkpoints' hyperparameters: a resume restores its
+    # optimiser and LR schedule, so other settings would not run while the result claimed them.
+    module.hparams.update(epochs=settings.epochs, max_steps=settings.max_steps, seed=run.seed, **({"origin": dict(origin)} if origin else {}))
     if held is not None and ckpt_path is not None:
         trained, difference = f"is a {what} run of another backbone or setting", resume_difference(module, held)
         if what == "fine-tuning":
             trained = "was fine-tuned from another backbone"
         if difference is None:
-            trained, difference = f"is a {what} run started with other settings", settings_difference(held.get(SETTINGS_KEY), started)
+            trained, difference = f"is a {what} run started with other settings", settings_difference(held.get("hyper_parameters"), module.hparams)
         if difference is not None:  # said before Lightning loads it
             raise ValueError(f"--run-dir {run.run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
     held = None  # (its file mapping closed before the run replaces the file)
@@ -189,16 +185,6 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
     test_loader = DataLoader(test_ds, batch_size=settings.batch_size, shuffle=False, num_workers=run.num_workers)
     (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
     return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}
-
-
-class _KeepSettings(L.Callback):
-    """Writes the run's settings into its checkpoints (:data:`SETTINGS_KEY`)."""
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[SETTINGS_KEY] = dict(self.settings)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any] | None:
