@@ -105,7 +105,7 @@ def test_eval_writes_a_result_record(tmp_path, capsys, protocol, extra, metric):
     assert record["protocol"] == protocol and record["method"] == "random" and record["data"]["name"] == "synthetic"
     assert 0.0 <= record["metrics"][metric] <= 1.0 and record["backbone"]["name"] == "vit"
     assert f"{protocol}" in capsys.readouterr().out
-    assert cli_main([*args, "--out", str(tmp_path / "named.json")]) == 0  # the record file, named
+    assert cli_main([*args, "--out", str(tmp_path / "named.json")]) == 0  # the result file, named
     assert json.loads((tmp_path / "named.json").read_text())["method"] == "random"
     if protocol == "finetune":  # trained on augmented images; 16-px images: the small-image crop scale
         assert record["protocol_args"]["crop_scale"] == [0.5, 1.0] and record["protocol_args"]["mixup_alpha"] == 0.8
@@ -571,8 +571,8 @@ def _not_reached(monkeypatch, what: str) -> None:
         (["finetune"], ["--export", "{tmp}/file/exp"], "--export {tmp}/file/exp: {tmp}/file exists and is not a folder"),
         (["finetune"], ["--export", "{tmp}/file/sub/exp"], "--export {tmp}/file/sub/exp: cannot create the folder {tmp}/file/sub: {tmp}/file is not a folder"),
         (["linear", "--augment"], ["--out", "{tmp}/file/res"], "--out {tmp}/file/res: cannot create the folder {tmp}/file/res: {tmp}/file is not a folder"),
-        (["knn"], ["--out", "{tmp}/file"], "--out {tmp}/file: exists and is not a folder; name a folder for the records, or a record file ending in .json"),
-        (["knn"], ["--out", "{tmp}/dir.json"], "--out {tmp}/dir.json: is a folder; a name ending in .json names the record file itself"),
+        (["knn"], ["--out", "{tmp}/file"], "--out {tmp}/file: exists and is not a folder; name a folder for the results, or a result file ending in .json"),
+        (["knn"], ["--out", "{tmp}/dir.json"], "--out {tmp}/dir.json: is a folder; a name ending in .json names the result file itself"),
     ],
 )
 def test_an_output_that_cannot_be_written_fails_before_the_evaluation(tmp_path, monkeypatch, capsys, protocol, out, message):

@@ -142,7 +142,7 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_results([tmp_path / "nothing.json"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no result records"):
+    with pytest.raises(ValueError, match="no results found"):
         load_results([tmp_path / "empty"])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"protocol": "knn", "metrics": {}, "method": "x"}))
@@ -153,7 +153,7 @@ def test_bad_inputs(tmp_path):
 def test_a_folder_without_records_says_why_each_file_was_skipped(tmp_path, results_dir):
     d = tmp_path / "none"
     d.mkdir()
-    with pytest.raises(ValueError, match=re.escape(f"no result records found in {d} (no *.json files)")):
+    with pytest.raises(ValueError, match=re.escape(f"no results found in {d} (no *.json files)")):
         load_results([d])
     (d / "a.json").write_text(json.dumps({"method": "dino"}))
     (d / "b.json").write_text(json.dumps([1, 2]))
@@ -163,13 +163,13 @@ def test_a_folder_without_records_says_why_each_file_was_skipped(tmp_path, resul
     with pytest.raises(ValueError) as err:
         load_results([d])
     assert str(err.value) == (
-        f"no result records found in {d}: {d / 'a.json'}: no 'protocol'/'metrics' fields; "
+        f"no results found in {d}: {d / 'a.json'}: no 'protocol'/'metrics' fields; "
         f"{d / 'b.json'}: item [0] of a list: a JSON number, not an object; "
         f"{d / 'c.json'}: item [0] of a list: no 'protocol'/'metrics' fields; and 2 more file(s)"
     )
     empty = tmp_path / "empty.json"
     empty.write_text("[]")
-    with pytest.raises(ValueError, match=re.escape(f"no result records found in {empty}: {empty}: an empty list")):
+    with pytest.raises(ValueError, match=re.escape(f"no results found in {empty}: {empty}: an empty list")):
         load_results([empty])
     # beside records, files that hold none are still skipped without a word
     assert len(load_results([d, results_dir])) == len(load_results([results_dir]))
@@ -374,7 +374,7 @@ def test_a_result_file_that_is_not_json_is_named(tmp_path):
 def test_a_list_of_records_with_a_broken_item_in_a_folder_is_named(results_dir, tmp_path):
     good = EvalResult("dino", BACKBONE, DATA, "knn", {"top1": 0.5}).to_dict()
     (results_dir / "mixed.json").write_text(json.dumps([good, {"protocol": "knn"}]))
-    with pytest.raises(ValueError, match=r"mixed.json: item \[1\] of a list: no 'metrics' field, beside result records"):
+    with pytest.raises(ValueError, match=r"mixed.json: item \[1\] of a list: no 'metrics' field, beside results"):
         load_results([results_dir])
 
 

@@ -354,7 +354,7 @@ def test_the_eval_option_rules_take_their_documented_bounds(tmp_path):
     assert ok("rand_augment", [2, 30]) and not ok("rand_augment", [2, 31])  # torchvision's magnitude bins
     assert ok("random_erasing", 1.0) and not ok("random_erasing", 1.01)
     (tmp_path / "dir.JSON").mkdir()
-    with pytest.raises(ValueError, match="is a folder; a name ending in .json names the record file itself"):
+    with pytest.raises(ValueError, match="is a folder; a name ending in .json names the result file itself"):
         check_out(str(tmp_path / "dir.JSON"))
 
 

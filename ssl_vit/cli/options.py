@@ -149,9 +149,9 @@ def check_out(out: str, create: bool = False) -> None:
     """``--out``: a folder of results, or a result file (``*.json``) in one, that can be written."""
     path, is_file = Path(out).expanduser(), Path(out).suffix.lower() == ".json"
     if is_file and path.is_dir():
-        raise ValueError(f"--out {out}: is a folder; a name ending in .json names the record file itself")
+        raise ValueError(f"--out {out}: is a folder; a name ending in .json names the result file itself")
     if not is_file and path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a folder; name a folder for the records, or a record file ending in .json")
+        raise ValueError(f"--out {out}: exists and is not a folder; name a folder for the results, or a result file ending in .json")
     check_output_folder(path.parent if is_file else path, f"--out {out}", create)
 
 

@@ -60,7 +60,7 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
                     continue
                 if (why := _not_results(d)) is not None:
                     if isinstance(d, list) and any(_not_results(r) is None for r in d):
-                        raise ValueError(f"{f}: {why}, beside result records")  # broken results, not another kind of file
+                        raise ValueError(f"{f}: {why}, beside results")  # broken results, not another kind of file
                     skipped.append(f"{f}: {why}")
                     continue
             elif (d := read_json(f)) == []:
@@ -70,9 +70,9 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
     if not results:
         where = ", ".join(map(str, paths))
         if not skipped:
-            raise ValueError(f"no result records found in {where} (no *.json files)")
+            raise ValueError(f"no results found in {where} (no *.json files)")
         more = f"; and {len(skipped) - SKIPPED_SHOWN} more file(s)" if len(skipped) > SKIPPED_SHOWN else ""
-        raise ValueError(f"no result records found in {where}: {'; '.join(skipped[:SKIPPED_SHOWN])}{more}")
+        raise ValueError(f"no results found in {where}: {'; '.join(skipped[:SKIPPED_SHOWN])}{more}")
     unique: dict[str, EvalResult] = {}  # the same result read twice (the demo's files and its results.json): once
     for r in results:
         unique.setdefault(json.dumps(r.to_dict(), sort_keys=True, default=str), r)
@@ -102,23 +102,23 @@ class Comparison:
         return self.cells.get((row, (protocol, column)))
 
 
-def pretraining_tags(records: Sequence[EvalResult]) -> list[str]:
-    """Short labels telling apart the pretrainings of ``records`` (one each, of one method,
+def pretraining_tags(results: Sequence[EvalResult]) -> list[str]:
+    """Short labels telling apart the pretrainings of ``results`` (one each, of one method,
     backbone and dataset): what differs among the data, the epochs and the steps, as many as it
     takes (``100 ep``, ``on imagefolder:a/train, 100 ep``), then the files' last differing parts."""
     def distinct(tags: list[list[str]]) -> bool:
         return len({", ".join(t) for t in tags}) == len(tags)
 
-    tags: list[list[str]] = [[] for _ in records]
+    tags: list[list[str]] = [[] for _ in results]
     shown = {"data": lambda v: f"on {v}", "epochs": lambda v: f"{v:g} ep" if isinstance(v, int | float) else f"{v} ep",
              "steps": lambda v: f"{v} steps"}
     for key, fmt in shown.items():
-        values = [r.pretrain.get(key) for r in records]
+        values = [r.pretrain.get(key) for r in results]
         if not distinct(tags) and len(set(map(repr, values))) > 1:
             for t, v in zip(tags, values):
                 t.append("?" if v is None else fmt(v))
     if not distinct(tags):
-        parts = [Path(r.pretraining[0]).parts for r in records]
+        parts = [Path(r.pretraining[0]).parts for r in results]
         longest = max(map(len, parts))
         n = next(n for n in range(1, longest + 1) if n == longest or len({"/".join(p[-n:]) for p in parts}) == len(parts))
         for t, p in zip(tags, parts):
@@ -143,8 +143,8 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
     for (row, pretraining, _), r in latest.items():
         pretrainings.setdefault(row, {}).setdefault(pretraining, r)
     row_of = {}
-    for row, records in pretrainings.items():
-        for pretraining, tag in zip(records, pretraining_tags(list(records.values())) if len(records) > 1 else [""]):
+    for row, found in pretrainings.items():
+        for pretraining, tag in zip(found, pretraining_tags(list(found.values())) if len(found) > 1 else [""]):
             row_of[(row, pretraining)] = (row[0], f"{row[1]} ({tag})" if tag else row[1], row[2])
     latest = {(row_of[(row, pretraining)], pretraining, protocol): r for (row, pretraining, protocol), r in latest.items()}
     cmp = Comparison(sorted({k[0] for k in latest}, key=lambda row: (row[2], row[1], method_order(row[0]))), [], {}, list(latest.values()))
