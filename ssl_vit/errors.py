@@ -91,12 +91,6 @@ def init_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     return params
 
 
-def unexpected_keyword_hint(err: TypeError, fn: Callable[..., Any]) -> str:
-    """The suggestion for Python's ``f() got an unexpected keyword argument 'x'`` raised by ``fn``."""
-    found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
-    return did_you_mean(found.group(1), init_parameters(fn)) if found else ""
-
-
 def annotations_of(fn: Callable[..., Any]) -> dict[str, Any]:
     """The resolved annotations of what ``fn(...)`` accepts (the class's own win over its bases')."""
     hints: dict[str, Any] = {}

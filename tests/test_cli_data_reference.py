@@ -652,6 +652,9 @@ def test_a_checkpoint_of_another_backbone_is_refused_and_dropout_rates_may_chang
     (KeyboardInterrupt(), 130, "ssl-vit: interrupted\n"),
     (KeyError("no such column"), 1, "ssl-vit fit: error: 'no such column'\n"),
     (NotImplementedError("not on this backend"), 1, "ssl-vit fit: error: not on this backend\n"),
+    # a library's message of several lines (a download's URL error) on one line
+    (RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried http://host/, got:\n<urlopen error>\n"), 1,
+     "ssl-vit fit: error: Error downloading train-images-idx3-ubyte.gz: Tried http://host/, got: <urlopen error>\n"),
     (None, 0, ""),
 ])
 def test_what_a_command_raises_becomes_its_exit_status_and_one_line(monkeypatch, capsys, error, code, line):

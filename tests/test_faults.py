@@ -36,8 +36,7 @@ from ssl_vit.cli import main as ssl_vit_main
 from ssl_vit.data import SyntheticDataModule, TwoViews
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.methods import DINO
-from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
-from ssl_vit.training.preemption import PreemptionCheckpoint
+from ssl_vit.training.checkpoint import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # 24 images / batch 8
@@ -213,7 +212,7 @@ def test_a_checkpoint_write_that_runs_out_of_space_leaves_the_previous_file(tmp_
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
     before = path.read_bytes()
-    run = under_file_size_limit(65536, "import torch\nfrom ssl_vit.training.checkpoint_io import AtomicCheckpointIO",
+    run = under_file_size_limit(65536, "import torch\nfrom ssl_vit.training.checkpoint import AtomicCheckpointIO",
                                 "AtomicCheckpointIO().save_checkpoint({'step': 2, 'blob': torch.zeros(100_000)}, sys.argv[1])", str(path))
     assert f"refused {errno.EFBIG}" in run.stdout, run.stderr  # the disk's error, not torch's "iostream error"
     assert f"cannot write {path}: File too large" in run.stdout
@@ -505,33 +504,6 @@ def test_data_workers_ignore_ctrl_c_and_leave_the_decision_to_the_training_proce
     probe = subprocess.run([sys.executable, "-c", "import signal; from ssl_vit.data.base import ignore_sigint; ignore_sigint(0); "
                             "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"], capture_output=True, text=True, cwd=ROOT)
     assert probe.stdout.strip() == "True", probe.stderr
-
-
-def test_a_second_ctrl_c_stops_at_once_and_an_ignored_sigint_stays_ignored(capsys):
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        cb = PreemptionCheckpoint()
-        cb.setup(trainer, None, "fit")
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # taken when training starts
-        cb.on_train_start(trainer, None)
-        os.kill(os.getpid(), signal.SIGINT)  # the first: noted, acted on at the step's end
-        assert cb._requested == "SIGINT" and "Ctrl-C again stops at once" in capsys.readouterr().err
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)  # (the handler runs at the next bytecode)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
-        # A SIGINT the shell had the process ignore (a background job) is left ignored.
-        cb.teardown(trainer, None, "fit")  # (SIGTERM back too)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        cb = PreemptionCheckpoint()
-        cb.setup(trainer, None, "fit")
-        cb.on_train_start(trainer, None)
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        cb.teardown(trainer, None, "fit")
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 # ----------------------------------------------------------------------------- non-finite loss

@@ -1,14 +1,22 @@
 """The preemption callback's signal handling against hand-written expectations from its
-docstrings (which signal handlers it takes and gives back, when a signal is acted on) and
-Lightning's own SLURM environment and accumulation rule."""
+docstrings (which signal handlers it takes and gives back, when a signal is acted on and what it
+saves) and Lightning's own SLURM environment and accumulation rule. The end-to-end stops and
+resumes of ``ssl-vit fit`` are in test_faults.py."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
+from helpers import TINY_BACKBONE, RepeatBatch, fixed_views
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
 
+from ssl_vit.methods import Supervised
 from ssl_vit.training.preemption import PreemptionCheckpoint
 
 
@@ -80,8 +88,6 @@ def test_a_handler_of_someone_else_stays_and_one_left_by_an_earlier_run_is_repla
 def test_a_signal_is_acted_on_once_and_not_during_the_sanity_check():
     # One signal: one checkpoint and a stop; the sanity check (before training) saves nothing; a
     # SIGTERMException after the validation stop has saved is not saved a second time.
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     cb, trainer = PreemptionCheckpoint(), _trainer(0)
     cb.on_train_start(trainer, None)
     try:
@@ -144,3 +150,72 @@ def test_with_accumulation_a_signal_waits_for_the_optimiser_step_which_the_epoch
         assert trainer.checkpoint_callback.saved_at == [1] and trainer.should_stop
     finally:
         cb.teardown(trainer, None, "fit")
+
+
+@pytest.mark.parametrize("start_step", [0, 7])  # a new run; a run resumed from step 7
+def test_a_signal_before_the_first_step_writes_nothing_and_one_after_it_saves_last(start_step):
+    # preemption.py: "A signal before the run's first step writes nothing: the checkpoint on disk is
+    # as new"; the condition is global_step <= the step the run started at (on_train_start), not 0.
+    sigterm = signal.getsignal(signal.SIGTERM)
+    trainer = _trainer(start_step)
+    cb = PreemptionCheckpoint()
+    try:
+        cb.on_train_start(trainer, None)
+        cb._handler(signal.SIGUSR1, None)  # the signal arrives (validation before any step)
+        with pytest.raises(SIGTERMException):
+            cb.on_validation_batch_end(trainer, None)
+        assert trainer.checkpoint_callback.saved_at == [] and cb.stopped_by == "SIGUSR1"
+
+        fresh = PreemptionCheckpoint()  # SIGTERM as Lightning raises it, at the start step
+        fresh.on_train_start(trainer, None)
+        fresh.on_exception(trainer, None, SIGTERMException())
+        assert trainer.checkpoint_callback.saved_at == [] and fresh.stopped_by == "SIGTERM"
+        fresh.teardown(trainer, None, "fit")
+
+        trainer.global_step = start_step + 1  # one optimiser step later: last.ckpt of that step
+        cb._handler(signal.SIGUSR1, None)
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+        assert trainer.checkpoint_callback.saved_at == [start_step + 1] and trainer.should_stop
+    finally:
+        cb.teardown(trainer, None, "fit")
+    assert signal.getsignal(signal.SIGTERM) == sigterm
+
+
+def test_a_second_ctrl_c_stops_at_once_and_an_ignored_sigint_stays_ignored(capsys):
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        cb = PreemptionCheckpoint()
+        cb.setup(trainer, None, "fit")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # taken when training starts
+        cb.on_train_start(trainer, None)
+        os.kill(os.getpid(), signal.SIGINT)  # the first: noted, acted on at the step's end
+        assert cb._requested == "SIGINT" and "Ctrl-C again stops at once" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # (the handler runs at the next bytecode)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
+        # A SIGINT the shell had the process ignore (a background job) is left ignored.
+        cb.teardown(trainer, None, "fit")  # (SIGTERM back too)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cb = PreemptionCheckpoint()
+        cb.setup(trainer, None, "fit")
+        cb.on_train_start(trainer, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        cb.teardown(trainer, None, "fit")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_fit_with_the_callback_leaves_the_signal_handlers_as_it_found_them():
+    # Lightning restores the handlers it found at the end of a fit; our teardown must not put
+    # Lightning's SIGTERM handler back after that (the process would then only log a SIGTERM and
+    # go on: an evaluation after the fit, the demo's next fit, could no longer be stopped).
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    model = Supervised(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, base_lr=0.1, weight_decay=0.0)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[PreemptionCheckpoint()])
+    views, labels = fixed_views([16], batch=4)
+    trainer.fit(model, DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
+    assert {sig: signal.getsignal(sig) for sig in before} == before

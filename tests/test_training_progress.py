@@ -133,16 +133,22 @@ def test_short_counted_work_prints_nothing_at_all(printed):
     assert printed == []
 
 
-def test_the_feature_pass_of_an_evaluation_reports_each_split(printed):
+def test_the_feature_pass_of_an_evaluation_reports_each_split(printed, monkeypatch, tmp_path):
+    import functools
+
+    import ssl_vit.eval.evaluate as evaluate
     from ssl_vit.backbones import create_backbone
-    from ssl_vit.eval.run import evaluate_features
+    from ssl_vit.data import SyntheticDataModule
+    from ssl_vit.eval.knn import KNNClassifier
 
     g = torch.Generator().manual_seed(0)
     train = torch.utils.data.TensorDataset(torch.randn(12, 1, 8, 8, generator=g), torch.arange(12) % 2)
     test = torch.utils.data.TensorDataset(torch.randn(6, 1, 8, 8, generator=g), torch.arange(6) % 2)
     backbone = create_backbone("vit", img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=1, num_heads=2)
-    evaluate_features(backbone, train, test, {"knn": {"k": 2}}, method="random", data={"name": "toy"}, num_classes=2,
-                      batch_size=5, progress_every_n_seconds=0)
+    dm = SyntheticDataModule(num_classes=2, num_workers=0)
+    dm.eval_datasets = lambda train_views=None: (train, test)
+    monkeypatch.setattr(evaluate, "CountProgress", functools.partial(evaluate.CountProgress, every_n_seconds=0))
+    evaluate.Evaluation(["knn"], knn=KNNClassifier(k=2), batch_size=5).run(backbone, {"method": "random"}, dm, tmp_path)
     # every batch a line (interval 0), then the last again as done: 5 + 5 + 2 train images, 5 + 1 test
     counts = [line.split(": ", 1)[1].split(" images")[0] for line in printed]
     assert [line.split(":")[0] for line in printed] == ["[ssl_vit] features (train)"] * 4 + ["[ssl_vit] features (test)"] * 3

@@ -1,13 +1,11 @@
 """Training mechanics against expectations written out by hand: the global batch split over
-devices x nodes x accumulation, the choice of the checkpoint to resume, no preemption checkpoint
-before the first step, the online probe's fixed learning rate, its masked loss and the
-world-size rule of its batch check."""
+devices x nodes x accumulation, the choice of the checkpoint to resume, the online probe's fixed
+learning rate, its masked loss and the world-size rule of its batch check."""
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,17 +13,15 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_BACKBONE, RepeatBatch, fit_steps, fixed_views
+from helpers import TINY_BACKBONE, fit_steps, fixed_views
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader
 
 import ssl_vit.methods.probe as probe_module
-from ssl_vit.cli.recipe_checks import ConfigError, validate_run
+from ssl_vit.cli.recipe_checks import validate_run
+from ssl_vit.errors import ConfigError
 from ssl_vit.methods import Supervised
 from ssl_vit.methods.probe import OnlineLinearProbe
-from ssl_vit.training.preemption import PreemptionCheckpoint
-from ssl_vit.training.step_checkpoint import newest_checkpoint
+from ssl_vit.training.checkpoint import newest_checkpoint
 
 # ---------------------------------------------------------------- global batch over devices x nodes
 
@@ -68,10 +64,13 @@ def _checkpoint(path: Path, step: int, mtime_s: int) -> None:
 
 
 def test_newest_checkpoint_is_the_furthest_trained_then_the_latest_written(tmp_path):
-    # step_checkpoint.newest_checkpoint: "Furthest by the optimiser step each file records, then by
+    # checkpoint.newest_checkpoint: "Furthest by the optimiser step each file records, then by
     # modification time" (a copied run folder gets new times; whole-second file systems tie them).
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
+    assert newest_checkpoint(ckpts, tmp_path) is None
+    (ckpts / "notes.txt").write_text("")  # not a *.ckpt
+    assert newest_checkpoint(ckpts) is None
     _checkpoint(ckpts / "z_far.ckpt", step=9, mtime_s=1_000)          # furthest step, oldest time
     _checkpoint(ckpts / "a_near.ckpt", step=4, mtime_s=3_000)         # nearer step, newer time
     (ckpts / "b_broken.ckpt").write_bytes(b"not a checkpoint")        # no step: -1, newest time
@@ -88,82 +87,12 @@ def test_newest_checkpoint_is_the_furthest_trained_then_the_latest_written(tmp_p
     # The same step: the later written wins (not the name: "a" sorts before "z").
     _checkpoint(ckpts / "a_same.ckpt", step=9, mtime_s=2_000)
     assert newest_checkpoint(ckpts) == ckpts / "a_same.ckpt"
+    # The same step and time (a file system of whole seconds): last.ckpt, the run's own newest state.
+    _checkpoint(ckpts / "last.ckpt", step=9, mtime_s=2_000)
+    assert newest_checkpoint(ckpts) == ckpts / "last.ckpt"
     # a folder named like a checkpoint is none
     (tmp_path / "only_a_folder" / "x.ckpt").mkdir(parents=True)
     assert newest_checkpoint(tmp_path / "only_a_folder") is None
-
-
-# ---------------------------------------------------------------- preemption before the first step
-
-
-class _Saver:
-    """The checkpoint callback as the preemption callback sees it (StepCheckpoint's method)."""
-
-    def __init__(self) -> None:
-        self.saved_at: list[int] = []
-
-    def save_last_checkpoint(self, trainer: SimpleNamespace) -> Path:
-        self.saved_at.append(trainer.global_step)
-        return Path("last.ckpt")
-
-
-def _fake_trainer(step: int) -> SimpleNamespace:
-    return SimpleNamespace(global_step=step, checkpoint_callback=_Saver(), world_size=1, accumulate_grad_batches=1,
-                           is_last_batch=False, should_stop=False, sanity_checking=False,
-                           state=SimpleNamespace(fn="fit"), _accelerator_connector=SimpleNamespace())
-
-
-@pytest.mark.parametrize("start_step", [0, 7])  # a new run; a run resumed from step 7
-def test_a_signal_before_the_first_step_writes_nothing_and_one_after_it_saves_last(start_step):
-    # preemption.py: "A signal that arrives before the run has taken a step writes nothing: the
-    # checkpoint already on disk (the one a resumed run started from) is as new"; the condition is
-    # global_step <= the step the run started at (on_train_start), not step 0.
-    sigterm = signal.getsignal(signal.SIGTERM)
-    trainer = _fake_trainer(start_step)
-    cb = PreemptionCheckpoint()
-    try:
-        cb.on_train_start(trainer, None)
-        cb._handler(signal.SIGUSR1, None)  # the signal arrives (validation before any step)
-        with pytest.raises(SIGTERMException):
-            cb.on_validation_batch_end(trainer, None)
-        assert trainer.checkpoint_callback.saved_at == [] and cb.stopped_by == "SIGUSR1"
-
-        fresh = PreemptionCheckpoint()  # SIGTERM as Lightning raises it, at the start step
-        fresh.on_train_start(trainer, None)
-        fresh.on_exception(trainer, None, SIGTERMException())
-        assert trainer.checkpoint_callback.saved_at == [] and fresh.stopped_by == "SIGTERM"
-        fresh.teardown(trainer, None, "fit")
-
-        trainer.global_step = start_step + 1  # one optimiser step later: last.ckpt of that step
-        cb._handler(signal.SIGUSR1, None)
-        cb.on_train_batch_end(trainer, None, None, None, 0)
-        assert trainer.checkpoint_callback.saved_at == [start_step + 1] and trainer.should_stop
-        cb.on_train_batch_end(trainer, None, None, None, 1)  # (a batch end after it: the signal is spent)
-        assert trainer.checkpoint_callback.saved_at == [start_step + 1]
-    finally:
-        cb.teardown(trainer, None, "fit")
-    assert signal.getsignal(signal.SIGTERM) == sigterm
-
-
-def test_a_signal_waits_for_an_optimiser_step_the_epochs_last_partial_one_included_and_not_in_the_sanity_check():
-    trainer = _fake_trainer(0)
-    trainer.accumulate_grad_batches = 2
-    cb = PreemptionCheckpoint()
-    try:
-        cb.on_train_start(trainer, None)
-        trainer.sanity_checking = True  # validation before training: not acted on there
-        cb._handler(signal.SIGUSR1, None)
-        cb.on_validation_batch_end(trainer, None)
-        trainer.sanity_checking = False
-        trainer.global_step = 3
-        cb.on_train_batch_end(trainer, None, None, None, 6)  # between two accumulated micro-batches
-        assert trainer.checkpoint_callback.saved_at == [] and not trainer.should_stop
-        trainer.is_last_batch = True  # the epoch's last batch steps the optimiser with what it has
-        trainer.global_step = 4
-        cb.on_train_batch_end(trainer, None, None, None, 8)
-        assert trainer.checkpoint_callback.saved_at == [4] and trainer.should_stop
-    finally:
-        cb.teardown(trainer, None, "fit")
 
 
 # ---------------------------------------------------------------- the online probe's learning rate
@@ -262,16 +191,3 @@ def test_the_probe_batch_check_counts_the_rows_of_every_process(monkeypatch):
     assert float(acc) == float(logits.argmax(1) == label)
     loss, acc = probe.training_loss(features, torch.tensor([-1]))  # unlabelled here: a zero loss, still taking part
     assert loss is not None and float(loss.detach()) == 0.0 and loss.requires_grad and float(acc) == 0.0
-
-
-def test_a_fit_with_the_preemption_callback_leaves_the_signal_handlers_as_it_found_them():
-    # Lightning restores the handlers it found at the end of a fit; our teardown must not put
-    # Lightning's SIGTERM handler back after that (the process would then only log a SIGTERM and
-    # go on: an evaluation after the fit, the demo's next fit, could no longer be stopped).
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    model = Supervised(**TINY_BACKBONE, num_classes=4, warmup_epochs=0.0, base_lr=0.1, weight_decay=0.0)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[PreemptionCheckpoint()])
-    views, labels = fixed_views([16], batch=4)
-    trainer.fit(model, DataLoader(RepeatBatch(views, labels, 2), batch_size=None))
-    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             print("ssl-vit: interrupted", file=sys.stderr)
             return 130
         raise
-    except BrokenPipeError:  # the reader went away (`ssl-vit backbones | head -1`): nothing to report;
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
+    except BrokenPipeError:
+        # The reader went away (`ssl-vit backbones | head -1`): nothing to report. Python's own flush
+        # of stdout at exit would fail again, so stdout goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (ValueError, TypeError, OSError, KeyError, NotImplementedError, RuntimeError) as err:
         if debug:
@@ -96,5 +98,4 @@ def quiet_lightning_tips() -> None:
     """Drop the advertisement Lightning logs at every Trainer's start ("💡 Tip: ... try installing
     litlogger"): a hosted service's, not a fact about the run. Its other start-up lines stay."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        if _drop_tip not in (log := logging.getLogger(name)).filters:
-            log.addFilter(_drop_tip)
+        logging.getLogger(name).addFilter(_drop_tip)  # (once, however often this runs)

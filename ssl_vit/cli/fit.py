@@ -179,7 +179,6 @@ def _evaluate(evaluation: Evaluation, ckpt_dir: Path, data: L.LightningDataModul
         if not first:
             return 1
         raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
-    results = []
     try:
         results = evaluation.after_fit(last, data, trainer, resuming)
     except EvalRunInterrupted as stop:
