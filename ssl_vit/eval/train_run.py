@@ -88,10 +88,11 @@ class ImageClassifier(L.LightningModule):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
-        logits = self(x) if len(y) else None
-        for name, metric in self.test_acc.items() if len(y) else []:
-            metric.update(logits, y)
-            self.log(f"test_{name}", metric, on_epoch=True)
+        if len(y):  # (a batch of unreadable files only: nothing to count)
+            logits = self(x)
+            for name, metric in self.test_acc.items():
+                metric.update(logits, y)
+                self.log(f"test_{name}", metric, on_epoch=True)
 
 
 class _PlainIndex(Dataset):
