@@ -10,7 +10,8 @@
 * a non-finite loss stops the run with one line naming the step and the last good checkpoint,
   whose bytes stay as they were;
 * unreadable images are skipped and listed in the run's summary; a missing or empty image folder
-  and bad recipes fail before training with one line (a traceback only with ``--debug``).
+  fails before training with one line, a traceback only with ``--debug`` (the other bad recipes:
+  test_training_cli.py).
 """
 
 from __future__ import annotations
@@ -577,30 +578,6 @@ def test_a_missing_or_empty_image_folder_is_one_clear_error(tmp_path, capsys, fo
     assert err.strip().splitlines()[-1].startswith("ssl-vit fit: error: ") and expected in err
     assert str(tmp_path / folder) in err and "Traceback" not in err
     assert not ckpt_dir(tmp_path).exists()
-
-
-@pytest.mark.parametrize(
-    "edit,message",
-    [
-        (lambda c: c["model"]["init_args"].update(tempreature=0.1), "tempreature"),
-        (lambda c: c["model"]["init_args"].update(out_dim="many"), "out_dim"),
-        (lambda c: c["model"].update(class_path="ssl_vit.methods.SimCLR"), "SimCLR"),
-        (lambda c: c["model"]["init_args"].update(backbone="vit_gigantic"), "unknown backbone 'vit_gigantic'"),
-        (lambda c: c["data"]["init_args"]["views"]["init_args"].update(global_size=18) or c["data"]["init_args"].update(img_size=18),
-         "data.img_size 18 is not divisible by the backbone's patch size 4"),
-        (lambda c: c.update(global_batch_size=9) or c["trainer"].update(devices=2, strategy="ddp"),
-         "global_batch_size 9 is not divisible by devices x nodes x accumulate_grad_batches = 2"),
-    ],
-    ids=["unknown-key", "wrong-type", "unknown-method", "unknown-backbone", "patch-size", "batch-over-devices"],
-)
-def test_a_bad_recipe_file_fails_before_training_with_one_line(tmp_path, capsys, edit, message):
-    cfg = yaml.safe_load(recipe(tmp_path).read_text())
-    edit(cfg)
-    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
-    assert fit("--config", str(tmp_path / "bad.yaml")) == 1
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("ssl-vit fit: error: ") and message in err
-    assert "Traceback" not in err and not ckpt_dir(tmp_path).exists()
 
 
 def test_debug_shows_the_traceback_of_a_bad_recipe(tmp_path):

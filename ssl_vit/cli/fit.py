@@ -3,15 +3,7 @@
 A recipe maps onto typed constructors (``model: {class_path, init_args}``, ``data: ...``,
 ``trainer: {...}``); several ``--config`` files merge left to right (a dict-valued setting such as
 ``backbone_kwargs`` is replaced whole: what that drops is named); ``--print_config`` prints the
-resolved recipe. Everything is checked before training starts: unknown keys and wrong types,
-unknown methods or backbones, a global batch that does not split over the devices, images the
-patch size does not divide, a channel mismatch between the data and the backbone.
-
-Extra top-level options:
-    --global_batch_size N   the paper's batch size; split evenly over devices x nodes x accumulation
-    --ckpt_path PATH|last|auto  resume from a checkpoint (``last``: the newest in the run's folder;
-                            ``auto``: that if there is one, else start a new run)
-    --resume                the same as ``--ckpt_path last``
+resolved recipe. Everything is checked before training starts (``ssl_vit.cli.recipe_checks``).
 
 A resumed run continues exactly where its checkpoint was written: weights, EMA/teacher, DINO's
 centre, optimiser state, schedules, loop counters, the position in the epoch's data order and the
@@ -130,44 +122,48 @@ def _fit(argv: list[str]) -> int:
     ckpt_dir = Path(next(cb for cb in trainer.callbacks if isinstance(cb, StepCheckpoint)).resolve_dirpath(trainer))
     # A SLURM job that Lightning requeued resumes from its hpc_ckpt_<n>.ckpt by itself.
     requeued = SLURMEnvironment.detect() and bool(hpc_checkpoints(trainer.default_root_dir))
-    ckpt_path = cfg.ckpt_path
-    if cfg.resume:
-        if ckpt_path is not None:
-            raise ConfigError("--resume and --ckpt_path both say where to continue from: give one (--resume is --ckpt_path last)")
-        ckpt_path = "last"
-    if ckpt_path in ("last", "auto"):
-        newest = newest_checkpoint(ckpt_dir, trainer.default_root_dir)
-        if newest is None and ckpt_path == "last":
-            raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir} (--ckpt_path auto starts a new run then)")
-        ckpt_path = str(newest) if newest is not None else None
-        if rank_zero_only.rank == 0:
-            print(f"ssl-vit fit: resuming from {ckpt_path}" if ckpt_path else f"ssl-vit fit: no checkpoint in {ckpt_dir}; starting a new run", file=sys.stderr)
-    elif ckpt_path is None and not requeued and (earlier := newest_checkpoint(ckpt_dir)) is not None:
-        # A rerun without --resume would overwrite the run's checkpoints from its first save on.
-        raise ConfigError(f"{ckpt_dir} already holds a run's checkpoints (newest: {earlier.name}): continue it with --resume, or start anew "
-                          "in another --trainer.default_root_dir (or --checkpoint.dirpath), or remove that folder first")
+    ckpt_path = _checkpoint_to_resume(cfg.ckpt_path, cfg.resume, ckpt_dir, trainer.default_root_dir, requeued)
     if ckpt_path is not None:
         check_continuable(model, ckpt_path)
     resuming = ckpt_path is not None or requeued
     evaluation.check_run_dirs(trainer.default_root_dir, resuming)
-    stopped_by = None
     try:
         with warnings.catch_warnings():
             if ckpt_path is not None:  # resuming: the checkpoint folder holds this run's own files
                 warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException:
-        stopped_by = "SIGTERM"  # Lightning stopped after the current step; PreemptionCheckpoint saved it
+        pass  # a stop request, saved by PreemptionCheckpoint (which names its signal)
     # Every process ended at the same step (the end, or a signal all agreed on): the process group can
     # go, before process 0's evaluation, which the others do not wait for. Not after an exception:
     # another process may still wait in a collective, and tearing the group down under it can hang both.
     release_process_group()
-    stopped_by = next((cb.stopped_by for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), stopped_by)
+    stopped_by = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)).stopped_by
     if stopped_by is not None:
         if rank_zero_only.rank == 0:
             print(f"ssl-vit fit: stopped by {stopped_by} at step {trainer.global_step}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stopped_by))
     return _evaluate(evaluation, ckpt_dir, data, trainer, resuming) if evaluation.protocols else 0
+
+
+def _checkpoint_to_resume(ckpt_path: str | None, resume: bool, ckpt_dir: Path, root_dir: str, requeued: bool) -> str | None:
+    """The checkpoint ``--ckpt_path`` / ``--resume`` name (None: a new run). A new run is refused
+    where an earlier run's checkpoints are: it would overwrite them from its first save on."""
+    if resume:
+        if ckpt_path is not None:
+            raise ConfigError("--resume and --ckpt_path both say where to continue from: give one (--resume is --ckpt_path last)")
+        ckpt_path = "last"
+    if ckpt_path in ("last", "auto"):
+        newest = newest_checkpoint(ckpt_dir, root_dir)
+        if newest is None and ckpt_path == "last":
+            raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir} (--ckpt_path auto starts a new run then)")
+        if rank_zero_only.rank == 0:
+            print(f"ssl-vit fit: resuming from {newest}" if newest else f"ssl-vit fit: no checkpoint in {ckpt_dir}; starting a new run", file=sys.stderr)
+        return str(newest) if newest is not None else None
+    if ckpt_path is None and not requeued and (earlier := newest_checkpoint(ckpt_dir)) is not None:
+        raise ConfigError(f"{ckpt_dir} already holds a run's checkpoints (newest: {earlier.name}): continue it with --resume, or start anew "
+                          "in another --trainer.default_root_dir (or --checkpoint.dirpath), or remove that folder first")
+    return ckpt_path
 
 
 def _evaluate(evaluation: Evaluation, ckpt_dir: Path, data: L.LightningDataModule, trainer: L.Trainer, resuming: bool) -> int:
