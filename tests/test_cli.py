@@ -865,7 +865,7 @@ def test_visualize_names_a_file_given_as_images(tmp_path, capsys):
         (["compare", "results", "--outt", "r.md"], "(did you mean '--out'?)"),
         (["benchmark", "--quik"], "(did you mean '--quick'?)"),
         (["backbones", "--img-sz", "28"], "(did you mean '--img-size'?)"),
-        (["backbones", "vit", "--arg", "embed_dims=8"], "takes no argument(s) ['embed_dims'] (did you mean 'embed_dim'?)"),
+        (["backbones", "vit", "--arg", "embed_dims=8"], "--arg embed_dims: no argument of backbone 'vit' (did you mean 'embed_dim'?)"),
         (["visualize", "random:vit_tiny", "--images", "synthetic", "--out", "f", "--figurs", "filters"], "(did you mean '--figures'?)"),
     ],
     ids=["eval-option", "eval-backbone", "demo", "export", "compare", "benchmark", "backbones", "backbones-arg", "visualize"],
