@@ -234,12 +234,6 @@ def test_resume_takes_a_slurm_requeue_checkpoint_that_is_further_and_warns_of_no
     assert not [w for w in seen if "exists and is not empty" in str(w.message)]
 
 
-def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
-    cfg = tiny_config(tmp_path)
-    assert cli_main(["fit", "--config", str(cfg), "--resume"]) == 1
-    assert f"no checkpoint to resume from in {tmp_path / 'run' / 'checkpoints'}" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -277,12 +271,17 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
          "data.views SingleView: DINO needs at least 2 views with 2 global crops first, got 1; use MultiCrop"),
         (["--model", "MoCoV3", "--data.init_args.views", "SingleView", "--data.init_args.views.init_args.size", "16"],
          "data.views SingleView: MoCo v3 needs two views per image, got 1 (use TwoViews)"),
+        (["--model", "Supervised", "--data.init_args.views", "SingleView", "--data.init_args.views.init_args.size", "16", "--data.init_args.num_classes", "1"],
+         "the supervised baseline needs at least 2 classes; the data has 1"),
+        (["--resume"], "--resume: no checkpoint to resume from in "),
+        pytest.param(["--trainer.accelerator", "gpu"], "(the recipe's trainer asks for GPUs; on a machine without one add --config recipes/trainer/cpu.yaml)",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     ],
     ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "local-crop-size", "global-batch",
          "global-batch-over-devices", "global-batch-zero", "abbreviation",
          "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-which", "evaluate-features", "missing-accelerator", "backbone-argument-type",
          "backbone-size", "method-name", "datamodule-name", "accumulate-zero", "no-steps", "resume-and-ckpt-path", "mpp-corruption",
-         "dino-views", "mocov3-views"],
+         "dino-views", "mocov3-views", "supervised-one-class", "resume-without-checkpoints", "gpu-on-a-cpu-machine"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
     cfg = tiny_config(tmp_path)
@@ -383,12 +382,6 @@ def test_a_recipe_file_that_is_no_yaml_mapping_is_one_line_naming_it(tmp_path, c
     assert len(err) == 1 and f"{odd}: {what}" in err[0]
 
 
-def test_the_supervised_baseline_needs_two_classes(tmp_path, capsys):
-    cfg = tiny_config(tmp_path, method="ssl_vit.methods.Supervised", views="ssl_vit.data.SingleView")
-    assert cli_main(["fit", "--config", str(cfg), "--data.init_args.num_classes", "1"]) == 1
-    assert "the supervised baseline needs at least 2 classes; the data has 1" in capsys.readouterr().err
-
-
 def test_overfit_batches_runs(tmp_path, caplog):
     # Lightning rebuilds the training loader with a SequentialSampler to stop shuffling.
     with caplog.at_level(logging.INFO):
@@ -478,12 +471,6 @@ def test_continuing_another_method_or_backbone_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.ckpt").write_text("not a checkpoint")
     assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "bad.ckpt")]) == 1
     assert "bad.ckpt: not a readable checkpoint" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
-def test_a_gpu_recipe_on_a_machine_without_one_names_the_cpu_trainer(tmp_path, capsys):
-    assert cli_main(["fit", "--config", str(tiny_config(tmp_path)), "--trainer.accelerator", "gpu"]) == 1
-    assert "add --config recipes/trainer/cpu.yaml" in capsys.readouterr().err
 
 
 def test_a_method_of_ones_own_trains_resumes_and_has_its_flops_counted(tmp_path):
