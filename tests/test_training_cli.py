@@ -406,6 +406,14 @@ def test_a_later_config_that_replaces_a_dict_setting_says_what_it_drops(tmp_path
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", str(cfg), "--config", str(overlay), "--config", str(third), "--print_config"])
     assert f"{third} sets model.init_args.backbone_kwargs again and replaces the whole value from {overlay}: drop_path_rate no longer set" in capsys.readouterr().err
+    # a protocol's settings are a class's arguments, merged key by key: no note, nothing dropped
+    (tmp_path / "knn.yaml").write_text(yaml.safe_dump({"evaluate": {"protocols": ["knn"], "knn": {"k": 3, "temperature": 0.1}}}))
+    (tmp_path / "k5.yaml").write_text(yaml.safe_dump({"evaluate": {"knn": {"k": 5}}}))
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(cfg), "--config", str(tmp_path / "knn.yaml"), "--config", str(tmp_path / "k5.yaml"), "--print_config"])
+    out, err = capsys.readouterr()
+    knn = yaml.safe_load(out)["evaluate"]["knn"]
+    assert (knn["k"], knn["temperature"]) == (5, 0.1) and "note" not in err
 
 
 def test_print_config_resolves_the_recipe(tmp_path, capsys):

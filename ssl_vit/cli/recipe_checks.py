@@ -25,7 +25,8 @@ from ssl_vit.training.checkpoint import load_record
 def check_yaml_files(argv: list[str]) -> None:
     """Name the file, line and column of a recipe that is not YAML (the parser's own message names
     only "<unicode string>"), and say what a later file drops where it replaces a dict-valued
-    setting whole (jsonargparse merges recipes key by key, but not inside a dict's value)."""
+    argument of the method whole (``backbone_kwargs``: jsonargparse merges recipes key by key, and
+    classes' arguments too, but not the keys inside a dict's value)."""
     paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")] + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     earlier: dict[str, tuple[Path, dict]] = {}
     for path in (Path(p) for p in paths if Path(p).is_file()):  # (a missing file: the parser says so)
@@ -38,15 +39,15 @@ def check_yaml_files(argv: list[str]) -> None:
         if not isinstance(cfg, dict):
             what = "is empty" if cfg is None else f"holds a {type(cfg).__name__}"
             raise ConfigError(f"{path}: {what}; a recipe is a mapping of settings (model:, data:, trainer: ...)")
-        model, evaluate = cfg.get("model"), cfg.get("evaluate")
+        model = cfg.get("model")
         init = model.get("init_args") if isinstance(model, dict) else None
-        dicts = [(f"model.init_args.{k}", v) for k, v in init.items() if isinstance(v, dict) and "class_path" not in v] if isinstance(init, dict) else []
-        dicts += [(f"evaluate.{k}", v) for k, v in evaluate.items() if isinstance(v, dict)] if isinstance(evaluate, dict) else []
-        for key, value in dicts:
-            if key in earlier and (dropped := sorted(set(earlier[key][1]) - set(value))):
-                print(f"ssl-vit fit: note: {path} sets {key} again and replaces the whole value from {earlier[key][0]}: "
-                      f"{', '.join(dropped)} no longer set (change one entry with --{key}.{dropped[0]} VALUE)", file=sys.stderr)
-            earlier[key] = (path, value)
+        for name, value in init.items() if isinstance(init, dict) else ():
+            if isinstance(value, dict) and "class_path" not in value:
+                key = f"model.init_args.{name}"
+                if key in earlier and (dropped := sorted(set(earlier[key][1]) - set(value))):
+                    print(f"ssl-vit fit: note: {path} sets {key} again and replaces the whole value from {earlier[key][0]}: "
+                          f"{', '.join(dropped)} no longer set (change one entry with --{key}.{dropped[0]} VALUE)", file=sys.stderr)
+                earlier[key] = (path, value)
 
 
 def key_hint(message: str, keys: list[str]) -> str:
