@@ -41,8 +41,6 @@ def test_a_line_says_the_step_the_epoch_the_loss_and_the_time_left():
     # no known length: no share and no estimate; no step yet: no estimate either
     assert log.line(_trainer(50, float("inf"), batches=float("inf")), now=60.0) == "[ssl_vit] mocov3: step 50, 1.0 min"
     assert log.line(_trainer(40, 100, batches=20), now=1.0) == "[ssl_vit] mocov3: step 40/100 (40 %), epoch 2.00, 0.0 min"
-    with pytest.raises(ValueError, match="every_n_seconds must be >= 0"):
-        ProgressLog(every_n_seconds=-1)
 
 
 def test_a_resumed_run_estimates_from_the_steps_it_took_itself():
@@ -121,8 +119,6 @@ def test_counted_work_reports_its_items_share_and_time_left(printed):
     unknown.start()
     unknown.update(3)
     assert printed[-1] == "[ssl_vit] features: 3 batches, 0.0 min"
-    with pytest.raises(ValueError, match="every_n_seconds must be >= 0"):
-        CountProgress("x", total=1, every_n_seconds=-1)
 
 
 def test_short_counted_work_prints_nothing_at_all(printed):
@@ -173,10 +169,7 @@ def test_the_linear_probe_reports_its_epochs_and_a_sweep_its_heads(printed):
     assert printed == []
 
 
-def test_progress_refuses_a_nan_interval_and_says_no_share_of_nothing(printed):
-    for make in (lambda: ProgressLog(every_n_seconds=float("nan")), lambda: CountProgress("x", total=1, every_n_seconds=float("nan"))):
-        with pytest.raises(ValueError, match="every_n_seconds must be >= 0"):
-            make()
+def test_progress_says_no_share_of_nothing_and_a_restarted_count_starts_from_0(printed):
     log = ProgressLog(name="x")
     log._start, log._first_step = 0.0, 0
     assert log.line(_trainer(0, 0, batches=0), now=60.0) == "[ssl_vit] x: step 0/0, 1.0 min"  # no share, no epoch of 0 steps

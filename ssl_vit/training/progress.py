@@ -35,8 +35,6 @@ class _Interval:
     """Says when a line is due: one interval after the start, then every interval."""
 
     def __init__(self, every_n_seconds: float, clock: Callable[[], float]) -> None:
-        if not every_n_seconds >= 0:  # (NaN too)
-            raise ValueError(f"every_n_seconds must be >= 0, got {every_n_seconds}")
         self.every_n_seconds, self.clock = every_n_seconds, clock
         self._start = self._last = 0.0
 
