@@ -133,10 +133,9 @@ def pretrain(
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from ssl_vit.data import FashionMNISTDataModule
-    from ssl_vit.flops import PretrainFlopsCounter
-    from ssl_vit.training.checkpoint_io import AtomicCheckpointIO
+    from ssl_vit.training.callbacks import PretrainFlopsCounter
+    from ssl_vit.training.checkpoint import AtomicCheckpointIO, StepCheckpoint
     from ssl_vit.training.progress import ProgressLog
-    from ssl_vit.training.step_checkpoint import StepCheckpoint
 
     L.seed_everything(seed, workers=True, verbose=False)
     views = _import(recipe.views_class)(**recipe.views_args)
@@ -182,18 +181,18 @@ def evaluate(
     label: str, backbone: Any, budget: Budget, pretrain_record: dict[str, Any], source: str, out_dir: Path, num_workers: int, device: str, seed: int
 ) -> list[Any]:
     from ssl_vit.data import FashionMNISTDataModule
-    from ssl_vit.eval.run import evaluate_features, subsample
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.knn import KNNClassifier
+    from ssl_vit.eval.linear import LinearProbe
 
-    dm = FashionMNISTDataModule(batch_size=256, num_workers=0, subset=budget.eval_train, seed=seed)
-    train_ds, test_ds = dm.eval_datasets()
-    test_ds = subsample(test_ds, budget.eval_test, seed)
-    return evaluate_features(
-        backbone, train_ds, test_ds, budget.protocols(seed), method=label, data={"name": "fashion_mnist"}, num_classes=10,
-        batch_size=512, num_workers=num_workers, device=device, source=source, pretrain=pretrain_record,
-        # Beside the method's checkpoints, as `ssl-vit fit` writes a recipe's evaluation: an
-        # export of that checkpoint then carries its results (random init: out/results).
-        out_dir=(out_dir / "runs" / label if label in RECIPES else out_dir) / "results",
-    )
+    protocols = budget.protocols(seed)
+    evaluation = Evaluation(["linear", "knn"], linear=LinearProbe(**protocols["linear"]), knn=KNNClassifier(**protocols["knn"]), batch_size=512,
+                            train_subset=budget.eval_train, test_subset=budget.eval_test, seed=seed)
+    # Beside the method's checkpoints, as `ssl-vit fit` writes a recipe's evaluation: an export of
+    # that checkpoint then carries its results (random init: out/results).
+    out = (out_dir / "runs" / label if label in RECIPES else out_dir) / "results"
+    info = {"method": label, "source": source, "pretrain": pretrain_record}
+    return [r for r, _ in evaluation.run(backbone, info, FashionMNISTDataModule(num_workers=num_workers, seed=seed), out, device=device)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,7 +256,8 @@ def main(argv: list[str]) -> int:
             f"choose another --out, or remove {out} first to start over"
         )
 
-    from ssl_vit.eval.compare import build_comparison, format_text, write_report
+    from ssl_vit.eval.compare import build_comparison, format_text
+    from ssl_vit.eval.report import write_report
     from ssl_vit.export import load_any_backbone
     from ssl_vit.io import atomic_write_json
 
