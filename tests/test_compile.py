@@ -171,15 +171,15 @@ def test_a_compiled_finetuning_trains_as_the_eager_one():
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ssl_vit.eval.finetune import FineTuneModule
+    from ssl_vit.eval.finetune import FineTuneModule, FineTuneSettings
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 1, 16, 16, generator=g), torch.arange(16) % 4)
     states = []
     for compile_ in (False, True):
         torch.manual_seed(0)
-        module = FineTuneModule(create_backbone("vit", **TINY_VIT), num_classes=4, batch_size=8, warmup_epochs=0.0, drop_path_rate=0.1,
-                                compile_backbone=compile_, compile_backend="aot_eager")
+        module = FineTuneModule(create_backbone("vit", **TINY_VIT), 4, FineTuneSettings(batch_size=8, warmup_epochs=0.0, drop_path_rate=0.1,
+                                                                                       compile_backbone=compile_, compile_backend="aot_eager"))
         trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.fit(module, DataLoader(data, batch_size=8))
@@ -188,8 +188,8 @@ def test_a_compiled_finetuning_trains_as_the_eager_one():
     assert states[0].keys() == states[1].keys()
     for key, value in states[0].items():
         assert torch.equal(states[1][key], value), key
-    with pytest.raises(ValueError, match="compile backend 'nope'"):
-        FineTuneModule(create_backbone("vit", **TINY_VIT), num_classes=4, compile_backbone=True, compile_backend="nope")
+    with pytest.raises(ValueError, match="compile backend 'nope'"):  # (before the first step)
+        FineTuneModule(create_backbone("vit", **TINY_VIT), 4, FineTuneSettings(compile_backbone=True, compile_backend="nope")).setup("fit")
 
 
 def test_eval_finetune_compile_compiles_the_backbone_it_trains_and_exports(tmp_path, monkeypatch, capsys):
@@ -216,11 +216,13 @@ def test_eval_finetune_compile_compiles_the_backbone_it_trains_and_exports(tmp_p
 
 
 def test_a_recipe_finetuning_takes_compile_backbone():
-    from ssl_vit.eval.evaluate import RecipeEvaluation
-    from ssl_vit.eval.image_runs import FineTuneSettings
+    from jsonargparse import ArgumentParser
 
-    evaluation = RecipeEvaluation(protocols=["finetune"], finetune={"compile_backbone": True, "epochs": 1})
-    settings = FineTuneSettings(**evaluation.protocol_kwargs("finetune"))  # as the run builds them
-    assert settings.compile_backbone is True
-    with pytest.raises(ValueError, match="evaluate.finetune: .*compile_backbon"):
-        RecipeEvaluation(protocols=["finetune"], finetune={"compile_backbon": True})
+    from ssl_vit.eval.evaluate import Evaluation
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(Evaluation, "evaluate")  # as ssl-vit fit reads a recipe's evaluate section
+    cfg = parser.parse_args(["--evaluate.protocols", "[finetune]", "--evaluate.finetune", "{compile_backbone: true, epochs: 1}"])
+    assert parser.instantiate(cfg).evaluate.settings["finetune"].compile_backbone is True
+    with pytest.raises(Exception, match="compile_backbon"):
+        parser.parse_args(["--evaluate.protocols", "[finetune]", "--evaluate.finetune", "{compile_backbon: true}"])

@@ -509,8 +509,9 @@ from torch.utils.data import Dataset
 from helpers import TINY_BACKBONE
 from ssl_vit.backbones import create_backbone
 from ssl_vit.data import SyntheticDataModule
-from ssl_vit.eval.finetune import run_finetune
-from ssl_vit.eval.linear_augmented import run_linear_augmented
+from ssl_vit.eval.finetune import FineTuneSettings
+from ssl_vit.eval.linear_augmented import LinearAugSettings
+from ssl_vit.eval.train_run import ImageRun
 from ssl_vit.methods import Supervised
 
 torch.set_num_threads(1)
@@ -535,9 +536,9 @@ out = {"val": {k: float(v) for k, v in metrics.items()}}
 if devices > 1:
     # Rank 1's first batch (images 1 and 3 of a batch of 2 per process) is all unreadable.
     backbone = create_backbone(TINY_BACKBONE["backbone"], **TINY_BACKBONE["backbone_kwargs"])
-    common = {"num_classes": 2, "epochs": 1, "batch_size": 2, "accelerator": "cpu", "devices": devices, "warmup_epochs": 0}
-    out["linear_aug"] = run_linear_augmented(backbone, Images({1, 3}), Images(set()), base_lr=0.1, **common)
-    out["finetune"] = run_finetune(backbone, Images({1, 3}), Images(set()), **common)
+    common, place = {"epochs": 1, "batch_size": 2, "warmup_epochs": 0}, ImageRun("cpu", devices)
+    out["linear_aug"] = LinearAugSettings(base_lr=0.1, **common).run(backbone, Images({1, 3}), Images(set()), 2, place)
+    out["finetune"] = FineTuneSettings(**common).run(backbone, Images({1, 3}), Images(set()), 2, place)
 if trainer.global_rank == 0:
     print("RESULT", json.dumps(out), flush=True)
 '''

@@ -227,5 +227,7 @@ def test_sweeps_take_features_on_the_gpu_with_labels_on_the_cpu() -> None:
 
     g = torch.Generator().manual_seed(0)
     feats, labels = torch.randn(40, 8, generator=g).cuda(), torch.arange(40) % 2
-    assert KNNClassifier(k=(1, 3)).select_k(feats, labels, 2)[0] in (1, 3)
-    assert LinearProbe(epochs=1, batch_size=8, base_lr=[0.1, 1.0], warmup_epochs=0).select_base_lr(feats, labels, 2)[0] in (0.1, 1.0)
+    knn, probe = KNNClassifier(k=[1, 3]), LinearProbe(epochs=1, batch_size=8, base_lr=[0.1, 1.0], warmup_epochs=0)
+    knn.evaluate(feats, labels, feats, labels, 2)
+    probe.evaluate(feats, labels, feats, labels, 2)
+    assert knn.picked["selected_k"] in (1, 3) and probe.picked["selected_base_lr"] in (0.1, 1.0)
