@@ -150,13 +150,11 @@ class FineTuneSettings:
 
 
 class FineTuneModule(ImageClassifier):
-    """Backbone + linear head trained end to end (module docstring) on ``world_size`` processes;
-    ``seed``: of each batch's draws (drop path, MixUp, erasing), a function of its position in
-    training so that a resumed run draws the same; ``total_steps``, ``steps_per_epoch``: the LR
-    schedule (None: the trainer's estimate); ``head``: the classifier trained in place (None:
-    :func:`new_head`); ``run_info``: what its checkpoints say of the backbone's origin (``method``,
-    ``data`` with ``mean``/``std``), as pretraining checkpoints do, so that ``ssl-vit export`` and
-    ``ssl-vit eval`` read the fine-tuned backbone from them; ``img_size``: another resolution."""
+    """Backbone + linear head trained end to end (module docstring) on ``world_size`` processes.
+    Each batch's draws (drop path, MixUp, erasing) follow from ``seed`` and its position, so a
+    resumed run draws the same; ``head`` trains in place (None: :func:`new_head`); ``run_info``
+    (``method``, ``data`` with ``mean``/``std``) goes into its checkpoints as pretraining ones
+    have it, so that ``ssl-vit export`` and ``ssl-vit eval`` read the fine-tuned backbone."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, settings: FineTuneSettings | None = None, *, world_size: int = 1, seed: int = 0,
                  total_steps: int | None = None, steps_per_epoch: int | None = None, head: nn.Linear | None = None,

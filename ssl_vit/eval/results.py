@@ -80,19 +80,12 @@ def pretraining_data(data: Mapping[str, Any] | None) -> str | None:
 
 @dataclasses.dataclass
 class EvalResult:
-    """One evaluation of one backbone by one protocol.
-
-    Attributes:
-        method: the pretext method (``mpp``, ``dino`` ...), ``supervised`` or ``random`` (untrained).
-        backbone: ``{"name": registry name, "kwargs": create_backbone kwargs[, "encoder"]}``.
-        data: ``{"name": dataset, ...}`` with e.g. ``train_dir``, ``train_size``, ``test_size``.
-        protocol: one of :data:`PROTOCOLS`; ``metrics``: accuracies as fractions in [0, 1].
-        protocol_args: the protocol's settings (and what a sweep picked).
-        pretrain: what the backbone cost and was pretrained on: ``steps``, ``epochs``, ``flops``,
-            ``data``, ``checkpoint`` (its absolute path, also for an export of it) ...
-        source: the checkpoint or export the backbone came from, or ``"random"``.
-        created: the evaluation's time (ISO 8601, UTC); ``ssl_vit_version``: the writer's.
-    """
+    """One evaluation of one backbone by one protocol: the ``method`` (``mpp``, ``dino`` ...,
+    ``supervised`` or ``random``), the ``backbone`` (``{"name", "kwargs"[, "encoder"]}``), the
+    ``data`` (``{"name", "train_dir", "train_size" ...}``), the ``protocol``'s ``metrics`` and
+    settings (``protocol_args``, with what a sweep picked), what the backbone cost and was
+    pretrained on (``pretrain``: ``steps``, ``epochs``, ``flops``, ``data``, ``checkpoint``), its
+    ``source`` (a checkpoint, an export or ``"random"``), the time it was ``created``."""
 
     method: str
     backbone: dict[str, Any]

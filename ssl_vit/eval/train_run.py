@@ -1,10 +1,8 @@
-"""The run of the evaluations that train on images (fine-tuning, the linear probe on augmented
-images): a Lightning Trainer over a resumable, seeded training order, then the test. With a
-``run_dir`` it is checkpointed (atomically) into ``<run_dir>/checkpoints``; a SIGTERM / SIGUSR1
-saves after the current step and raises :class:`EvalRunInterrupted`, and ``resume`` continues to
-the weights the uninterrupted run reaches (order, augmentations and draws are functions of the
-position in training). A resume from a checkpoint of another kind of run, of another backbone, or
-of other settings is refused in one line saying so.
+"""The run of the evaluations that train on images: a Lightning Trainer over a resumable, seeded
+training order, then the test; checkpointed atomically into ``<run_dir>/checkpoints``, stopped
+after a step by SIGTERM / SIGUSR1 (:class:`EvalRunInterrupted`), and resumed to the weights the
+uninterrupted run reaches (order, augmentations and draws depend on the position in training).
+A resume from a checkpoint of another kind of run, backbone or settings is refused in one line.
 """
 
 from __future__ import annotations
