@@ -9,6 +9,9 @@ import os
 import sys
 import warnings
 
+from ssl_vit import __version__
+from ssl_vit.errors import one_line
+
 COMMANDS: dict[str, tuple[str, str]] = {  # command: (module, one-line help)
     "fit": ("ssl_vit.cli.fit", "pretrain (or train the supervised baseline) from YAML recipes via LightningCLI"),
     "eval": ("ssl_vit.cli.eval", "evaluate a backbone: linear | knn | fewshot | frozen (all three) | finetune"),
@@ -32,14 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if argv[0] == "--version":
-        from ssl_vit import __version__
-
         print(f"ssl-vit {__version__}")
         return 0
     # OpenMP threads that sleep while they wait: with data-loading workers or another process on the
     # same cores, spinning threads slow a CPU run down several times over. (Before torch is imported.)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from ssl_vit.errors import one_line
     from ssl_vit.runtime import keep_freed_memory, world_info
 
     try:
