@@ -154,8 +154,8 @@ def test_with_accumulation_a_signal_waits_for_the_optimiser_step_which_the_epoch
 
 @pytest.mark.parametrize("start_step", [0, 7])  # a new run; a run resumed from step 7
 def test_a_signal_before_the_first_step_writes_nothing_and_one_after_it_saves_last(start_step):
-    # preemption.py: "A signal before the run's first step writes nothing: the checkpoint on disk is
-    # as new"; the condition is global_step <= the step the run started at (on_train_start), not 0.
+    # preemption.py _save: no step since the run's start, nothing to write (the checkpoint on disk is
+    # as new); the condition is global_step <= the step the run started at (on_train_start), not 0.
     sigterm = signal.getsignal(signal.SIGTERM)
     trainer = _trainer(start_step)
     cb = PreemptionCheckpoint()

@@ -1,20 +1,16 @@
 """Stop requests between steps: SIGTERM (what schedulers send before killing a job), SIGUSR1
 (SLURM's warning with ``--signal=USR1@90``) and Ctrl-C write ``last.ckpt`` after the current
-optimiser step, and the run stops; ``--resume`` then loses nothing.
+optimiser step and stop the run, so that ``--resume`` loses nothing; a second Ctrl-C stops at once.
 
-The handler only notes the signal. At the end of each optimiser step (and of each validation batch,
-so that a long validation pass is not waited for) the processes agree on it with one all-reduce,
-at the same point in every process, so that all save and stop at the same step. Lightning's own
-handlers act inside the signal handler, wherever each process was interrupted: its SIGTERM handler
-broadcasts (with several processes the step's collectives then mismatch: gloo aborts or the run
-hangs) and its SLURM requeue handler saves mid-step and lets the run go on. So its SIGTERM handler
-is replaced once training starts, and with SLURM auto-requeue the requeue signal is ours too: at
-the agreed batch end Lightning's requeue runs (``hpc_ckpt_<n>.ckpt``, ``scontrol requeue``).
-
-A second Ctrl-C stops at once (Python's KeyboardInterrupt), for a run stuck where no step ends.
-A signal before the run's first step writes nothing: the checkpoint on disk is as new. ``stopped_by``
-names the signal, so that ``ssl-vit fit`` exits with 128 + its number, as a shell reports a process
-it killed.
+The handler only notes the signal; at the end of each optimiser step (and of each validation batch:
+a long validation pass is not waited for) the processes agree on it with one all-reduce, so that all
+save and stop at the same step. Lightning's own handlers act wherever each process was interrupted:
+its SIGTERM handler broadcasts (with several processes the step's collectives then mismatch: gloo
+aborts or the run hangs), its SLURM requeue handler saves mid-step and lets the run go on. So its
+SIGTERM handler is replaced once training starts, and with SLURM auto-requeue the requeue signal is
+ours too: at the agreed batch end Lightning's requeue runs (``hpc_ckpt_<n>.ckpt``, ``scontrol
+requeue``). ``stopped_by`` names the signal: ``ssl-vit fit`` exits with 128 + its number, as a shell
+reports a process a signal killed.
 """
 
 from __future__ import annotations
@@ -140,7 +136,7 @@ class PreemptionCheckpoint(Callback):
 
     def _save(self, trainer: L.Trainer, signal_name: str) -> None:
         self.stopped_by = signal_name
-        if trainer.global_step <= self._start_step:
+        if trainer.global_step <= self._start_step:  # no step since the run's start: the checkpoint on disk is as new
             rank_zero_info(f"[ssl_vit] received {signal_name} before the first step: nothing new to save")
             return
         save_last = getattr(trainer.checkpoint_callback, "save_last_checkpoint", None)
