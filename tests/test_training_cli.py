@@ -624,7 +624,7 @@ def test_a_new_run_beside_an_earlier_fine_tuning_and_bad_settings_of_image_proto
 
 
 def test_a_slurm_requeued_run_counts_as_resuming_for_its_evaluation_folders(tmp_path, capsys, monkeypatch):
-    # training/cli.py: a job Lightning requeued resumes from <default_root_dir>/hpc_ckpt_<n>.ckpt
+    # cli/fit.py: a job Lightning requeued resumes from <default_root_dir>/hpc_ckpt_<n>.ckpt
     # by itself, without --resume; its recipe's evaluation folders are then its own runs, not an
     # earlier pretraining's (check_run_dirs is told it resumes). The check stops the run here.
     from ssl_vit.eval.evaluate import Evaluation
