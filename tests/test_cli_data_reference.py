@@ -476,11 +476,11 @@ def test_a_probes_own_representation_wins_over_the_evaluations(tmp_path, monkeyp
 
     calls = _spy_image_run(monkeypatch, LinearAugSettings)
     backbone, on_one_gpu = create_backbone("vit", **TINY), ImageRun(devices=[1])
-    ((result, path),) = Evaluation(["linear_aug"], "cls", linear_aug=LinearAugSettings(features="avg")).run(backbone, {}, _synthetic(), tmp_path,
+    ((result, path),) = Evaluation(["linear_aug"], features="cls", linear_aug=LinearAugSettings(features="avg")).run(backbone, {}, _synthetic(), tmp_path,
                                                                                                           image_run=on_one_gpu)
     assert calls["features"] == "avg" and result.protocol_args["features"] == "avg" and path.name.endswith("linear_aug-avg.json")
     assert result.protocol_args["devices"] == 1  # [1]: one GPU, the second
-    ((result, _),) = Evaluation(["linear_aug"], "last4").run(backbone, {"pretrain": {"steps": 3}}, _synthetic(), tmp_path, image_run=on_one_gpu)
+    ((result, _),) = Evaluation(["linear_aug"], features="last4").run(backbone, {"pretrain": {"steps": 3}}, _synthetic(), tmp_path, image_run=on_one_gpu)
     assert calls["features"] == "last4" == result.protocol_args["features"]
     assert calls["origin"] == {"pretrain_steps": 3}  # (as fine-tuning: not resumed on another step's weights)
 

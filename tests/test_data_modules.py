@@ -198,8 +198,8 @@ def test_image_folder_with_classes_and_flat(tmp_path):
     # a recipe evaluating on it is refused before training
     from ssl_vit.eval.evaluate import Evaluation
 
-    with pytest.raises(ValueError, match=r"ImageFolderDataModule has no labelled test split to evaluate on; set data val_dir "
-                                         r"to a labelled folder, or set evaluate.protocols: \[\] to pretrain without evaluating"):
+    with pytest.raises(ValueError, match=r"ImageFolderDataModule has no val_dir \(the labelled test split\); "
+                                         r"set evaluate.protocols: \[\] to pretrain without evaluating"):
         Evaluation(protocols=["knn"]).check_data(no_val)
     Evaluation(protocols=["knn"]).check_data(dm)
     _, labels = next(iter(flat.train_dataloader()))

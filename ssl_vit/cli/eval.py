@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
     from ssl_vit.export.load import recorded_normalization, resolve, source_info
     from ssl_vit.runtime import resolve_device
 
-    evaluation = Evaluation(protocols, args.features, args.which, **{p: settings(args, p) for p in protocols}, batch_size=args.batch_size,
+    evaluation = Evaluation(protocols, features=args.features, which=args.which, **{p: settings(args, p) for p in protocols}, batch_size=args.batch_size,
                             train_subset=args.train_subset, test_subset=args.test_subset, seed=args.seed)
     device = resolve_device(args.device)
     if args.precision == "16-mixed" and not device.startswith("cuda"):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import lightning as L
-from jsonargparse import ArgumentError
+from jsonargparse import ArgumentError, Namespace
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -113,6 +113,8 @@ def _fit(argv: list[str]) -> int:
         raise ConfigError(one_line(str(err)) + gpu) from None
     cfg, model, data, trainer = cli.config, cli.model, cli.datamodule, cli.trainer
     evaluation: Evaluation = cli.config_init["evaluate"]
+    if evaluation.data is not None:  # what the recipe sets of it; its img_size, in_chans, mean and std otherwise follow the backbone
+        evaluation.data_args = (cli.parser.parse_args(argv, defaults=False).get("evaluate.data.init_args") or Namespace()).as_dict()
     model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)  # travels inside every checkpoint
     validate_run(model, data, trainer, cfg.global_batch_size)
     evaluation.check_model(model)

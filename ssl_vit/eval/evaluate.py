@@ -6,6 +6,9 @@ of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after the pretrai
       finetune: {epochs: 100, batch_size: 32, base_lr: 5.0e-4, layer_decay: 0.65}
       linear_aug: {epochs: 100, batch_size: 128, features: last4}
       knn: {k: 20, temperature: 0.07}
+      data:                       # optional: labelled data of its own (default: the run's data)
+        class_path: ImageFolderDataModule
+        init_args: {train_dir: labelled/train, val_dir: labelled/val}
 
 Each protocol's settings are one typed class (``FineTuneSettings``, ``LinearAugSettings``,
 ``LinearProbe``, ``KNNClassifier``, ``FewShotEvaluator``). The protocols that train on images run
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
 from ssl_vit.backbones import is_vit
+from ssl_vit.data import ImageDataModule, ImageFolderDataModule, scan_image_dir
 from ssl_vit.eval import results
 from ssl_vit.eval.features import FeatureMode, extract_features, feature_dim
 from ssl_vit.eval.fewshot import FewShotEvaluator
@@ -77,22 +81,58 @@ def labelled_features(features: Tensor, labels: Tensor, split: str) -> tuple[Ten
     return features[keep], labels[keep]
 
 
+def backbone_data_args(backbone: nn.Module, info: Mapping[str, Any]) -> dict[str, Any]:
+    """The datamodule arguments that feed a backbone what it was trained on: its resolution and
+    channels, and the statistics it records; ImageNet's for foreign 3-channel weights that record
+    none (what timm's expect); none (the dataset's own) for a random initialisation."""
+    args: dict[str, Any] = {"img_size": backbone.img_size[0], "in_chans": backbone.in_chans}
+    source = str(info.get("normalization_source") or "")
+    if info.get("mean") is not None and (not source.startswith("default") or (source.startswith("default (ImageNet") and info.get("kind") != "random")):
+        args["mean"], args["std"] = tuple(info["mean"]), tuple(info["std"])
+    return args
+
+
+def missing_labels(datamodule: Any) -> str | None:
+    """What a datamodule lacks of the labelled training and test splits the evaluations read, said
+    after its name and known without reading an image (of an image folder: which folder lacks
+    what); None when nothing."""
+    if isinstance(datamodule, ImageFolderDataModule):
+        unlabelled = "has no class folders (<class>/<image>): its images have no labels"
+        if datamodule.val_dir is None:
+            return "has no val_dir (the labelled test split)"
+        if datamodule.num_classes is None:
+            return f"train_dir {datamodule.train_dir} {unlabelled}"
+        if scan_image_dir(datamodule.val_dir, {c: i for i, c in enumerate(datamodule.class_names)})[1] is None:
+            return f"val_dir {datamodule.val_dir} {unlabelled}"
+        return None
+    if not datamodule.has_labelled_test_split():
+        return "has no labelled test split to evaluate on"
+    if not datamodule.num_classes:
+        return ("does not say how many classes its labels have (num_classes is unset): a datamodule of labelled data sets num_classes, "
+                "which the evaluations and the online probe need")
+    return None
+
+
 class Evaluation:
     """Evaluations of one backbone (module docstring; none by default): the ``protocols`` with their
-    settings (None: the defaults; fine-tuning runs at the data's resolution); ``features``: the
+    settings (None: the defaults; fine-tuning runs at the data's resolution); ``data``: the
+    labelled train/test splits (None: the run's data), whose ``img_size``, ``in_chans``, ``mean``
+    and ``std`` follow the backbone's training unless the recipe sets them; ``features``: the
     linear probes' and kNN's representation (``cls``, ``last4``, ``avg``, ``cls_avg``); ``which``:
     a checkpoint's encoder (None: the method's default, DINO's teacher); ``out``: the results'
     folder (None after a fit: ``<default_root_dir>/results``); ``batch_size``: of the feature
-    extraction; ``train_subset``, ``test_subset``: fixed random subsets of the splits (the run's
-    ``data.subset`` already one); ``seed``: of those, of the runs on images, of the protocols
-    whose own is None."""
+    extraction; ``train_subset``, ``test_subset``: fixed random subsets of the splits (the data's
+    ``subset`` already one); ``seed``: of those, of the runs on images, of the protocols whose own
+    is None."""
 
-    def __init__(self, protocols: list[Protocol] | None = None, features: FeatureMode = "cls", which: str | None = None,
-                 linear: LinearProbe | None = None, knn: KNNClassifier | None = None, fewshot: FewShotEvaluator | None = None,
-                 finetune: FineTuneSettings | None = None, linear_aug: LinearAugSettings | None = None, out: str | None = None,
-                 batch_size: int = 256, train_subset: int | None = None, test_subset: int | None = None, seed: int = 0) -> None:
-        self.protocols, self.features, self.which, self.out = list(dict.fromkeys(protocols or [])), features, which, out
+    def __init__(self, protocols: list[Protocol] | None = None, data: ImageDataModule | None = None, features: FeatureMode = "cls",
+                 which: str | None = None, linear: LinearProbe | None = None, knn: KNNClassifier | None = None,
+                 fewshot: FewShotEvaluator | None = None, finetune: FineTuneSettings | None = None, linear_aug: LinearAugSettings | None = None,
+                 out: str | None = None, batch_size: int = 256, train_subset: int | None = None, test_subset: int | None = None,
+                 seed: int = 0) -> None:
+        self.protocols, self.data, self.features, self.which, self.out = list(dict.fromkeys(protocols or [])), data, features, which, out
         self.batch_size, self.train_subset, self.test_subset, self.seed = batch_size, train_subset, test_subset, seed
+        self.data_args: dict[str, Any] = {}  # the arguments of ``data`` the recipe sets (``ssl-vit fit`` tells); the rest is rebuilt
         given = {"linear": linear, "knn": knn, "fewshot": fewshot, "finetune": finetune, "linear_aug": linear_aug}
         if unused := [p for p, s in given.items() if s is not None and p not in self.protocols]:
             print(f"ssl-vit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols ({', '.join(self.protocols) or 'none'}) "
@@ -127,20 +167,18 @@ class Evaluation:
                 raise ValueError(f"{where}: {err}") from None
 
     def check_data(self, datamodule: Any) -> None:
-        """Before a pretraining: a labelled test split and a class count, and a training split whose
-        size the recipe fixes (``data.subset``, ``evaluate.train_subset``) that holds kNN's
-        neighbours and few-shot's shots (without a fixed size, knowing means reading the data)."""
+        """Before a pretraining: labelled training and test splits (``data``, else the run's) and,
+        where the recipe fixes the training split's size (``subset``, ``evaluate.train_subset``),
+        room in it for kNN's neighbours and few-shot's shots (else knowing means reading the data)."""
         if not self.protocols:
             return
-        name, evaluate_nothing = type(datamodule).__name__, "set evaluate.protocols: [] to pretrain without evaluating"
-        if not datamodule.has_labelled_test_split():
-            fix = "set data val_dir to a labelled folder, or " if hasattr(datamodule, "val_dir") else ""
-            raise ValueError(f"evaluate: {name} has no labelled test split to evaluate on; {fix}{evaluate_nothing}")
-        if not datamodule.num_classes:
-            raise ValueError(f"evaluate: {name} does not say how many classes its labels have (num_classes is unset): a datamodule of labelled "
-                             f"data sets num_classes, which the evaluations and the online probe need; or {evaluate_nothing}")
-        sizes = {"evaluate.train_subset": self.train_subset, "data.subset": getattr(datamodule, "subset", None)}
-        if known := sorted((n, where) for where, n in sizes.items() if n is not None):
+        datamodule, where = (self.data, "evaluate.data") if self.data is not None else (datamodule, "data")
+        if (missing := missing_labels(datamodule)) is not None:
+            other = ", or evaluate on labelled data of its own (evaluate.data)" if where == "data" else ""
+            raise ValueError(f"{'evaluate' if where == 'data' else where}: {type(datamodule).__name__} {missing}; "
+                             f"set evaluate.protocols: [] to pretrain without evaluating{other}")
+        sizes = {"evaluate.train_subset": self.train_subset, f"{where}.subset": getattr(datamodule, "subset", None)}
+        if known := sorted((n, name) for name, n in sizes.items() if n is not None):
             self._check_sizes(*known[0], datamodule.num_classes)
 
     def _check_sizes(self, n: int, where: str | None, num_classes: int) -> None:
@@ -165,11 +203,13 @@ class Evaluation:
 
     def after_fit(self, checkpoint: str | Path, datamodule: Any, trainer: Any, resuming: bool) -> list[results.EvalResult]:
         """The recipe's evaluation of the backbone a fit ended with, on the run's processes, devices
-        and precision; the runs on images checkpoint into ``<default_root_dir>/<protocol>`` (a
-        resumed fit continues them)."""
+        and precision (``data``, else the run's datamodule); the runs on images checkpoint into
+        ``<default_root_dir>/<protocol>`` (a resumed fit continues them)."""
         from ssl_vit.export import load_any_backbone
 
         backbone, info = load_any_backbone(checkpoint, which=self.which)
+        if self.data is not None:  # (its training views have no use here)
+            datamodule = type(self.data)(**{**backbone_data_args(backbone, info), **{k: v for k, v in self.data_args.items() if k != "views"}})
         root, device = Path(trainer.default_root_dir), trainer.strategy.root_device
         image_run = ImageRun("gpu" if device.type == "cuda" else "cpu", trainer.num_devices, trainer.num_nodes, str(trainer.precision),
                              datamodule.num_workers, self.seed, resume=resuming)
@@ -235,13 +275,13 @@ class Evaluation:
         return done
 
     def _splits(self, datamodule: Any, train_views: Any = None) -> tuple[Dataset, Dataset, int]:
-        """The (train, test) evaluation splits, subsampled, and the class count; a missing test
-        split, a split of one class and a training split too small for the protocols are refused
-        here, before any feature or training."""
+        """The (train, test) evaluation splits, subsampled, and the class count; splits without
+        labels, of one class, or too small for the protocols are refused here, before any feature
+        or training."""
         train_ds, test_ds = datamodule.eval_datasets(train_views=train_views)
         name, num_classes = results.datamodule_name(datamodule), datamodule.num_classes
         if test_ds is None or not num_classes:
-            raise ValueError(f"{name}: no labelled test split to evaluate on{' (an image folder needs val_dir)' if hasattr(datamodule, 'val_dir') else ''}")
+            raise ValueError(f"{name} {isinstance(datamodule, ImageDataModule) and missing_labels(datamodule) or 'has no labelled test split to evaluate on'}")
         train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
         for split, dataset, folder in (("training", train_ds, "train_dir"), ("test", test_ds, "val_dir")):
             if (held := classes if (classes := labelled_classes(dataset)) is not None else num_classes) < 2:

@@ -1,0 +1,84 @@
+"""The recipe's ``evaluate`` section on labelled data of its own (``evaluate.data``): a pretraining on
+an unlabelled folder evaluated on a separate labelled train/val pair, and the missing-label errors
+naming what is missing."""
+
+import json
+
+import pytest
+import yaml
+from PIL import Image
+
+from ssl_vit.cli import main as cli_main
+from ssl_vit.data import ImageFolderDataModule
+from ssl_vit.eval.evaluate import Evaluation
+
+TINY = {"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 1, "num_heads": 2}
+
+
+def _images(root, classes: dict[str, int]):
+    """PNGs in class folders (name -> count), or directly in ``root`` for the name ``""``."""
+    for i, (name, count) in enumerate(classes.items()):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for j in range(count):
+            Image.new("RGB", (16, 16), (60 * i + 10 * j, 90, 200 - 40 * i)).save(root / name / f"{j}.png")
+    return root
+
+
+def _recipe(tmp_path, evaluate_data: dict) -> str:
+    flat = _images(tmp_path / "unlabelled", {"": 16})
+    recipe = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "default_root_dir": str(tmp_path / "run"), "enable_progress_bar": False,
+                    "enable_model_summary": False, "logger": False},
+        "model": {"class_path": "ssl_vit.methods.MPP", "init_args": {"backbone": "vit", "backbone_kwargs": TINY, "warmup_epochs": 0.0}},
+        "data": {"class_path": "ImageFolderDataModule", "init_args": {"train_dir": str(flat), "img_size": 16, "batch_size": 8, "num_workers": 0,
+                                                                      "mean": [0.4, 0.4, 0.4], "std": [0.2, 0.2, 0.2]}},
+        "evaluate": {"protocols": ["knn"], "knn": {"k": 3}, "data": {"class_path": "ImageFolderDataModule", "init_args": evaluate_data}},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return str(tmp_path / "recipe.yaml")
+
+
+def test_a_recipe_pretrains_on_an_unlabelled_folder_and_evaluates_on_a_labelled_pair(tmp_path, capsys, monkeypatch):
+    train, val = _images(tmp_path / "labelled" / "train", {"a": 4, "b": 4}), _images(tmp_path / "labelled" / "val", {"a": 2, "b": 2})
+    # a labelled pair whose val_dir lacks class folders stops the recipe before it trains
+    flat_val = _images(tmp_path / "flat_val", {"": 4})
+    assert cli_main(["fit", "--config", _recipe(tmp_path, {"train_dir": str(train), "val_dir": str(flat_val)})]) == 1
+    assert (f"evaluate.data: ImageFolderDataModule val_dir {flat_val} has no class folders (<class>/<image>): its images have no labels; "
+            "set evaluate.protocols: [] to pretrain without evaluating\n") in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+    seen = []
+    run = Evaluation.run
+    monkeypatch.setattr(Evaluation, "run", lambda self, backbone, info, dm, *a, **k: seen.append(dm) or run(self, backbone, info, dm, *a, **k))
+    assert cli_main(["fit", "--config", _recipe(tmp_path, {"train_dir": str(train), "val_dir": str(val), "num_workers": 0, "std": [0.5]})]) == 0
+    # the pretraining's resolution and mean follow, the std the recipe set wins
+    (dm,) = seen
+    assert (dm.img_size, dm.in_chans, dm.mean, dm.std, dm.num_workers) == (16, 3, (0.4, 0.4, 0.4), (0.5, 0.5, 0.5), 0)
+    (path,) = (tmp_path / "run" / "results").glob("*.json")
+    result = json.loads(path.read_text())
+    assert result["protocol"] == "knn" and result["method"] == "mpp"
+    assert result["data"] == {"name": "imagefolder", "train_dir": str(train), "val_dir": str(val), "train_size": 8, "test_size": 4}
+    assert result["pretrain"]["data"] == f"imagefolder:{tmp_path.name}/unlabelled"  # what it was pretrained on
+    assert "knn       mpp  vit-D32-L1-H2/4  imagefolder:labelled/train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("own, train, val, message", [
+    # the run's data: an unlabelled folder alone, or beside a labelled val_dir (not blamed)
+    (False, {"": 4}, None, "evaluate: ImageFolderDataModule has no val_dir (the labelled test split); set evaluate.protocols: [] to pretrain "
+                           "without evaluating, or evaluate on labelled data of its own (evaluate.data)"),
+    (False, {"": 4}, {"a": 1, "b": 1}, "evaluate: ImageFolderDataModule train_dir {tmp}/train has no class folders (<class>/<image>): its "
+                                       "images have no labels; set evaluate.protocols: [] to pretrain without evaluating, or evaluate"),
+    # evaluate.data of its own
+    (True, {"a": 2, "b": 2}, None, "evaluate.data: ImageFolderDataModule has no val_dir (the labelled test split); set evaluate.protocols: []"),
+    (True, {"a": 2, "b": 2}, {"": 2}, "evaluate.data: ImageFolderDataModule val_dir {tmp}/val has no class folders (<class>/<image>)"),
+    (True, {"": 4}, {"a": 1, "b": 1}, "evaluate.data: ImageFolderDataModule train_dir {tmp}/train has no class folders (<class>/<image>)"),
+])
+def test_a_missing_labelled_split_is_named_before_training(tmp_path, own, train, val, message):
+    dm = ImageFolderDataModule(str(_images(tmp_path / "train", train)), str(_images(tmp_path / "val", val)) if val else None)
+    labelled = ImageFolderDataModule(str(_images(tmp_path / "ok_train", {"a": 1, "b": 1})), str(_images(tmp_path / "ok_val", {"a": 1, "b": 1})))
+    evaluation = Evaluation(["knn"], data=dm if own else None)
+    with pytest.raises(ValueError) as err:
+        evaluation.check_data(labelled if own else dm)
+    assert str(err.value).startswith(message.format(tmp=tmp_path))
+    Evaluation(["knn"], data=labelled if own else None).check_data(labelled)  # a labelled pair passes
