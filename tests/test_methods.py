@@ -587,20 +587,39 @@ def test_the_skip_policy_raises_once_its_budget_is_spent():
     assert none.skipped_batches == 0
 
 
-@pytest.mark.parametrize("warmup_epochs, note", [
-    (9.9, None),
-    (10, "the LR warm-up, warmup_epochs 10 = 100 steps, spans the whole run of 100 steps: its LR rises"),
-    (10.1, "the LR warm-up, warmup_epochs 10.1 = 101 steps, is longer than the run of 100 steps and is cut to it: its LR rises"),
+@pytest.mark.parametrize("warmup, line, note", [
+    ({"warmup_epochs": 9.9}, ", LR warm-up 99 steps (warmup_epochs 9.9 x 10)", None),
+    ({"warmup_epochs": 0}, "", None),
+    ({"warmup_epochs": 10}, ", LR warm-up 100 steps (warmup_epochs 10 x 10)",
+     "the LR warm-up, warmup_epochs 10 = 100 steps, spans the whole run of 100 steps: its LR rises to the peak at the last step and "
+     "the cosine never starts (set a shorter warm-up)"),
+    ({"warmup_epochs": 10.1}, ", LR warm-up 101 steps (warmup_epochs 10.1 x 10)",
+     "the LR warm-up, warmup_epochs 10.1 = 101 steps, is longer than the run of 100 steps and is cut to it: its LR rises to the peak "
+     "at the last step and the cosine never starts (set a shorter warm-up)"),
+    # Issue 31: epochs on a small folder make few steps: a warm-up under 20 steps is named, with what to set instead.
+    ({"warmup_epochs": 1.9}, ", LR warm-up 19 steps (warmup_epochs 1.9 x 10)",
+     "the LR warm-up, warmup_epochs 1.9 = 19 steps at 10 per epoch, is short: the LR reaches its peak after 19 step(s), too soon to "
+     "keep the first steps from diverging (set warmup_steps: 20 or more, which replaces warmup_epochs)"),
+    ({"warmup_epochs": 2}, ", LR warm-up 20 steps (warmup_epochs 2 x 10)", None),
+    ({"warmup_epochs": 0.04}, "",
+     "the LR warm-up, warmup_epochs 0.04 = 0 steps at 10 per epoch, is short: the LR starts at its peak, too soon to keep the first "
+     "steps from diverging (set warmup_steps: 20 or more, which replaces warmup_epochs)"),
+    # warmup_steps, when set, replaces warmup_epochs (both set: the steps win, and the line says so); a count of steps is taken as meant
+    ({"warmup_epochs": 1, "warmup_steps": 5}, ", LR warm-up 5 steps (warmup_steps; warmup_epochs is then not used)", None),
+    ({"warmup_steps": 0}, ", LR warm-up 0 steps (warmup_steps; warmup_epochs is then not used)", None),
+    ({"warmup_steps": 120}, ", LR warm-up 120 steps (warmup_steps; warmup_epochs is then not used)",
+     "the LR warm-up, warmup_steps 120, is longer than the run of 100 steps and is cut to it: its LR rises to the peak at the last step "
+     "and the cosine never starts (set a shorter warm-up)"),
 ])
-def test_the_start_note_on_a_warmup_as_long_as_the_run_or_longer(warmup_epochs, note):
-    model = make("dino", warmup_epochs=warmup_epochs)
-    model.total_steps, model.steps_per_epoch, model.global_batch_size = 100, 10, 16
+def test_the_start_line_says_the_warmup_and_notes_one_too_short_or_as_long_as_the_run(warmup, line, note):
+    model = make("dino", **warmup)
+    model.total_steps, model.steps_per_epoch, model.global_batch_size, model.peak_lr = 100, 10, 16, 0.1
     model._trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1, global_step=0)
     lines = model._start_notes(per_device=8)
-    assert lines[0].startswith("[ssl_vit] DINO on vit: effective batch size 16 = 8 per device x 2 device(s) x 1 accumulation")
-    notes = [ln for ln in lines if "warm-up" in ln]
-    assert notes == ([] if note is None else [f"[ssl_vit] note: {note} to the peak at the last step and the "
-                                               "cosine never starts (set a shorter warm-up)"])
+    assert lines[0] == ("[ssl_vit] DINO on vit: effective batch size 16 = 8 per device x 2 device(s) x 1 accumulation; lr = base_lr 0.02 x "
+                        f"16/256 = 0.1; 100 optimiser steps (10 per epoch){line}")
+    assert lines[1:] == ([] if note is None else [f"[ssl_vit] note: {note}"])
+    assert model.schedule_values(0)["lr"] == pytest.approx(0.1 / min(model.warmup_steps(), 100) if model.warmup_steps() else 0.1)
     model._resumed = {"total_steps": 80, "global_batch_size": 32}  # a resume with another length and batch: both said
     assert ["resumed a run planned for 80" in ln or "effective batch size of 32" in ln for ln in model._start_notes(8)].count(True) == 2
 
@@ -655,7 +674,7 @@ def test_a_skipped_batch_leaves_every_weight_buffer_and_ema_target_as_it_was(nam
 
 
 def test_supervised_needs_labels(tmp_path):
-    with pytest.raises(ValueError, match="needs num_classes"):
+    with pytest.raises(ValueError, match=r"needs at least 2 classes; the data has none \(num_classes unset\)"):
         Supervised(**TINY_BACKBONE)
     # A datamodule that says it has unlabelled training images is refused before training ...
     for i in range(4):

@@ -2,12 +2,10 @@
 gradient clipping, the online linear probe, logging, the non-finite-loss guard, the run info.
 
 A method builds its heads and loss from typed ``__init__`` arguments and implements ``step(views,
-labels) -> {"loss", "features", ...}`` (``features``: the ``[B, D]`` representation the probe
-learns from; other scalars are logged); around the optimiser step it may edit gradients
+labels) -> {"loss", "features", ...}``; around the optimiser step it may edit gradients
 (``before_optimizer_step``) and update what no gradient moves (``after_optimizer_step``: EMA
-targets, with the momentum of :meth:`BaseMethod.cosine`). On several processes a step is the
-one-process step on the whole batch (DDP averages the local means; keys, centres and BatchNorm
-statistics span the processes), and a step's randomness comes from (seed, epoch, batch, rank).
+targets). On several processes a step is the one-process step on the whole batch (keys, centres
+and BatchNorm statistics span the processes); its randomness comes from (seed, epoch, batch, rank).
 """
 
 from __future__ import annotations
@@ -27,8 +25,10 @@ from ssl_vit.backbones.compile import check_backend, compile_backbone
 from ssl_vit.methods import distributed, optim
 from ssl_vit.methods.distributed import ClipMode
 from ssl_vit.methods.optim import OptimizerName, WeightDecayExempt
-from ssl_vit.methods.probe import OnlineLinearProbe
+from ssl_vit.methods.probe import OnlineLinearProbe, labelled_accuracy
 from ssl_vit.runtime import global_seed, seed_training_step
+
+SHORT_WARMUP = 20  # optimiser steps: a warm-up made from epochs that is shorter gets a note
 
 
 class NonFiniteLossError(RuntimeError):
@@ -39,9 +39,8 @@ def ema_update(online: nn.Module, target: nn.Module, momentum: float) -> None:
     """``target <- m·target + (1 - m)·online``, parameter by parameter (lightly's ``update_momentum``)."""
     for (name, p), q in zip(online.named_parameters(), target.parameters()):
         if p.shape != q.shape:  # averaged shard by shard: FSDP must split the two alike
-            raise RuntimeError(f"EMA: {name} is {tuple(p.shape)} here in the online module but {tuple(q.shape)} in its target: FSDP "
-                               "sharded the two differently. Wrap each module of an EMA pair as its own FSDP unit (the "
-                               "auto_wrap_policy of recipes/trainer/fsdp.yaml: the ViT class and the heads besides the blocks)")
+            raise RuntimeError(f"EMA: {name} is {tuple(p.shape)} here in the online module but {tuple(q.shape)} in its target: FSDP sharded the "
+                               "two differently; wrap each module of an EMA pair as an FSDP unit (as recipes/trainer/fsdp.yaml does)")
     update_momentum(online, target, momentum)
 
 
@@ -52,8 +51,11 @@ class BaseMethod(L.LightningModule):
         backbone, backbone_kwargs: a registered backbone (``ssl-vit backbones``) and its arguments.
         optimizer: ``adamw`` (ViT methods), ``sgd`` or ``lars`` (large-batch ResNets).
         base_lr: LR per 256 images: the peak is ``base_lr * global_batch / 256`` (Goyal et al.'s
-            linear scaling, as MoCo v3 and DINO), after a linear warm-up of ``warmup_epochs`` (or
-            ``warmup_steps``, as the ViT paper counts it), then a cosine to ``min_lr``.
+            linear scaling, as MoCo v3 and DINO), after a linear warm-up, then a cosine to ``min_lr``.
+        warmup_epochs, warmup_steps: the warm-up's length; ``warmup_steps`` (the ViT paper counts
+            steps), when set, replaces ``warmup_epochs``. The start-up line says which one counts
+            and how many steps it makes; a note names a warm-up under 20 steps made from epochs
+            (a small folder has few steps per epoch) and one as long as the run.
         weight_decay, weight_decay_end: a cosine from one to the other over the run (DINO: 0.04 ->
             0.4); ``weight_decay_end`` None keeps it constant.
         weight_decay_exempt: no weight decay for ``bias_norm_tokens`` biases, norm weights, [CLS],
@@ -114,27 +116,24 @@ class BaseMethod(L.LightningModule):
         self.skipped_batches = 0  # non-finite batches skipped so far
         self.recipe: str | None = None  # the resolved recipe (`ssl-vit fit`)
         self.data_info: dict[str, Any] | None = None
-        self._skipping, self._compiled = False, False
+        self._skipping, self._compiled, self._resumed = False, False, {}
         self._buffers_at_step_start: list[tuple[Tensor, Tensor]] | None = None
         self._shapes_before_wrapping: dict[str, torch.Size] = {}
-        self._resumed: dict[str, Any] = {}
         self._val_totals: dict[str, Tensor] = {}  # validation: [sum of a metric x images, labelled images] by name
 
     # ------------------------------------------------------------------ what a method implements
     def step(self, views: list[Tensor], labels: Tensor) -> dict[str, Tensor]:
-        """One training forward: ``loss``, ``features`` (``[B, D]``) and scalars to log."""
+        """One training forward: ``loss``, ``features`` (the ``[B, D]`` representation the probe learns from), scalars to log."""
         raise NotImplementedError
 
     def check_views(self, num_views: int) -> None:
-        """Raise ``ValueError`` for a number of views per image the method cannot train on (the
-        recipe checks ask before training)."""
+        """Raise ``ValueError`` for a number of views per image the method cannot train on (asked before training)."""
 
     def before_optimizer_step(self) -> None:
         """Edit the gradients between backward and the optimiser step (DINO's frozen last layer)."""
 
     def after_optimizer_step(self) -> dict[str, float]:
-        """Update what follows an optimiser step that was taken (EMA targets, DINO's centre);
-        returns scalars to log."""
+        """Update what follows an optimiser step that was taken (EMA targets, DINO's centre); returns scalars to log."""
         return {}
 
     # ------------------------------------------------------------------ helpers for methods
@@ -160,12 +159,6 @@ class BaseMethod(L.LightningModule):
             for name in (n for n in names if getattr(self, n) is not None):
                 setattr(self, name, distributed.convert_sync_batchnorm(getattr(self, name), self.trainer.strategy.root_device.type))
 
-    def compile_backbones(self, backend: str) -> None:
-        """``torch.compile`` the backbone and every ``*_backbone`` (momentum encoder, teacher) in place."""
-        for name, module in self.named_children():
-            if name == "backbone" or name.endswith("_backbone"):
-                compile_backbone(module, backend)
-
     # ------------------------------------------------------------------ the run
     def setup(self, stage: str) -> None:
         if not self._shapes_before_wrapping:  # (before a strategy wraps the model: FSDP flattens the parameters)
@@ -177,9 +170,11 @@ class BaseMethod(L.LightningModule):
                 if (value := getattr(dm, key, None)) is not None:
                     self.data_info[key] = list(value) if isinstance(value, tuple | list) else str(value) if key == "train_dir" else value
         self.sync_batchnorm("probe")  # it then learns the same whatever the split over devices
-        if self.hparams.compile_backbone and not self._compiled:
+        if self.hparams.compile_backbone and not self._compiled:  # the backbone, any momentum encoder or teacher (*_backbone)
             rank_zero_info(f"[ssl_vit] compiling the backbone with torch.compile ({self.hparams.compile_backend}, one block at a time)")
-            self.compile_backbones(self.hparams.compile_backend)
+            for name, module in self.named_children():
+                if name == "backbone" or name.endswith("_backbone"):
+                    compile_backbone(module, self.hparams.compile_backend)
             self._compiled = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -191,12 +186,8 @@ class BaseMethod(L.LightningModule):
     def _param_groups(self) -> list[dict[str, Any]]:
         hp, names = self.hparams, {id(p): distributed.unwrapped_name(n) for n, p in self.named_parameters()}
         tokens = {"mask_token"} | {f"{prefix}.{n}" for prefix, m in self.named_children() if hasattr(m, "no_weight_decay") for n in m.no_weight_decay()}
-
-        def shape_as_built(p: Tensor) -> torch.Size:  # (FSDP's shards are 1-D)
-            return self._shapes_before_wrapping.get(names[id(p)], p.shape)
-
         return optim.param_groups(self.named_parameters(), hp.weight_decay_exempt, tokens, hp.weight_decay, self._probe_ids(), hp.probe_lr,
-                                  shape_as_built)
+                                  lambda p: self._shapes_before_wrapping.get(names[id(p)], p.shape))  # (FSDP's shards are 1-D)
 
     def _probe_ids(self) -> set[int]:
         return {id(p) for p in self.probe.parameters()} if self.probe is not None else set()
@@ -242,16 +233,28 @@ class BaseMethod(L.LightningModule):
         seed_training_step(self.seed, self.current_epoch, batch_idx, self.global_rank)
 
     def _start_notes(self, per_device: int) -> list[str]:
-        """The batch, the LR it scales to and the length; settings that do not do what one may think."""
-        hp, trainer, warmup, total, batch, step = self.hparams, self.trainer, self.warmup_steps(), self.total_steps, self.global_batch_size, self.global_step
-        lines = [f"[ssl_vit] {type(self).__name__} on {self.backbone_name}: effective batch size {batch} = {per_device} per device x "
-                 f"{trainer.world_size} device(s) x {trainer.accumulate_grad_batches} accumulation; lr = base_lr {hp.base_lr:g} x {batch}/256 "
-                 f"= {self.peak_lr:.4g}; {total} optimiser steps ({self.steps_per_epoch} per epoch)"]
+        """The batch, the LR it scales to, the length and the warm-up; settings that do not do what one may think."""
+        hp, warmup, total, batch, step, per_epoch = (self.hparams, self.warmup_steps(), self.total_steps, self.global_batch_size,
+                                                     self.global_step, self.steps_per_epoch)
+        line = (f"[ssl_vit] {type(self).__name__} on {self.backbone_name}: effective batch size {batch} = {per_device} per device x "
+                f"{self.trainer.world_size} device(s) x {self.trainer.accumulate_grad_batches} accumulation; lr = base_lr {hp.base_lr:g} x "
+                f"{batch}/256 = {self.peak_lr:.4g}; {total} optimiser steps ({per_epoch} per epoch)")
+        from_epochs = hp.warmup_steps is None
+        if not from_epochs:
+            line += f", LR warm-up {warmup} steps (warmup_steps; warmup_epochs is then not used)"
+        elif warmup:
+            line += f", LR warm-up {warmup} steps (warmup_epochs {hp.warmup_epochs:g} x {per_epoch})"
+        lines = [line]
         if warmup >= total:
-            label = f"warmup_steps {hp.warmup_steps}" if hp.warmup_steps is not None else f"warmup_epochs {hp.warmup_epochs:g} = {warmup} steps"
+            label = f"warmup_epochs {hp.warmup_epochs:g} = {warmup} steps" if from_epochs else f"warmup_steps {warmup}"
             cut = f", is longer than the run of {total} steps and is cut to it" if warmup > total else f", spans the whole run of {total} steps"
             lines.append(f"[ssl_vit] note: the LR warm-up, {label}{cut}: its LR rises to the peak at the last step and the cosine never "
                          "starts (set a shorter warm-up)")
+        elif from_epochs and hp.warmup_epochs > 0 and warmup < SHORT_WARMUP:  # few steps per epoch: a small folder, a large batch
+            peak = f"reaches its peak after {warmup} step(s)" if warmup else "starts at its peak"
+            lines.append(f"[ssl_vit] note: the LR warm-up, warmup_epochs {hp.warmup_epochs:g} = {warmup} steps at {per_epoch} per epoch, is "
+                         f"short: the LR {peak}, too soon to keep the first steps from diverging (set warmup_steps: {SHORT_WARMUP} or more, "
+                         "which replaces warmup_epochs)")
         if self._resumed.get("total_steps") not in (None, total):
             lines.append(f"[ssl_vit] note: resumed a run planned for {self._resumed['total_steps']} optimiser steps as one of {total}: from "
                          f"step {step} on, the LR, weight-decay and momentum schedules follow the new length (the run is not the one a "
@@ -265,9 +268,9 @@ class BaseMethod(L.LightningModule):
     # ------------------------------------------------------------------ a training step
     def training_step(self, batch: tuple[list[Tensor], Tensor], batch_idx: int) -> Tensor:
         if not (isinstance(batch, list | tuple) and len(batch) == 2 and isinstance(batch[0], list | tuple)):
-            raise TypeError("a training batch must be (views, labels) with views a list of [B, C, H, W] tensors, one per view (the "
-                            "datamodules' view transforms make it: SingleView, TwoViews, MultiCrop); got "
-                            f"{type(batch).__name__} of {', '.join(type(b).__name__ for b in batch) if isinstance(batch, list | tuple) else '?'}")
+            raise TypeError("a training batch must be (views, labels) with views a list of [B, C, H, W] tensors (a datamodule's view "
+                            f"transform makes it: SingleView, TwoViews, MultiCrop); got {type(batch).__name__} of "
+                            f"{', '.join(type(b).__name__ for b in batch) if isinstance(batch, list | tuple) else '?'}")
         views, labels = batch
         if self.hparams.nonfinite_policy == "skip" and self._buffers_at_step_start is None:
             self._buffers_at_step_start = [(b, b.clone()) for b in self.buffers()]  # what a skipped step puts back
@@ -370,8 +373,8 @@ class BaseMethod(L.LightningModule):
                 self.log(name, value / count, prog_bar=True, sync_dist=True)  # (the same on every process)
 
     def validation_metrics(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
-        """Metrics of a validation batch from the representation ``[B, D]``: means over the labelled images."""
-        return {"probe/val_acc": self.probe.accuracy(features, labels)} if self.probe is not None else {}
+        """Metrics of a validation batch (in eval mode) from the representation ``[B, D]``: means over the labelled images."""
+        return {"probe/val_acc": labelled_accuracy(self.probe.head(features), labels)} if self.probe is not None else {}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -38,9 +38,8 @@ class DINO(BaseMethod):
         center_momentum: the centre's EMA momentum (0.9).
         momentum, momentum_end: the teacher's cosine schedule (0.996 -> 1).
         freeze_last_layer_epochs: the head's last layer gets no update in these first epochs.
-        base_lr, min_lr, weight_decay, weight_decay_end, weight_decay_exempt, grad_clip,
-            grad_clip_mode: :class:`BaseMethod`'s, with ``main_dino.py``'s defaults (LR 5e-4 per 256
-            to 1e-6, weight decay 0.04 -> 0.4 on all but biases and 1-D parameters, clipping 3.0).
+        base_lr ... grad_clip_mode: ``main_dino.py``'s (LR 5e-4 per 256 to 1e-6, weight decay 0.04
+            -> 0.4 on all but biases and 1-D parameters, per-parameter clipping at 3.0).
         **kwargs: the other arguments of :class:`BaseMethod`.
     """
 
@@ -81,15 +80,13 @@ class DINO(BaseMethod):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        # main_dino.py: a model with BatchNorm (a ResNet, BN in the head) synchronises it; a ViT
-        # with the default head has none.
+        # main_dino.py: a model with BatchNorm (a ResNet, BN in the head) synchronises it.
         self.sync_batchnorm("backbone", "head", "teacher_backbone", "teacher_head")
         # Gradient accumulation: the centre moves once per optimiser step, by the whole batch's mean.
         self.criterion.defer_center = self._trainer is not None and self.trainer.accumulate_grad_batches > 1
 
     def check_views(self, num_views: int) -> None:
-        g = self.hparams.n_global_crops
-        if g < 1 or num_views < max(g, 2):
+        if (g := self.hparams.n_global_crops) < 1 or num_views < max(g, 2):
             raise ValueError(f"DINO needs at least {max(g, 2)} views with {g} global crops first, got {num_views}; use MultiCrop"
                              + (" (and n_global_crops >= 1)" if g < 1 else ""))
 

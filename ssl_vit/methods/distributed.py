@@ -44,16 +44,14 @@ def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, mode: ClipMo
     grads = [p.grad for p in params]
     if shard_group is None and mode == "global":
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
-    present = [g for g in grads if g is not None]
     # Where the norms are summed: the gradients' device (else the parameters': a skipped batch
     # dropped them); NCCL reduces CUDA tensors only, whatever device the gradients live on.
-    device = present[0].device if present else params[0].device if params else torch.device("cpu")
+    device = next((g.device for g in grads if g is not None), params[0].device if params else torch.device("cpu"))
     if shard_group is not None and dist.get_backend(shard_group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    zero = torch.zeros((), device=device)
-    squares = torch.stack([g.detach().float().pow(2).sum().to(device) if g is not None else zero for g in grads])  # [P]
+    squares = torch.stack([g.detach().float().pow(2).sum().to(device) if g is not None else torch.zeros((), device=device) for g in grads])
     if shard_group is not None:
-        dist.all_reduce(squares, group=shard_group)
+        dist.all_reduce(squares, group=shard_group)  # [P]
     norms = squares.sum().sqrt() if mode == "global" else squares.sqrt()  # [] or [P]
     coefs = torch.clamp(max_norm / (norms + 1e-6), max=1.0).expand(len(grads))  # [P]
     for g, c in zip(grads, coefs.unbind()):
@@ -69,7 +67,7 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Mo
     module holding one). Returns ``module`` itself unless it is a BatchNorm layer."""
     if isinstance(module, nn.SyncBatchNorm | AllReduceBatchNorm):
         return module
-    if isinstance(module, _BatchNorm) and device_type in ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name()):
+    if device_type in ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name()):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, _BatchNorm):
         new = AllReduceBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
@@ -105,8 +103,7 @@ class AllReduceBatchNorm(_BatchNorm):
         shape = [1, c] + [1] * (x.ndim - 2)
         total = _AllReduceSum.apply(torch.cat([x.sum(dims), x.new_tensor([x.numel() // c])]), group)  # [C + 1]: sums, count
         n = total[c]
-        mean = total[:c] / n  # [C]
-        centred = x - mean.view(shape)
+        centred = x - (mean := total[:c] / n).view(shape)  # mean: [C]
         var = _AllReduceSum.apply(centred.pow(2).sum(dims), group) / n  # [C], biased; two passes, as E[x²] - E[x]² cancels badly
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.weight is not None:
@@ -128,8 +125,7 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        out = x.clone()
+        ctx.group, out = group, x.clone()
         dist.all_reduce(out, group=group)
         return out
 

@@ -33,11 +33,10 @@ class MoCoV3(BaseMethod):
         momentum, momentum_end: the momentum encoder's cosine schedule (0.99 -> 1).
         freeze_patch_embed: §4's random patch projection: a ViT's drawn as ``vits.py`` draws it
             (Xavier-uniform over the flattened filter) and given no gradient.
-        reference_init: a ViT's linear layers initialised as ``vits.py`` (see :func:`xavier_init_linears`;
-            else timm's truncated normal).
-        weight_decay, warmup_epochs, weight_decay_exempt: :class:`BaseMethod`'s with the reference's
-            ViT recipe (CONFIG.md: AdamW, 1.5e-4 per 256, weight decay 0.1 on every parameter, 40
-            warm-up epochs of 300, batch 4096).
+        reference_init: a ViT's linear layers initialised as ``vits.py`` (Xavier-uniform, the
+            fused QKV as three matrices; else timm's truncated normal).
+        weight_decay, warmup_epochs, weight_decay_exempt: the reference's ViT recipe (CONFIG.md:
+            AdamW, 1.5e-4 per 256, weight decay 0.1 on every parameter, 40 warm-up epochs of 300).
         **kwargs: the other arguments of :class:`BaseMethod`.
     """
 
@@ -60,15 +59,13 @@ class MoCoV3(BaseMethod):
         vit = is_vit(self.backbone)
         if vit and reference_init:
             xavier_init_linears(self.backbone)
-        patch_embed = getattr(self.backbone, "patch_embed", None)
-        if vit and freeze_patch_embed and not hasattr(patch_embed, "backbone"):  # (a hybrid's tokens come from its ResNet stem)
-            proj = patch_embed.proj
+        if vit and freeze_patch_embed and not hasattr(self.backbone.patch_embed, "backbone"):  # (a hybrid's tokens come from its ResNet stem)
+            proj = self.backbone.patch_embed.proj
             bound = math.sqrt(6.0 / (proj.weight[0].numel() + proj.weight.shape[0]))  # vits.py: sqrt(6 / (3·P·P + D))
             nn.init.uniform_(proj.weight, -bound, bound)
             nn.init.zeros_(proj.bias)
             proj.requires_grad_(False)
-        dim = self.backbone.embed_dim
-        self.projector = MoCoV3ProjectionHead(dim, proj_hidden_dim, proj_output_dim)
+        self.projector = MoCoV3ProjectionHead(self.backbone.embed_dim, proj_hidden_dim, proj_output_dim)
         self.predictor = MoCoV3PredictionHead(proj_output_dim, pred_hidden_dim, proj_output_dim)
         self.momentum_backbone = self.target_backbone()
         self.momentum_projector = copy.deepcopy(self.projector).requires_grad_(False)
@@ -82,10 +79,9 @@ class MoCoV3(BaseMethod):
         # main_moco.py "apply SyncBN" to the whole model: the heads' BatchNorm (and a ResNet's)
         # normalise with the global batch, whatever the split over devices.
         self.sync_batchnorm("backbone", "momentum_backbone", "projector", "predictor", "momentum_projector")
-        if self._trainer is not None and self.trainer.accumulate_grad_batches > 1:
-            rank_zero_info(f"[ssl_vit] note: MoCo v3 with accumulate_grad_batches={self.trainer.accumulate_grad_batches}: each query is "
-                           f"contrasted with the keys of its micro-batch over all devices, 1/{self.trainer.accumulate_grad_batches} of "
-                           "the effective batch; the paper's large batches are all in one pass")
+        if self._trainer is not None and (n := self.trainer.accumulate_grad_batches) > 1:
+            rank_zero_info(f"[ssl_vit] note: MoCo v3 with accumulate_grad_batches={n}: each query is contrasted with the keys of its "
+                           f"micro-batch over all devices, 1/{n} of the effective batch; the paper's large batches are all in one pass")
 
     def check_views(self, num_views: int) -> None:
         if num_views != 2:
@@ -115,10 +111,8 @@ def xavier_init_linears(vit: nn.Module) -> None:
     three ``[D, D]`` matrices (bound sqrt(6 / (D + D))), zero biases."""
     for name, m in vit.named_modules():
         if isinstance(m, nn.Linear):
-            if name.endswith("qkv"):
-                bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
-                nn.init.uniform_(m.weight, -bound, bound)
-            else:
-                nn.init.xavier_uniform_(m.weight)
+            fan_out = m.weight.shape[0] // 3 if name.endswith("qkv") else m.weight.shape[0]
+            bound = math.sqrt(6.0 / (fan_out + m.weight.shape[1]))
+            nn.init.uniform_(m.weight, -bound, bound)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)

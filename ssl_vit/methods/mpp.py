@@ -67,10 +67,9 @@ class MPP(BaseMethod):
         # BERT's [mask] embedding, shared by all positions, at the [CLS] token's scale.
         self.mask_token = nn.Parameter(nn.init.trunc_normal_(torch.zeros(self.backbone.embed_dim), std=0.02))
         self.head = MPPHead(self.backbone.embed_dim, self.backbone.in_chans, self.backbone.patch_size, target)
-        # Per channel; NaN until the datamodule's are known (setup). Buffers: checkpoints keep them.
-        chans = self.backbone.in_chans
-        self.register_buffer("norm_mean", torch.tensor(mean).float().expand(chans).clone() if mean else torch.full((chans,), torch.nan))
-        self.register_buffer("norm_std", torch.tensor(std).float().expand(chans).clone() if std else torch.full((chans,), torch.nan))
+        chans = self.backbone.in_chans  # per channel; NaN until the datamodule's are known (setup); buffers: checkpoints keep them
+        for name, value in (("norm_mean", mean), ("norm_std", std)):
+            self.register_buffer(name, torch.tensor(value).float().expand(chans).clone() if value else torch.full((chans,), torch.nan))
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

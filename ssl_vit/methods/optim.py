@@ -19,11 +19,10 @@ OptimizerName = Literal["adamw", "sgd", "lars"]
 
 def param_groups(named_parameters: Iterable[tuple[str, Tensor]], rule: WeightDecayExempt, tokens: set[str], weight_decay: float,
                  probe_ids: set[int], probe_lr: float, shape_of: Callable[[Tensor], torch.Size]) -> list[dict[str, Any]]:
-    """The trainable parameters in groups: decayed; not decayed (by ``rule``: the 1-D ones, with
-    ``bias_norm_tokens`` also the named ``tokens`` and any ``*.mask_token``); the online probe's
-    (``probe_ids``: never decayed, at the constant ``probe_lr``). ``shape_of``: a parameter's shape
-    as built (under FSDP it is a 1-D shard by now). ``scheduled_wd`` marks the group the weight
-    decay schedule applies to, ``fixed_lr`` the one the LR schedule leaves."""
+    """The trainable parameters in groups: decayed (``scheduled_wd``: the weight-decay schedule
+    sets it); not decayed (by ``rule``: the 1-D ones, with ``bias_norm_tokens`` also the named
+    ``tokens`` and any ``*.mask_token``); the online probe's (``probe_ids``: never decayed, at the
+    constant ``fixed_lr``). ``shape_of``: a parameter's shape as built (FSDP's shards are 1-D)."""
     decay, no_decay, probe = [], [], []
     for name, p in named_parameters:
         name = unwrapped_name(name)
@@ -44,16 +43,15 @@ def param_groups(named_parameters: Iterable[tuple[str, Tensor]], rule: WeightDec
 def build_optimizer(groups: list[dict[str, Any]], name: OptimizerName, lr: float, betas: tuple[float, float], sgd_momentum: float,
                     fused: bool) -> torch.optim.Optimizer:
     """AdamW, SGD or lightly's LARS over ``groups``, each at its ``fixed_lr`` or ``lr``; ``fused``:
-    torch's fused kernel (one pass over a parameter and its moments, the same update to float
-    rounding) where it runs. A resumed run keeps its checkpoint's (torch restores ``fused`` too)."""
+    torch's fused kernel where it runs (the same update to float rounding; a resumed run keeps its
+    checkpoint's choice, as torch restores every group setting)."""
     for g in groups:
         g["lr"] = g.get("fixed_lr", lr)
-    kernel = fused_kwargs(groups, fused)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum, **kernel)
     if name == "lars":
         return LARS(groups, lr=lr, momentum=sgd_momentum)
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **kernel)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum, **fused_kwargs(groups, fused))
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **fused_kwargs(groups, fused))
     materialize_adam_state(optimizer)  # long-lived memory before the activations': a smaller C heap on a CPU
     return optimizer
 
@@ -74,18 +72,11 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
         return
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state[p]:
-                continue
-            # The step counter lives on the CPU unless the optimiser is fused (float32) or capturable.
-            if group.get("fused") or group.get("capturable"):
-                step = torch.zeros((), dtype=torch.float32 if group.get("fused") else scalar, device=p.device)
-            else:
-                step = torch.tensor(0.0, dtype=scalar)
-            state = {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for p in (p for p in group["params"] if not optimizer.state[p]):
+            fused, on_device = group.get("fused"), group.get("fused") or group.get("capturable")  # else the step counter is on the CPU
+            state = {"step": torch.zeros((), dtype=torch.float32 if fused else scalar, device=p.device if on_device else "cpu")}
+            for key in ("exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if group.get("amsgrad") else [])):
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             optimizer.state[p] = state
 
 

@@ -4,7 +4,6 @@ the *detached* representation, so it never changes what the backbone learns (as 
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -36,12 +35,3 @@ class OnlineLinearProbe(nn.Module):
         logits = self.head(features)  # [B, C]
         loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none").mul(keep).sum() / keep.sum().clamp(min=1)
         return loss, labelled_accuracy(logits.detach(), labels)
-
-    @torch.no_grad()
-    def accuracy(self, features: Tensor, labels: Tensor) -> Tensor:
-        """Accuracy over the labelled rows of ``features [B, D]``, the head in eval mode (each row's
-        prediction its own)."""
-        was_training = self.head.training
-        logits = self.head.eval()(features)  # [B, C]
-        self.head.train(was_training)
-        return labelled_accuracy(logits, labels)

@@ -24,7 +24,7 @@ class Supervised(BaseMethod):
             single linear layer (its fine-tuning head). The classifier starts at zero.
         base_lr, weight_decay, grad_clip: the ViT paper's ImageNet setting (Table 3, ViT-B/16: LR
             3e-3 at batch 4096, i.e. 1.875e-4 per 256; weight decay 0.3; global-norm clipping at 1).
-        **kwargs: the other arguments of :class:`BaseMethod`; ``num_classes`` is required.
+        **kwargs: the other arguments of :class:`BaseMethod`; ``num_classes`` (2 or more) is required.
     """
 
     def __init__(
@@ -38,11 +38,9 @@ class Supervised(BaseMethod):
     ) -> None:
         super().__init__(base_lr=base_lr, weight_decay=weight_decay, grad_clip=grad_clip, **kwargs)
         num_classes, dim = self.hparams.num_classes, self.backbone.embed_dim
-        if not num_classes:
-            raise ValueError("the supervised baseline needs num_classes (labelled data)")
-        if num_classes < 2:
-            raise ValueError(f"the supervised baseline needs at least 2 classes; the data has {num_classes} (an image folder: one "
-                             "subfolder per class)")
+        if (num_classes or 0) < 2:
+            raise ValueError(f"the supervised baseline needs at least 2 classes; the data has {num_classes or 'none (num_classes unset)'} "
+                             "(an image folder: one subfolder per class)")
         last = nn.Linear(head_hidden_dim or dim, num_classes)
         nn.init.zeros_(last.weight)  # the ViT paper's zero-initialised head
         nn.init.zeros_(last.bias)
