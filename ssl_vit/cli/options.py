@@ -14,13 +14,7 @@ from typing import Any
 
 import yaml
 
-from ssl_vit.errors import (
-    annotations_of,
-    check_argument_types,
-    did_you_mean,
-    init_parameters,
-    plain_type,
-)
+from ssl_vit.errors import check_argument_types, did_you_mean, init_parameters, optional
 from ssl_vit.eval.results import DATASETS
 
 
@@ -72,11 +66,11 @@ def parse_data_args(name: str, given: dict[str, Any]) -> dict[str, Any]:
     """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, checked
     against plain annotations (int, float, bool, str or an Optional of one)."""
     cls = datamodule_class(name)
-    hints, values = annotations_of(cls), {}
+    params, values = init_parameters(cls), {}
     for key, value in given.items():
         if isinstance(value, ArgText):
-            kind, optional = plain_type(hints.get(key)) or (None, False)
-            if optional and value.strip() in ("null", "~", "None", ""):
+            kind, none_ok = optional(params[key].annotation) if key in params else (None, False)
+            if none_ok and value.strip() in ("null", "~", "None", ""):
                 value = None
             elif kind is str:
                 value = str(value)
