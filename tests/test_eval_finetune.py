@@ -391,7 +391,7 @@ def test_a_fine_tuning_checkpoint_says_it_is_one_and_a_resume_names_another_back
     module = FineTuneModule(create_backbone("vit", **tiny), 3)
     _saved(module, tmp_path / "ft.ckpt")
     saved = torch.load(tmp_path / "ft.ckpt", weights_only=False)
-    assert saved["ssl_vit"]["method"] == "finetune" and run_kind(saved) == "fine-tuning"
+    assert saved["ssl_vit"]["method"] == "finetune" and run_kind(saved) == "fine-tuning run"
     assert resume_difference(module, saved) is None
     saved["ssl_vit"]["backbone"] = "my_vit"
     assert resume_difference(module, saved) == "my_vit there, vit here"

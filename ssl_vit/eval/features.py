@@ -13,7 +13,6 @@ ResNets have one, the globally pooled feature map (``cls``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import Literal, get_args
 
@@ -79,27 +78,20 @@ def extract_features(backbone: nn.Module, data: Dataset | Iterable[tuple[Tensor,
                      num_workers: int = 0, n_last_blocks: int = 4, device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
                      out_device: torch.device | str = "cpu", gather: Callable[[Tensor], Tensor] | None = None,
                      progress: CountProgress | None = None) -> tuple[Tensor, Tensor]:
-    """Features ``[N, F]`` (float32) and labels ``[N]`` of a frozen backbone, in dataset order, in
-    ``eval()`` mode (each submodule's own mode restored after).
-
-    Args:
-        data: a dataset of ``(image [C, H, W], label)``, batched here, or ``(images, labels)`` batches.
-        mode: the read-out (module docstring); ``n_last_blocks``: how many ``last4`` concatenates.
-        device: where the backbone runs (default: where its parameters are); ``autocast_dtype``:
-            e.g. ``torch.bfloat16``; ``out_device``: where the features are collected.
-        gather: applied to the features and labels so every process gets the whole set
-            (:func:`gather_in_sampler_order`); ``progress``: told of every batch.
-    """
+    """Features ``[N, F]`` (float32, on ``out_device``) and labels ``[N]`` of a frozen backbone in
+    ``eval()`` mode (each submodule's own mode restored after), in the order of ``data``: a dataset
+    of ``(image [C, H, W], label)`` or ``(images, labels)`` batches. ``device``: where the backbone
+    runs (default: its parameters'); ``gather``: makes every process's share the whole set
+    (:func:`gather_in_sampler_order`); ``progress``: told of every batch."""
     feature_dim(backbone, mode, n_last_blocks)
     device = torch.device(device) if device is not None else next(backbone.parameters()).device
     if isinstance(data, Dataset):
         data = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     feats, labels, progress = [], [], progress or CountProgress("features", None, every_n_seconds=float("inf"))
     progress.start()
     with eval_mode(backbone):
         for x, y, *_ in data:
-            with amp:
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 feats.append(embed(backbone, x.to(device, non_blocking=True), mode, n_last_blocks).float().to(out_device))  # [B, F]
             labels.append(torch.as_tensor(y).long().reshape(-1).to(out_device))
             progress.update(len(labels[-1]))

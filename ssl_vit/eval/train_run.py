@@ -124,22 +124,18 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
     names the run; ``origin`` (the backbone's pretraining step) is kept with its settings."""
     L.seed_everything(run.seed, workers=True, verbose=False)
     callbacks: list[L.Callback] = [ProgressLog(name=what)]
-    ckpt_path = held = None
+    newest = held = None
     if run.run_dir is not None:
-        run_dir = Path(run.run_dir).expanduser().resolve()
-        newest = newest_checkpoint(run_dir / "checkpoints")
-        held = None if newest is None else read_checkpoint(newest)
-        if held is not None and (kind := run_kind(held)) not in (None, what):
-            raise ValueError(f"--run-dir {run_dir} holds a {kind}{'' if kind.startswith('pretraining') else ' run'}, "
-                             f"not a {what} run: choose another --run-dir")
+        checkpoints = Path(run.run_dir).expanduser().resolve() / "checkpoints"
+        if (newest := newest_checkpoint(checkpoints)) is not None and (held := read_checkpoint(newest)) is not None:
+            if (kind := run_kind(held)) not in (None, f"{what} run"):
+                raise ValueError(f"--run-dir {checkpoints.parent} holds a {kind}, not a {what} run: choose another --run-dir")
         if run.resume and newest is None:
-            raise FileNotFoundError(f"resume: no {what} checkpoint in {run_dir / 'checkpoints'}")
+            raise FileNotFoundError(f"resume: no {what} checkpoint in {checkpoints}")
         if not run.resume and newest is not None:
-            raise ValueError(f"{run_dir / 'checkpoints'} already holds a {what} run's checkpoints (newest: {newest.name}): "
-                             "continue it with --resume, or choose another --run-dir")
-        ckpt_path = str(newest) if run.resume else None
-        callbacks += [StepCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=settings.checkpoint_every, keep_last=1),
-                      PreemptionCheckpoint()]
+            raise ValueError(f"{checkpoints} already holds a {what} run's checkpoints (newest: {newest.name}): continue it with --resume, "
+                             "or choose another --run-dir")
+        callbacks += [StepCheckpoint(dirpath=str(checkpoints), every_n_train_steps=settings.checkpoint_every, keep_last=1), PreemptionCheckpoint()]
     trainer = L.Trainer(max_epochs=settings.epochs, max_steps=settings.max_steps, accelerator=run.accelerator, devices=run.devices,
                         num_nodes=run.num_nodes, precision=run.precision, logger=False, enable_checkpointing=run.run_dir is not None,
                         callbacks=callbacks, plugins=[AtomicCheckpointIO()] if run.run_dir is not None else [], enable_model_summary=False,
@@ -153,23 +149,20 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
     # What the run is started with, kept in its checkpoints' hyperparameters: a resume restores its
     # optimiser and LR schedule, so other settings would not run while the result claimed them.
     module.hparams.update(epochs=settings.epochs, max_steps=settings.max_steps, seed=run.seed, **({"origin": dict(origin)} if origin else {}))
-    if held is not None and ckpt_path is not None:
-        trained, difference = f"is a {what} run of another backbone or setting", resume_difference(module, held)
-        if what == "fine-tuning":
-            trained = "was fine-tuned from another backbone"
-        if difference is None:
-            trained, difference = f"is a {what} run started with other settings", settings_difference(held.get("hyper_parameters"), module.hparams)
-        if difference is not None:  # said before Lightning loads it
-            raise ValueError(f"--run-dir {run.run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
+    if held is not None and run.resume:  # said before Lightning loads it
+        other = "was fine-tuned from another backbone" if what == "fine-tuning" else f"is a {what} run of another backbone or setting"
+        for trained, difference in ((other, resume_difference(module, held)),
+                                    (f"is a {what} run started with other settings", settings_difference(held.get("hyper_parameters"), module.hparams))):
+            if difference is not None:
+                raise ValueError(f"--run-dir {run.run_dir} {trained}: {difference}; resume it with the command that started it, or choose another --run-dir")
     held = None  # (its file mapping closed before the run replaces the file)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # (resuming: its own files)
         try:
-            trainer.fit(module, train_dataloaders=train_loader, ckpt_path=ckpt_path)
+            trainer.fit(module, train_dataloaders=train_loader, ckpt_path=str(newest) if run.resume else None)
         except SIGTERMException:
             pass  # stopped after the current step; PreemptionCheckpoint saved it
-    stopped = next((cb.stopped_by for cb in callbacks if isinstance(cb, PreemptionCheckpoint) and cb.stopped_by), None)
-    if stopped is not None:
+    if (stopped := next((cb.stopped_by for cb in callbacks if isinstance(cb, PreemptionCheckpoint)), None)) is not None:
         release_process_group()  # every process stopped at the same step
         raise EvalRunInterrupted(what, stopped, trainer.global_step, PreemptionCheckpoint.last_path(trainer), trainer.global_rank)
     if trainer.world_size > 1:
@@ -181,8 +174,7 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
         root = trainer.strategy.root_device
         trainer = L.Trainer(accelerator=run.accelerator, devices=[root.index] if root.type == "cuda" else 1, precision=run.precision,
                             logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
-    test_loader = DataLoader(test_ds, batch_size=settings.batch_size, shuffle=False, num_workers=run.num_workers)
-    (metrics,) = trainer.test(module, dataloaders=test_loader, verbose=False)
+    (metrics,) = trainer.test(module, dataloaders=DataLoader(test_ds, batch_size=settings.batch_size, num_workers=run.num_workers), verbose=False)
     return {k.removeprefix("test_"): float(v) for k, v in metrics.items() if k.startswith("test_top")}
 
 
@@ -196,17 +188,16 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def run_kind(checkpoint: Mapping[str, Any]) -> str | None:
-    """``"pretraining run of <method>"`` (``ssl-vit fit``), ``"fine-tuning"`` (its run info's
-    method ends in ``finetune``), ``"linear probe"`` (a head without its frozen backbone); None
+    """``"pretraining run of <method>"`` (``ssl-vit fit``), ``"fine-tuning run"`` (its run info's
+    method ends in ``finetune``), ``"linear probe run"`` (a head without its frozen backbone); None
     when the checkpoint does not say."""
     info = checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
-    method = info.get("method")
-    if isinstance(method, str) and method.endswith("finetune"):
-        return "fine-tuning"
-    if isinstance(method, str) and method and info.get("backbone"):
+    if (method := str(info.get("method") or "")).endswith("finetune"):
+        return "fine-tuning run"
+    if method and info.get("backbone"):
         return f"pretraining run of {method}"
     keys = list(checkpoint["state_dict"])
-    return "linear probe" if keys and all(k.startswith("head.") for k in keys) else None
+    return "linear probe run" if keys and all(k.startswith("head.") for k in keys) else None
 
 
 def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) -> str | None:
@@ -218,8 +209,7 @@ def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) 
     if mine and theirs:
         said = [] if theirs.get("backbone") == mine.get("backbone") else [f"{theirs.get('backbone')} there, {mine.get('backbone')} here"]
         said += kwargs_differences(theirs.get("backbone_kwargs") or {}, mine.get("backbone_kwargs") or {})
-        if theirs.get("method") != mine.get("method"):
-            said.append(f"method {theirs.get('method')} there, {mine.get('method')} here")
+        said += [f"method {theirs.get('method')} there, {mine.get('method')} here"] if theirs.get("method") != mine.get("method") else []
         if said:
             return "; ".join(said)
     saved, expected = checkpoint["state_dict"], ours["state_dict"]
