@@ -33,15 +33,15 @@ setup(
         "tensorboard>=2.14",
         "jsonargparse[signatures]>=4.27",
         "safetensors>=0.4",
+        # the export format (timm's parameter names, config.json, its model registry)
+        "timm>=1.0",
         # figures of `ssl-vit visualize` and the demo's bar chart
         "matplotlib>=3.7",
     ],
     extras_require={
-        # timm is the parity reference for the backbone (and the benchmark's peer), never needed to train.
         # ONNX packages let the suite check exported graphs against the eager model.
         "test": [
             "pytest>=7.4",
-            "timm>=1.0",
             "ruff>=0.4",
             "onnx>=1.15",
             "onnxscript>=0.1",
@@ -49,8 +49,6 @@ setup(
         ],
         # ONNX export and its parity check.
         "onnx": ["onnx>=1.15", "onnxscript>=0.1", "onnxruntime>=1.17"],
-        # `ssl-vit benchmark`: its peers are timm's ViT and lightly's methods around timm.
-        "bench": ["timm>=1.0"],
     },
     entry_points={"console_scripts": ["ssl-vit=ssl_vit.cli:main"]},
     classifiers=[

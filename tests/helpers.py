@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+from PIL import Image
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -232,3 +233,20 @@ def write_fake_fashion_mnist(root: Path, n_train: int = 12, n_test: int = 6) -> 
         (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(_idx(images)))
         (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(_idx(labels)))
     return train
+
+
+def write_image_folder(root: Path, classes: dict[str, int] | int, sizes: list[tuple[int, int]], mode: str = "RGB", seed: int = 0) -> Path:
+    """An image folder of PNGs: ``root/<class>/<i>.png`` for ``{class: count}``, or ``count`` images
+    directly in ``root`` (unlabelled); sizes cycle through ``sizes`` (width, height); each class a
+    brightness of its own, with noise, so classes differ."""
+    rng = np.random.default_rng(seed)
+    groups = {"": classes} if isinstance(classes, int) else classes
+    for c, (name, count) in enumerate(groups.items()):
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            w, h = sizes[i % len(sizes)]
+            shape = (h, w) if mode == "L" else (h, w, 3)
+            pixels = np.clip(rng.normal(40 + 50 * c, 30, shape), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels, mode).save(folder / f"{i}.png")
+    return root

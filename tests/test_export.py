@@ -579,3 +579,38 @@ def test_the_cli_exports_a_bare_state_dict_named_with_arch_and_checks_its_kwargs
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"ssl_vit": None}))  # a config.json of something else
     assert _earlier_export(str(tmp_path / "other")) is None
+
+
+@pytest.mark.parametrize("mode, sizes, img_size, crop_pct", [
+    ("L", [(28, 28)], 28, 1.0),  # images already at the model's size: evaluated whole
+    ("RGB", [(40, 52), (64, 48)], 32, 0.875),  # photos of any size: short side to 32/0.875, centre crop
+])
+def test_timm_preprocesses_an_export_of_a_folder_as_ssl_vit_evaluates_it(mode, sizes, img_size, crop_pct, tmp_path):
+    # Reference: timm's own resolve_data_config + create_transform on the exported model. The image
+    # folder's normalisation is measured on its images, recorded in the checkpoint and config.json
+    # with its source, and timm's transform of each file is the tool's evaluation input to the bit.
+    from helpers import write_image_folder
+    from PIL import Image
+
+    from ssl_vit.data import ImageFolderDataModule
+    from ssl_vit.training.checkpoint import StepCheckpoint
+
+    chans = 1 if mode == "L" else 3
+    folder = write_image_folder(tmp_path / "train", {"a": 6, "b": 6}, sizes, mode)
+    dm = ImageFolderDataModule(str(folder), img_size=img_size, in_chans=chans, batch_size=4, num_workers=0)
+    kwargs = {**TINY_VIT, "img_size": img_size, "in_chans": chans}
+    model = Supervised(backbone="vit", backbone_kwargs=kwargs, num_classes=2)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path / "run", callbacks=[StepCheckpoint()])
+    trainer.fit(model, datamodule=dm)
+    assert dm.stats_source == "measured on 12 training images" and dm.eval_crop_pct == crop_pct
+    assert json.loads((tmp_path / "run" / "data_stats.json").read_text())["mean"] == list(dm.mean)
+    out = export_backbone(str(tmp_path / "run" / "checkpoints" / "last.ckpt"), tmp_path / "exp").out_dir
+    cfg = _config(out)
+    assert cfg["pretrained_cfg"]["mean"] == list(dm.mean) and cfg["pretrained_cfg"]["crop_pct"] == crop_pct
+    assert "measured on 12 training images" in cfg["ssl_vit"]["normalization"]["source"]
+    timm_model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_data_config(model=timm_model))
+    ours, _ = dm.eval_datasets()
+    for i, path in enumerate(sorted(folder.rglob("*.png"))):
+        torch.testing.assert_close(transform(Image.open(path)), ours[i][0], atol=1e-6, rtol=0)

@@ -71,11 +71,8 @@ def random_resized_crop_box(width: int, height: int, scale: tuple[float, float],
 
 def resize_center_crop(img: Image.Image, size: int, crop_pct: float, interpolation: Interpolation) -> Image.Image:
     """timm's / DeiT's evaluation geometry (224 from 256): short side to ``size / crop_pct``, then
-    the centre crop (torchvision's Resize and CenterCrop). An image already ``size`` x ``size`` is
-    kept (28-px Fashion-MNIST at its own resolution); a non-square one with short side ``size`` is
-    resized too, so the zoom does not jump between short sides ``size`` and ``size + 1``."""
-    if img.size == (size, size):
-        return img
+    the centre crop (torchvision's Resize and CenterCrop, exactly what ``timm.data.create_transform``
+    builds for evaluation)."""
     img = TF.resize(img, int(size / crop_pct), interpolation=TF.InterpolationMode(interpolation))
     return TF.center_crop(img, [size, size])
 

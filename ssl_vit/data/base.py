@@ -1,6 +1,7 @@
 """``ImageDataModule``, the shared base of the image datamodules. A subclass says where its images
-come from (``_load_split``), their native statistics (``dataset_mean`` / ``dataset_std``) and, for
-labelled data, ``num_classes``.
+come from (``_load_split``), their native statistics (``dataset_mean`` / ``dataset_std``; None:
+measured on the data, see :meth:`ImageDataModule.measure_statistics`) and, for labelled data,
+``num_classes``.
 
 Batches: training ``(views, labels)``, a list of ``[B, C, H, W]`` in the view transform's order
 (DINO: the global crops first) and int64 labels ``[B]`` (-1: none); validation, test and
@@ -10,6 +11,7 @@ normalised with ``mean`` / ``std``. The training loader resumes mid-epoch exactl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,9 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
+from ssl_vit.data.augment import to_pil
 from ssl_vit.data.datasets import EvenShares, TransformedDataset
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.data.views import EvalTransform, SingleView, ViewTransform
+from ssl_vit.io import atomic_write_json
 from ssl_vit.runtime import global_seed
 
 log = logging.getLogger(__name__)
@@ -58,8 +62,10 @@ def data_root(root: str | None) -> Path:
     return Path(root).expanduser()
 
 
-def _channel_stats(name: str, values: Sequence[float] | None, native: Sequence[float], in_chans: int) -> tuple[float, ...]:
-    """``values`` (None: the dataset's ``native`` statistics) for ``in_chans`` channels."""
+def _channel_stats(name: str, values: Sequence[float] | None, native: Sequence[float] | None, in_chans: int) -> tuple[float, ...] | None:
+    """``values`` (None: the dataset's ``native`` statistics; both None: measured later) for ``in_chans`` channels."""
+    if values is None and native is None:
+        return None
     if values is None and len(native) == 3 and in_chans == 1:
         # RGB data converted to grey: luma is linear, so its mean is exact; the std is the
         # luma-weighted one, exact when the channels are fully correlated (nearly so in photos).
@@ -89,19 +95,24 @@ class ImageDataModule(L.LightningDataModule):
         img_size: side of the (square) training and evaluation images; the backbone's img_size.
         in_chans: 1 or 3: grey data is repeated to 3 channels when 3 are asked for, RGB data
             converted to grey (ITU-R 601-2 luma) when 1 is.
-        mean, std: per-channel normalisation (1 value or ``in_chans``); None: the dataset's own.
+        mean, std: per-channel normalisation (1 value or ``in_chans``); None: the dataset's own
+            (an image folder's are measured on its training images when the data is set up).
         subset: train (and evaluate) on a fixed random subset of this many training images; None: all.
         seed: of the subset draw and of generated data; also of the training order and augmentations
             when the run sets no global seed (``seed_everything``).
         pin_memory: pin batches in page-locked memory (only when CUDA is available).
         drop_last: drop the last incomplete training batch.
         eval_batch_size: batch size of the validation / test loaders (None: batch_size).
-        eval_crop_pct: the evaluation transform's centre-crop fraction (``EvalTransform``).
+        eval_crop_pct: the evaluation transform's centre-crop fraction (``EvalTransform``); None:
+            1 when the training images are already ``img_size`` squares (Fashion-MNIST at 28 px:
+            used whole), else timm's and DeiT's 0.875 (224 from 256).
     """
 
     #: statistics of the dataset's native channels (1 for grey data, 3 for RGB)
-    dataset_mean: tuple[float, ...] = IMAGENET_MEAN
-    dataset_std: tuple[float, ...] = IMAGENET_STD
+    dataset_mean: tuple[float, ...] | None = IMAGENET_MEAN
+    dataset_std: tuple[float, ...] | None = IMAGENET_STD
+    #: how many training images :meth:`measure_statistics` reads
+    stats_images: int = 1000
     num_classes: int | None = None
     class_names: list[str] | None = None
 
@@ -119,7 +130,7 @@ class ImageDataModule(L.LightningDataModule):
         pin_memory: bool = True,
         drop_last: bool = True,
         eval_batch_size: int | None = None,
-        eval_crop_pct: float = 0.875,
+        eval_crop_pct: float | None = None,
     ) -> None:
         super().__init__()
         views = SingleView() if views is None else views
@@ -127,9 +138,12 @@ class ImageDataModule(L.LightningDataModule):
         self.batch_size, self.num_workers, self.img_size, self.in_chans = batch_size, num_workers, img_size, in_chans
         self.mean = _channel_stats("mean", mean, self.dataset_mean, in_chans)
         self.std = _channel_stats("std", std, self.dataset_std, in_chans)
+        # Where the normalisation comes from, as checkpoints and exports record it.
+        self.stats_source = "given" if mean is not None or std is not None else "dataset" if self.mean is not None else None
         self.subset, self.seed, self.pin_memory, self.drop_last = subset, seed, pin_memory, drop_last
         self.eval_batch_size = eval_batch_size  # None: follow batch_size (which a CLI may reset)
-        self.eval_transform = EvalTransform(img_size, crop_pct=eval_crop_pct)
+        self.eval_crop_pct = eval_crop_pct
+        self.eval_transform = EvalTransform(img_size, crop_pct=eval_crop_pct or 0.875)
         self._train_source: Any = None
         self._test_source: Any = None
 
@@ -154,6 +168,43 @@ class ImageDataModule(L.LightningDataModule):
             train = train.subset(indices.sort().values)
         self._test_source = self._load_split(train=False)
         self._train_source = train
+        if self.eval_crop_pct is None and len(train):
+            # Images already at the model's size are evaluated whole (timm's crop_pct 1).
+            self.eval_transform.crop_pct = 1.0 if to_pil(train[0][0]).size == (self.img_size, self.img_size) else 0.875
+        self.eval_crop_pct = self.eval_transform.crop_pct
+        if self.mean is None or self.std is None:
+            self.measure_statistics()
+
+    def measure_statistics(self) -> None:
+        """Set ``mean`` / ``std`` left unset to the per-channel statistics of up to ``stats_images``
+        training images (a seeded sample, through the evaluation transform), so that a folder of
+        one's own is normalised as its own pixels are, not as ImageNet's. A run keeps them in
+        ``<default_root_dir>/data_stats.json`` and reads them back on resume; checkpoints and
+        exports record them with their source."""
+        cache = Path(self.trainer.default_root_dir) / "data_stats.json" if self.trainer is not None else None
+        key = {"train_dir": str(getattr(self, "train_dir", "")), "img_size": self.img_size, "in_chans": self.in_chans}
+        cached = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+        if cached.get("key") != key:
+            source = _for_evaluation(self._train_source)
+            n = min(self.stats_images, len(source))
+            picked = torch.randperm(len(source), generator=torch.Generator().manual_seed(self.seed))[:n]
+            sample = TransformedDataset(source, self.eval_transform, (0.0,) * self.in_chans, (1.0,) * self.in_chans, self.in_chans, False)
+            sums = torch.zeros(3, self.in_chans, dtype=torch.float64)  # pixels, sum, sum of squares per channel
+            for i in picked.tolist():
+                x, label = sample[i]
+                if label == -1 and getattr(source, "labels", None) is not None and source.labels[i] != -1:
+                    continue  # an unreadable file
+                x = x.double().flatten(1)  # [C, H*W]
+                sums += torch.stack([torch.full((self.in_chans,), float(x.shape[1])), x.sum(1), x.pow(2).sum(1)])
+            mean = sums[1] / sums[0]
+            std = (sums[2] / sums[0] - mean**2).clamp(min=1e-12).sqrt()
+            cached = {"key": key, "images": n, "mean": mean.tolist(), "std": std.clamp(min=1e-3).tolist()}
+            if cache is not None and (self.trainer.global_rank == 0):
+                atomic_write_json(cache, cached)
+        self.mean = self.mean or tuple(cached["mean"])
+        self.std = self.std or tuple(cached["std"])
+        self.stats_source = f"measured on {cached['images']} training images"
+        log.info("normalisation %s: mean %s, std %s", self.stats_source, [round(m, 4) for m in self.mean], [round(s, 4) for s in self.std])
 
     def _ensure_setup(self) -> None:
         if self._train_source is None:  # outside a Trainer (evaluators, notebooks)

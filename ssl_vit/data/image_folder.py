@@ -56,8 +56,11 @@ class ImageFolderDataModule(ImageDataModule):
             for label-free pretraining (labels -1, ``num_classes`` None).
         val_dir: the evaluation split in the same layout (classes matched by folder name).
             None: no validation / test split.
-        img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: ImageNet's by default).
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: measured on the
+            training images unless given).
     """
+
+    dataset_mean = dataset_std = None  # measured on the data (ImageDataModule.measure_statistics)
 
     def __init__(self, train_dir: str, val_dir: str | None = None, img_size: int = 224, in_chans: Literal[1, 3] = 3, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)

@@ -204,7 +204,8 @@ def recorded_normalization(data: dict[str, Any] | None, state: Mapping[str, Any]
     """The input normalisation the backbone was trained with: the datamodule's statistics, else
     MPP's ``norm_mean`` / ``norm_std`` buffers (its ``mean`` / ``std`` arguments)."""
     if data and data.get("mean") is not None and data.get("std") is not None:
-        return {"mean": list(data["mean"]), "std": list(data["std"]), "source": f"training data ({data.get('name', 'unnamed')})"}
+        how = f": {data['stats_source']}" if data.get("stats_source") else ""
+        return {"mean": list(data["mean"]), "std": list(data["std"]), "source": f"training data ({data.get('name', 'unnamed')}){how}"}
     mean, std = state.get("norm_mean"), state.get("norm_std")
     if isinstance(mean, Tensor) and isinstance(std, Tensor) and mean.numel() and std.numel():
         return {"mean": mean.tolist(), "std": std.tolist(), "source": "MPP mean/std arguments"}

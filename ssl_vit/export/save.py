@@ -147,7 +147,10 @@ def build_config(model: nn.Module, source: BackboneSource, results: list[dict[st
     return {
         **({"architecture": arch[0], "model_args": arch[1]} if arch else {}),
         "num_classes": num_classes, "num_features": int(model.embed_dim), "global_pool": getattr(model, "global_pool", "avg"),
+        # timm's preprocessing keys: resolve_data_config + create_transform then evaluate as ssl_vit does
         "pretrained_cfg": {"input_size": input_size, "mean": norm["mean"], "std": norm["std"], "num_classes": num_classes,
+                           "crop_pct": float((source.data or {}).get("eval_crop_pct") or 0.875), "crop_mode": "center",
+                           "interpolation": "bicubic",
                            **({"first_conv": first_conv} if first_conv else {}), "classifier": _classifier(model),
                            "fixed_input_size": isinstance(model, VisionTransformer)},
         "mean": norm["mean"], "std": norm["std"], "input_size": input_size,  # (for a reader)
