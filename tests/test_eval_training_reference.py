@@ -268,7 +268,7 @@ def test_allreduce_batchnorm_over_a_split_batch_is_torchs_batchnorm_over_the_who
     with torch.no_grad():
         ref.weight.normal_()
         ref.bias.normal_()
-    ranks = [AllReduceBatchNorm(3, momentum=momentum, process_group=object()) for _ in range(2)]
+    ranks = [AllReduceBatchNorm(3, momentum=momentum) for _ in range(2)]
     for bn in ranks:
         bn.load_state_dict(ref.state_dict())
     parts = (slice(0, 3), slice(3, 8))
@@ -320,8 +320,8 @@ def test_converting_to_allreduce_batchnorm_keeps_what_torchs_converter_keeps():
         assert torch.equal(ours.state_dict()[key], value), key
     after = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
-    # layers already synchronised stay as they are (with their process group)
-    for synced in (AllReduceBatchNorm(3, process_group=object()), nn.SyncBatchNorm(3)):
+    # layers already synchronised stay as they are (torch's with its process group)
+    for synced in (AllReduceBatchNorm(3), nn.SyncBatchNorm(3, process_group=object())):
         assert convert_sync_batchnorm(synced, "cpu") is synced
     with pytest.raises(AssertionError, match="expected at least 2-D input"):
         AllReduceBatchNorm(3)(torch.randn(3))

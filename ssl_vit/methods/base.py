@@ -16,7 +16,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightly.models.utils import update_momentum
-from lightly.utils.scheduler import cosine_schedule
+from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
@@ -166,7 +166,7 @@ class BaseMethod(L.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None:  # what export reads the normalisation from, and results the dataset
             self.data_info = {"name": type(dm).__name__, "class": f"{type(dm).__module__}.{type(dm).__qualname__}"}
-            for key in ("mean", "std", "img_size", "in_chans", "num_classes", "train_dir"):
+            for key in ("mean", "std", "stats_source", "eval_crop_pct", "img_size", "in_chans", "num_classes", "train_dir"):
                 if (value := getattr(dm, key, None)) is not None:
                     self.data_info[key] = list(value) if isinstance(value, tuple | list) else str(value) if key == "train_dir" else value
         self.sync_batchnorm("probe")  # it then learns the same whatever the split over devices
@@ -207,9 +207,16 @@ class BaseMethod(L.LightningModule):
         return hp.warmup_steps if hp.warmup_steps is not None else round(hp.warmup_epochs * self.steps_per_epoch)
 
     def schedule_values(self, step: int) -> dict[str, float]:
-        """LR and weight decay at an optimiser step (:func:`~ssl_vit.methods.optim.lr_and_weight_decay`)."""
-        hp = self.hparams
-        return optim.lr_and_weight_decay(step, self.total_steps, self.warmup_steps(), self.peak_lr, hp.min_lr, hp.weight_decay, hp.weight_decay_end)
+        """LR and weight decay at optimiser step ``step``: a linear warm-up (lightly's: step t at
+        peak·(t + 1)/W; the references start at 0; one longer than the run is cut to it), then DINO's
+        ``cosine_scheduler`` to ``min_lr`` (cos(πi/N) over the N steps left: lightly's ends at
+        ``max_steps - 1``, hence ``total + 1``); the weight decay a cosine to ``weight_decay_end``
+        (None: constant). Past the end both stay at their ends."""
+        hp, total = self.hparams, self.total_steps
+        warmup, step, wd_end = min(self.warmup_steps(), total), min(step, total), hp.weight_decay_end
+        lr = (cosine_warmup_schedule(step, total + 1, self.peak_lr, hp.min_lr, warmup, 0.0) if warmup
+              else cosine_schedule(step, total + 1, self.peak_lr, hp.min_lr))
+        return {"lr": lr, "weight_decay": cosine_schedule(step, total + 1, hp.weight_decay, hp.weight_decay if wd_end is None else wd_end)}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._seed_step(batch_idx)

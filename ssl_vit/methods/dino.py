@@ -12,6 +12,7 @@ batch mean. The paper's drop path 0.1 is the backbone's ``drop_path_rate``.
 from __future__ import annotations
 
 import copy
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -95,10 +96,8 @@ class DINO(BaseMethod):
         teacher_temp = losses.teacher_temperature(self.current_epoch, hp.warmup_teacher_temp, hp.teacher_temp, hp.warmup_teacher_temp_epochs)
         with torch.no_grad():
             t_out = self.teacher_head(self.teacher_backbone(torch.cat(views[: hp.n_global_crops]))).chunk(hp.n_global_crops)  # g x [B, K]
-        # The student: one backbone pass per resolution (reference MultiCropWrapper), one head pass.
-        sizes = [v.shape[-2:] for v in views]
-        starts = [i for i in range(len(views)) if i == 0 or sizes[i] != sizes[i - 1]] + [len(views)]
-        feats = torch.cat([self.backbone(torch.cat(views[i:j])) for i, j in zip(starts, starts[1:])])  # [V*B, D]
+        # The student: one backbone pass per run of views of one resolution (reference MultiCropWrapper), one head pass.
+        feats = torch.cat([self.backbone(torch.cat(list(run))) for _, run in groupby(views, key=lambda v: v.shape[-2:])])  # [V*B, D]
         s_out = self.head(feats).chunk(len(views))  # V x [B, K]
         center = self.criterion.center.clone()  # the centre this batch is centred with (the loss then moves it)
         loss = self.criterion(t_out, s_out, teacher_temp=teacher_temp)

@@ -80,31 +80,25 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Mo
 
 
 class AllReduceBatchNorm(_BatchNorm):
-    """BatchNorm over the batch of every process of ``process_group`` (default: all), inputs
-    ``[B, C, *]`` on any device; plain BatchNorm in eval mode or alone. The statistics are
-    all-reduced with their gradients (the backward sums them over the processes, as torch's
-    SyncBatchNorm kernel); parameters and buffers are ``nn.BatchNorm{1,2,3}d``'s."""
-
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats)
-        self.process_group = process_group
+    """BatchNorm over the batch of every process, inputs ``[B, C, *]`` on any device; plain
+    BatchNorm in eval mode or alone. The statistics are all-reduced with their gradients (the
+    backward sums them over the processes, as torch's SyncBatchNorm kernel); arguments, parameters
+    and buffers are ``nn.BatchNorm{1,2,3}d``'s."""
 
     def _check_input_dim(self, input: Tensor) -> None:
         assert input.dim() >= 2, f"expected at least 2-D input [B, C, ...], got {input.dim()}-D"
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        group = (self.process_group or dist.group.WORLD) if self.training and dist.is_available() and dist.is_initialized() else None
-        if group is None or dist.get_world_size(group) == 1:
+        if not (self.training and dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return super().forward(input)
         x = input.float()  # statistics in float32, as torch's kernels (also under autocast)
         c, dims = x.shape[1], [0, *range(2, x.ndim)]  # every axis but the channels
         shape = [1, c] + [1] * (x.ndim - 2)
-        total = _AllReduceSum.apply(torch.cat([x.sum(dims), x.new_tensor([x.numel() // c])]), group)  # [C + 1]: sums, count
+        total = _AllReduceSum.apply(torch.cat([x.sum(dims), x.new_tensor([x.numel() // c])]))  # [C + 1]: sums, count
         n = total[c]
         centred = x - (mean := total[:c] / n).view(shape)  # mean: [C]
-        var = _AllReduceSum.apply(centred.pow(2).sum(dims), group) / n  # [C], biased; two passes, as E[x²] - E[x]² cancels badly
+        var = _AllReduceSum.apply(centred.pow(2).sum(dims)) / n  # [C], biased; two passes, as E[x²] - E[x]² cancels badly
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.weight is not None:
             y = y * self.weight.view(shape)
@@ -124,13 +118,13 @@ class _AllReduceSum(torch.autograd.Function):
     (``torch.distributed.nn.functional.all_reduce`` without its deprecation)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group, out = group, x.clone()
-        dist.all_reduce(out, group=group)
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        out = x.clone()
+        dist.all_reduce(out)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        dist.all_reduce(grad)
+        return grad

@@ -91,13 +91,11 @@ class MPP(BaseMethod):
         plan = make_corruption_plan(b, n, hp.corruption_ratio, hp.mask_prob, hp.random_prob, device=x.device)
         tokens = self.backbone.forward_features(x, patch_hook=lambda t: plan.apply(t, self.mask_token))  # [B, 1+N, D]
         # Only the corrupted patches are predicted (B.1.2), from their own output tokens: each
-        # image has exactly k, gathered without a host sync.
-        idx = plan.corrupted_idx  # [B, k]
-        patches = tokens[:, self.backbone.num_prefix_tokens :]  # [B, N, D]
-        pred = self.head(torch.gather(patches, 1, idx[..., None].expand(-1, -1, patches.shape[-1])))  # [B, k, *target_shape]
+        # image has exactly k, picked by index (no host sync).
+        rows, idx = torch.arange(b, device=x.device)[:, None], plan.corrupted_idx  # [B, 1], [B, k]
+        pred = self.head(tokens[:, self.backbone.num_prefix_tokens :][rows, idx])  # [B, k, *target_shape]
         with torch.no_grad():
-            target = mpp_targets(self.raw_pixels(x), p, hp.target)  # [B, N, ...]
-            target = torch.gather(target, 1, idx.view(*idx.shape, *[1] * (target.ndim - 2)).expand(*idx.shape, *target.shape[2:]))
+            target = mpp_targets(self.raw_pixels(x), p, hp.target)[rows, idx]  # [B, k, ...]
         # The online probe learns from the pooled tokens of the corrupted images (a clean pass would
         # cost a forward) and is validated on clean ones, pooled alike (the backbone's global_pool).
         features = self.backbone.pool(tokens).detach()  # [B, D]

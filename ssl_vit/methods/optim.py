@@ -1,5 +1,5 @@
-"""A method's optimiser and schedules as plain functions: the weight-decay groups, the optimiser (a
-fused kernel where it runs), Adam's state ahead of a first gradient, the LR and weight decay of a step."""
+"""A method's optimiser as plain functions: the weight-decay groups, the optimiser (a fused kernel
+where it runs), Adam's state ahead of a first gradient."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 import torch
 from lightly.utils.lars import LARS
-from lightly.utils.scheduler import cosine_schedule, cosine_warmup_schedule
 from torch import Tensor
 
 from ssl_vit.methods.distributed import unwrapped_name
@@ -79,15 +78,3 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             optimizer.state[p] = state
 
-
-def lr_and_weight_decay(step: int, total: int, warmup: int, peak_lr: float, min_lr: float, weight_decay: float,
-                        weight_decay_end: float | None) -> dict[str, float]:
-    """LR and weight decay at optimiser step ``step`` of ``total``: a linear warm-up over ``warmup``
-    steps (lightly's: step t at peak·(t + 1)/W; the references start at 0), then DINO's
-    ``cosine_scheduler`` to ``min_lr`` (cos(πi/N) over the N steps left: lightly's end at
-    ``max_steps - 1``, hence ``total + 1``); the weight decay a cosine to ``weight_decay_end`` (None:
-    constant). A warm-up longer than the run is cut to it; past the end both stay at their ends."""
-    warmup, step = min(int(warmup), total), min(step, total)
-    lr = cosine_warmup_schedule(step, total + 1, peak_lr, min_lr, warmup, 0.0) if warmup else cosine_schedule(step, total + 1, peak_lr, min_lr)
-    wd = cosine_schedule(step, total + 1, weight_decay, weight_decay if weight_decay_end is None else weight_decay_end)
-    return {"lr": lr, "weight_decay": wd}
