@@ -1,26 +1,15 @@
 """``ssl-vit benchmark``: one training step of each method against the same step composed the way
-lightly's examples compose it around timm's ``VisionTransformer``, the bare backbone against
-timm's ViT, the achieved FLOP/s as a fraction of the machine's dense matmul rate, and views per
-second of our augmentations against lightly's transforms. Figures: ``benchmarks/RESULTS.md``.
+lightly's examples compose it around timm's ``VisionTransformer``, the bare backbone against timm's
+ViT, the achieved FLOP/s as a fraction of the machine's dense matmul rate, and DINO's multi-crop
+views per second against lightly's ``DINOTransform``. Figures: ``benchmarks/RESULTS.md``.
 
-- Speed: ours and the peer of a row are built in one fresh process and timed interleaved, round
-  by round, with a dense matmul taking its turn in each round (:func:`time_interleaved`), so the
-  ratio and the fraction of the matmul rate are measured on the same machine state.
-- Memory: each implementation alone in a fresh process (:func:`peak_memory`), the least of
-  ``memory_repeats`` processes; the tensors autograd keeps are counted exactly besides.
-- FLOPs: one step of each side under torch's ``FlopCounterMode`` (:func:`ssl_vit.flops.count_flops`).
-
-Our step is what training runs (the method's ``step``, backward, the AdamW it configures, the EMA
-update) without the Trainer's logging and callbacks; the peers' likewise. Neither clips gradients
-nor freezes DINO's last layer in the first epoch (lightly's examples do not either). The peers
-(lightly 1.6, ``examples/pytorch/``): supervised is timm's ViT with cross-entropy (label smoothing
-0.1); MPP, which lightly lacks, is its SimMIM example (``MaskedVisionTransformerTIMM``, a linear
-head on the masked tokens) with our 3-bit mean-colour target and 50 % mask ratio, without BERT's
-10 % random / 10 % kept split (lightly's masking has none); MoCo v3, whose heads and loss lightly
-lacks, follows its MoCo/BYOL examples (one forward per view, ``deepcopy`` momentum copies,
-``update_momentum``) with MoCo v3's MLPs from ``ProjectionHead`` blocks, the patch projection
-frozen (MoCo v3 §4) and ``ctr`` of its Algorithm 1; DINO is ``examples/pytorch/dino.py``
-(``DINOProjectionHead``, ``DINOLoss``, one forward per view).
+Speed: ours and the peer of a row run in one fresh process, timed interleaved with a dense matmul
+taking its turn in every round, so that the speed ratio and the fraction of the matmul rate are
+taken on one machine state. Memory: each side alone in a fresh process. FLOPs: one step of each
+side under torch's ``FlopCounterMode``. Our step is what training runs (the method's ``step``,
+backward, its AdamW, the EMA update) without the Trainer's logging and callbacks; the peers'
+likewise (:func:`_peer`). Neither clips gradients nor freezes DINO's last layer in the first epoch
+(lightly's examples do not either).
 """
 
 from __future__ import annotations
@@ -29,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -38,7 +28,10 @@ import sys
 import time
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -47,14 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssl_vit.backbones import compile_backbone, create_backbone
-from ssl_vit.errors import one_line
+from ssl_vit.backbones import VisionTransformer, compile_backbone, create_backbone
 from ssl_vit.flops import count_flops
 from ssl_vit.io import read_json
 from ssl_vit.runtime import allocator_note, keep_freed_memory
 
-RESULT_FORMAT = "ssl-vit-benchmark/2"
-READABLE_FORMATS = ("ssl-vit-benchmark/1", RESULT_FORMAT)  # /1 (other config keys, FLOPs also analytic) renders alike
+RESULT_FORMAT = "ssl-vit-benchmark/3"
 METHODS = ("supervised", "mpp", "mocov3", "dino")
 # The targets: each method >= 1.0x the peer's speed at <= its peak memory, the bare backbone
 # >= 0.95x timm's, and ViT-S/16 at 224 px training on a CPU at >= 75 % of the matmul rate.
@@ -63,7 +54,7 @@ TARGET_SPEED, TARGET_MEMORY, TARGET_BACKBONE, TARGET_MATMUL = 1.0, 1.0, 0.95, 0.
 VIT_S16 = {"embed_dim": 384, "depth": 12, "num_heads": 6, "patch_size": 16, "mlp_ratio": 4.0, "in_chans": 3}
 VIT_TI16 = {**VIT_S16, "embed_dim": 192, "num_heads": 3}
 _VIT_NAMES = {(192, 12, 3): "Ti", (384, 12, 6): "S", (768, 12, 12): "B", (1024, 24, 16): "L", (1280, 32, 16): "H"}  # DeiT Table 1, ViT Table 1
-MIN_UTILIZATION = 0.75  # of the best CPU utilisation seen: below it, other load took cores away (time_interleaved)
+MIN_RATE = 0.75  # of the best in-round matmul rate: a round below it lost cores to other load
 _SCHEDULE_STEPS = 100_000  # a long schedule: the EMA momentum stays in its realistic range while timed
 MiB = 2**20
 
@@ -77,8 +68,8 @@ def vit_label(m: dict[str, Any]) -> str:
 class BenchConfig:
     """One run. The backbone row trains ``backbone_model`` at ``backbone_img_size`` (ViT-S/16 at
     224 px: the matmul target's configuration); the method rows ``method_model`` at
-    ``method_img_size``, DINO with ``n_local_crops`` more crops of ``local_size`` px; head widths
-    are the papers'. The augmentation rows time one DataLoader worker for ``data_seconds``."""
+    ``method_img_size``, DINO with ``n_local_crops`` more crops of ``local_size`` px; the heads'
+    widths are the papers'. The augmentation row times ``multicrop`` in one thread for ``data_seconds``."""
 
     backbone_model: dict[str, Any] = field(default_factory=lambda: dict(VIT_S16))
     backbone_img_size: int = 224
@@ -99,21 +90,14 @@ class BenchConfig:
     steps: int = 11
     memory_steps: int = 2
     memory_repeats: int = 3  # peak RSS differs by ~1 % between processes of one job: the least is its need
-    matmul_sizes: tuple[tuple[int, int, int], ...] = ((2048, 2048, 2048),)  # + the backbone's MLP matmul
-    matmul_repeats: int = 10
     round_matmul_size: int = 2048  # the n x n @ n x n product timed in every round (at least 8192 on GPUs)
-    data: bool = True
-    data_source_size: int = 256
-    data_global_size: int = 224
-    data_local_size: int = 96
-    data_n_local_crops: int = 8
+    data: bool = True  # the augmentation row (when DINO is among the methods)
+    multicrop: dict[str, int] = field(default_factory=lambda: {"global_size": 224, "local_size": 96, "n_local_crops": 8})
     data_seconds: float = 3.0
-    data_images: int = 8
     device: str = "cpu"
     precision: Literal["32", "bf16-mixed"] = "32"
     threads: int | None = None
     isolation: Literal["auto", "forkserver", "spawn", "none"] = "auto"
-    job_timeout_s: float = 900.0
     seed: int = 0
     peers: bool = True
     lean_backward: bool = True  # our ViT's norm_linear + gelu_linear; False: the plain modules
@@ -121,20 +105,16 @@ class BenchConfig:
     compile: bool = False  # every ViT's blocks through torch.compile (inductor) in the timing jobs
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "full": {},  # RESULTS.md's numbers (about 14 minutes on 2 cores)
-    "quick": dict(backbone_batch=8, method_model=VIT_TI16, method_img_size=64, method_batch=16, local_size=32, warmup=1, steps=3,
-                  memory_repeats=1, matmul_repeats=5, data_seconds=1.0, data_images=4),  # under 2 minutes on 2 cores
-    "tiny": dict(backbone_model=(tiny := {**VIT_S16, "embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8}), backbone_img_size=32,
+PRESETS = {
+    "full": BenchConfig(),  # RESULTS.md's numbers (about 14 minutes on 2 cores)
+    "quick": BenchConfig(backbone_batch=8, method_model=VIT_TI16, method_img_size=64, method_batch=16, local_size=32, warmup=1, steps=3,
+                  memory_repeats=1, data_seconds=1.0),  # under 2 minutes on 2 cores
+    "tiny": BenchConfig(backbone_model=(tiny := {**VIT_S16, "embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8}), backbone_img_size=32,
                  backbone_batch=4, method_model=tiny, method_img_size=32, method_batch=4, local_size=16, n_local_crops=2, num_classes=10,
                  moco_hidden_dim=64, moco_out_dim=16, dino_out_dim=128, dino_hidden_dim=64, dino_bottleneck_dim=16, warmup=1, steps=2,
-                 memory_repeats=1, matmul_sizes=((128, 128, 128),), matmul_repeats=2, round_matmul_size=128, data_source_size=40,
-                 data_global_size=32, data_local_size=16, data_n_local_crops=2, data_seconds=0.05, data_images=2),  # seconds
+                 memory_repeats=1, round_matmul_size=128, multicrop={"global_size": 32, "local_size": 16, "n_local_crops": 2},
+                 data_seconds=0.05),  # seconds
 }
-
-
-def preset(name: str, **overrides: Any) -> BenchConfig:
-    return BenchConfig(**{**PRESETS[name], **overrides})
 
 
 # ---------------------------------------------------------------------------------- instruments
@@ -143,51 +123,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(step: Callable[[], Any], device: torch.device) -> tuple[float, float]:
-    """Wall and CPU seconds of one call."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    step()
-    _sync(device)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int, device: torch.device) -> dict[str, Any]:
-    """Time step functions against each other: ``warmup`` untimed calls of each, then rounds that
-    call each once, in reverse order on odd rounds (ABBA), until ``rounds`` rounds were undisturbed
-    (at most ``2 * rounds + 1``).
-
-    Disturbed: on a shared CPU a step loses cores to another job, and its utilisation
-    ``cpu / (wall * threads)`` drops (to about half when it loses one of two). A small step never
-    keeps every core busy, so a round counts when each step reached ``MIN_UTILIZATION`` of the
-    best utilisation seen for it (warm-up calls after the first included; capped at 1). With too
-    few such rounds all count and the result says ``disturbed``. On CUDA every round counts.
-    Returns per name ``step_s``, ``cpu_utilization``, ``median_step_s`` over the counted rounds;
-    and ``counted``, those rounds' indices (for :func:`paired`)."""
-    names, threads = list(steps), max(torch.get_num_threads(), 1)
-    best = dict.fromkeys(names, 0.0)
-    for name in names:
-        for i in range(warmup):
-            wall, cpu = _timed(steps[name], device)
-            if i > 0:  # the first call carries one-time work (allocations, kernel selection)
-                best[name] = max(best[name], cpu / (wall * threads))
-    walls: dict[str, list[float]] = {n: [] for n in names}
-    utils: dict[str, list[float]] = {n: [] for n in names}
-    kept: list[int] = []
-    r = 0
-    while len(kept) < rounds and r < 2 * rounds + 1:
-        for name in names if r % 2 == 0 else names[::-1]:
-            wall, cpu = _timed(steps[name], device)
-            walls[name].append(wall)
-            utils[name].append(cpu / (wall * threads))
-            best[name] = max(best[name], utils[name][-1])
-        if device.type == "cuda" or all(utils[n][r] >= MIN_UTILIZATION * min(best[n], 1.0) for n in names):
-            kept.append(r)
-        r += 1
-    disturbed = len(kept) < rounds
-    counted = list(range(r)) if disturbed else kept
-    out: dict[str, Any] = {n: {"step_s": walls[n], "cpu_utilization": utils[n], "median_step_s": statistics.median(walls[n][i] for i in counted),
-                               "rounds_counted": len(counted), "disturbed": disturbed} for n in names}
-    return {**out, "counted": counted}
+def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int, device: torch.device) -> dict[str, list[float]]:
+    """Wall seconds of each step in each of ``rounds`` rounds, after ``warmup`` untimed calls of
+    each; a round calls every step once, in reverse order on odd rounds (ABBA), so that a drift of
+    the machine's speed reaches all alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    walls: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
+            start = time.perf_counter()
+            steps[name]()
+            _sync(device)
+            walls[name].append(time.perf_counter() - start)
+    return walls
 
 
 def paired(numerator: Sequence[float], denominator: Sequence[float], counted: Sequence[int]) -> dict[str, Any]:
@@ -200,23 +150,19 @@ def paired(numerator: Sequence[float], denominator: Sequence[float], counted: Se
 
 def _proc_status() -> dict[str, int]:
     """The memory fields of ``/proc/self/status`` in bytes (none without /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            pairs = [line.split(":", 1) for line in f]
-    except OSError:
-        return {}
-    return {k: int(v.split()[0]) * 1024 for k, v in pairs if v.strip().endswith("kB")}
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
+    return {}
 
 
 @contextlib.contextmanager
 def peak_memory(device: torch.device) -> Iterator[dict[str, int]]:
-    """Peak memory of the block, in the dict it yields once the block is done. CUDA:
-    ``max_memory_allocated`` above the start. CPU: ``peak_abs_bytes``, the process's resident
-    high-water mark (``VmHWM``, reset at the start through ``/proc/self/clear_refs``);
-    ``peak_rss_bytes``, that above the resident set at the start; ``peak_mem_bytes``, the
-    anonymous memory at the peak above the start (weights, gradients, optimiser state,
-    activations, allocator caches), without the pages of shared libraries the block faulted in
-    (the code of the first torch kernels it ran: tens of MiB that say nothing about a step)."""
+    """``peak_mem_bytes`` of the block, in the dict it yields, once the block is done. CUDA:
+    ``max_memory_allocated`` above the start. CPU: the resident high-water mark (``VmHWM``, reset
+    at the start through ``/proc/self/clear_refs``) less the anonymous memory at the start and the
+    file-backed pages at the end: weights, gradients, optimiser state, activations and allocator
+    caches, without the code of the shared libraries the block faulted in (tens of MiB that say
+    nothing about a step)."""
     out: dict[str, int] = {}
     if device.type == "cuda":
         _sync(device)
@@ -224,18 +170,15 @@ def peak_memory(device: torch.device) -> Iterator[dict[str, int]]:
         start = torch.cuda.memory_allocated(device)
         yield out
         _sync(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        out.update(peak_mem_bytes=max(peak - start, 0), peak_rss_bytes=0, peak_abs_bytes=peak)
+        out["peak_mem_bytes"] = max(torch.cuda.max_memory_allocated(device) - start, 0)
         return
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak RSS starts again from the current RSS
+        f.write("5")  # the high-water mark starts again from the current resident set
     before = _proc_status()
     yield out
     now = _proc_status()
     hwm = now.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    out.update(peak_rss_bytes=max(hwm - before.get("VmRSS", 0), 0), peak_abs_bytes=hwm)
-    file_pages = now.get("RssFile", 0) + now.get("RssShmem", 0)
-    out["peak_mem_bytes"] = max(hwm - file_pages - before["RssAnon"], 0) if "RssAnon" in before else out["peak_rss_bytes"]
+    out["peak_mem_bytes"] = max(hwm - now.get("RssFile", 0) - now.get("RssShmem", 0) - before.get("RssAnon", 0), 0)
 
 
 def saved_activation_bytes(step: Callable[[], Any], params: Sequence[Tensor]) -> int:
@@ -254,47 +197,18 @@ def saved_activation_bytes(step: Callable[[], Any], params: Sequence[Tensor]) ->
     return sum(storages.values())
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> dict[str, Any]:
-    """FLOP/s of ``[m, k] @ [k, n]`` (2·m·k·n FLOPs): the best of ``repeats`` products that kept
-    every thread busy (up to ``4 * repeats`` tried); the best, because other load only lowers it."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(shape, generator=gen).to(device, dtype) for shape in ((m, k), (k, n)))
-    out = torch.empty(m, n, device=device, dtype=dtype)
-    for _ in range(2):
-        torch.mm(a, b, out=out)
-    _sync(device)
-    threads = max(torch.get_num_threads(), 1)
-    times, kept = [], []
-    while len(kept) < repeats and len(times) < 4 * repeats:
-        wall, cpu = _timed(lambda: torch.mm(a, b, out=out), device)
-        times.append(wall)
-        if device.type == "cuda" or cpu >= MIN_UTILIZATION * wall * threads:
-            kept.append(wall)
-    return {"mkn": [m, k, n], "flops_per_s": 2.0 * m * k * n / min(kept or times), "disturbed": not kept, "tries": len(times)}
-
-
-def matmul_rates(cfg: BenchConfig, sizes: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
-    """The rate of each size and the best of them, in fp32 on a CPU and in bf16 on a GPU (whose
-    dense rate is quoted in bf16)."""
-    device = torch.device(cfg.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rates = [matmul_rate(*s, dtype=dtype, device=device, repeats=cfg.matmul_repeats) for s in sizes]
-    return {"dtype": str(dtype).removeprefix("torch."), "sizes": rates, "peak_flops_per_s": max(r["flops_per_s"] for r in rates)}
-
-
-def views_per_second(transform: Callable[[Any], Sequence[Any]], images: Sequence[Any], seconds: float, warmup: int = 2) -> float:
-    """Views per CPU second of ``transform`` on one thread, as a DataLoader worker runs it (torch
-    sets one thread there); CPU time, which other load on the machine does not stretch."""
+def views_per_second(transform: Callable[[Any], Sequence[Any]], images: Sequence[Any], seconds: float) -> float:
+    """Views per CPU second of ``transform`` on one thread, as a DataLoader worker runs it, after one
+    untimed call on each image; CPU time, which other load on the machine does not stretch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for i in range(warmup):
-            transform(images[i % len(images)])
-        n_views, calls, start, elapsed = 0, 0, time.process_time(), 0.0
-        while calls == 0 or elapsed < seconds:
+        for image in images:
+            transform(image)
+        n_views, calls, start = 0, 0, time.process_time()
+        while (elapsed := time.process_time() - start) < seconds or calls == 0:
             n_views += len(transform(images[calls % len(images)]))
             calls += 1
-            elapsed = time.process_time() - start
         return n_views / elapsed
     finally:
         torch.set_num_threads(threads)
@@ -302,8 +216,6 @@ def views_per_second(transform: Callable[[Any], Sequence[Any]], images: Sequence
 
 # ---------------------------------------------------------------------------------- the steps
 NORM_MEAN, NORM_STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)  # the MPP rows' view normalisation, both sides
-PEER_NAMES = {"backbone": "timm VisionTransformer", "supervised": "timm ViT + CE", "mpp": "lightly MaskedViT(timm) + linear",
-              "mocov3": "lightly heads + timm ViT", "dino": "lightly DINO + timm ViT"}
 LossFn = Callable[[list[Tensor], Tensor], Tensor]
 
 
@@ -320,17 +232,14 @@ def row_views(row: str, cfg: BenchConfig) -> list[tuple[int, int, int, int]]:
     if row == "backbone":
         return [(cfg.backbone_batch, cfg.backbone_model["in_chans"], cfg.backbone_img_size, cfg.backbone_img_size)]
     b, c, s, local = cfg.method_batch, cfg.method_model["in_chans"], cfg.method_img_size, cfg.local_size
-    n_global = 2 if row in ("mocov3", "dino") else 1
-    return [(b, c, s, s)] * n_global + [(b, c, local, local)] * (cfg.n_local_crops if row == "dino" else 0)
+    return [(b, c, s, s)] * (2 if row in ("mocov3", "dino") else 1) + [(b, c, local, local)] * (cfg.n_local_crops if row == "dino" else 0)
 
 
 def row_label(row: str, cfg: BenchConfig) -> str:
+    """``ViT-S/16 2x112+8x48px b32``: the model, the crops and the batch of a row."""
     views = row_views(row, cfg)
-    b, _, s, _ = views[0]
-    if row == "backbone":
-        return f"{vit_label(cfg.backbone_model)} {s}px b{b} fwd+bwd"
-    crops = ("2x" if row in ("mocov3", "dino") else "") + str(s) + (f"+{len(views) - 2}x{views[-1][-1]}" if len(views) > 2 else "")
-    return f"{vit_label(cfg.method_model)} {crops}px b{b}"
+    crops = "+".join(f"{n}x{size}" if n > 1 else str(size) for size, n in Counter(v[-1] for v in views).items())
+    return f"{vit_label(cfg.backbone_model if row == 'backbone' else cfg.method_model)} {crops}px b{views[0][0]}" + (" fwd+bwd" if row == "backbone" else "")
 
 
 def _ours(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
@@ -357,16 +266,23 @@ def _ours(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int]
 
 
 def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
-    """The peer of ``row`` (see the module docstring), its loss and its momentum update."""
+    """The peer of ``row``, its loss and its momentum update, after lightly 1.6's ``examples/pytorch/``.
+    Supervised: timm's ViT with cross-entropy (label smoothing 0.1). MPP, which lightly lacks: its
+    SimMIM example (``MaskedVisionTransformerTIMM``, a linear head on the masked tokens) with our
+    3-bit mean-colour target and 50 % mask ratio, without BERT's 10 % random / 10 % kept split
+    (lightly's masking has none). MoCo v3, whose heads and loss lightly lacks: its MoCo/BYOL
+    examples (one forward per view, ``deepcopy`` momentum copies, ``update_momentum``) with MoCo
+    v3's MLPs from ``ProjectionHead`` blocks, the patch projection frozen (MoCo v3 §4) and ``ctr``
+    of its Algorithm 1. DINO: ``dino.py`` (``DINOProjectionHead``, ``DINOLoss``, one forward per view)."""
     from lightly.loss import DINOLoss
     from lightly.models import utils
     from lightly.models.modules import MaskedVisionTransformerTIMM, heads
     from lightly.utils.scheduler import cosine_schedule
-    from timm.models.vision_transformer import VisionTransformer
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     shape, size = (cfg.backbone_model, cfg.backbone_img_size) if row == "backbone" else (cfg.method_model, cfg.method_img_size)
     # our ViT's layers (pre-norm, LayerNorm eps 1e-6, qkv bias, [CLS] pooling); DINO's local crops have another size
-    vit = VisionTransformer(img_size=size, num_classes=cfg.num_classes if row == "supervised" else 0, dynamic_img_size=row == "dino", **shape)
+    vit = TimmViT(img_size=size, num_classes=cfg.num_classes if row == "supervised" else 0, dynamic_img_size=row == "dino", **shape)
     d, h, o = shape["embed_dim"], cfg.moco_hidden_dim, cfg.moco_out_dim
     if row == "backbone":
         return vit, lambda views, labels: vit(views[0]).float().mean(), None
@@ -436,18 +352,15 @@ def workload(row: str, impl: Literal["ours", "peer"], cfg: BenchConfig, device: 
     peers' AdamW is created as lightly's examples create it (torch's default implementation; the
     LR and weight decay do not change a step's cost). ``compile``: every ViT's blocks through
     ``torch.compile`` (inductor), as ``compile_backbone: true`` trains them."""
-    from timm.models.vision_transformer import VisionTransformer
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     gen = torch.Generator().manual_seed(cfg.seed)
     views = [torch.randn(shape, generator=gen).to(device) for shape in row_views(row, cfg)]
     labels = torch.randint(0, cfg.num_classes, (views[0].shape[0],), generator=gen).to(device)
     model, loss_fn, update = (_ours if impl == "ours" else _peer)(row, cfg)
     model.to(device).train()
-    if compile and impl == "ours" and row != "backbone":
-        model.compile_backbones("inductor")  # its backbone, momentum encoder, teacher
-    elif compile:  # our bare ViT, or each of the peer's timm ViTs
-        for vit in [model] if impl == "ours" else [m for m in model.modules() if isinstance(m, VisionTransformer)]:
-            compile_backbone(vit, "inductor")
+    for vit in [m for m in model.modules() if isinstance(m, VisionTransformer | TimmViT)] if compile else []:
+        compile_backbone(vit, "inductor")  # the backbone, its momentum encoder or teacher
     optimizer = None
     if row != "backbone":
         optimizer = model.configure_optimizers() if impl == "ours" else torch.optim.AdamW(model.parameters(), lr=1.5e-4, weight_decay=0.05)
@@ -469,37 +382,10 @@ def workload(row: str, impl: Literal["ours", "peer"], cfg: BenchConfig, device: 
     return Workload(step, model, views, labels)
 
 
-# ---------------------------------------------------------------------------------- augmentations
-# row: (our transform, the methods that train on it, lightly's transform with the same settings)
-DATA_ROWS = {"single": ("SingleView", "supervised, mpp", None), "two": ("TwoViews", "mocov3", "BYOLTransform"),
-             "multicrop": ("MultiCrop", "dino", "DINOTransform")}
-
-
-def view_transform(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> Callable[[Any], list[Any]]:
-    """Our transform of an augmentation row, or lightly's with its settings (unnormalised, as ours:
-    the datamodule normalises)."""
-    from lightly.transforms import BYOLTransform, BYOLView1Transform, BYOLView2Transform
-
-    from ssl_vit.data.views import MultiCrop, SingleView, TwoViews
-
-    size = cfg.data_global_size
-    if row == "multicrop":
-        ours = MultiCrop(global_size=size, local_size=cfg.data_local_size, n_local_crops=cfg.data_n_local_crops)
-        return ours if impl == "ours" else lightly_dino_transform(ours)
-    if row == "single" or impl == "ours":
-        return SingleView(size=size) if row == "single" else TwoViews(size=size)
-    ours = TwoViews(size=size)
-    common = dict(input_size=ours.size, cj_prob=ours.jitter_p, cj_bright=ours.brightness, cj_contrast=ours.contrast, cj_sat=ours.saturation,
-                  cj_hue=ours.hue, min_scale=ours.scale[0], random_gray_scale=ours.grayscale_p, hf_prob=ours.flip_p,
-                  sigmas=tuple(ours.augmentations()[0].blur_sigma), normalize=None)  # ours scales the blur's sigma with the size
-    return BYOLTransform(BYOLView1Transform(gaussian_blur=ours.blur_p[0], solarization_prob=ours.solarize_p[0], **common),
-                         BYOLView2Transform(gaussian_blur=ours.blur_p[1], solarization_prob=ours.solarize_p[1], **common))
-
-
 def lightly_dino_transform(multicrop: Any) -> Any:
-    """lightly's ``DINOTransform`` with the settings of our ``MultiCrop``, unnormalised. lightly
-    scales the jitter by ``cj_strength`` but does not pass it to its second global view (which keeps
-    its default 0.5): at 0.5 and doubled strengths every view gets exactly ours."""
+    """lightly's ``DINOTransform`` with the settings of our ``MultiCrop``, unnormalised (as ours: the
+    datamodule normalises). lightly scales the jitter by ``cj_strength`` but does not pass it to its
+    second global view (which keeps its default 0.5): at 0.5 and doubled strengths every view gets ours."""
     from lightly.transforms import DINOTransform
 
     return DINOTransform(
@@ -526,13 +412,11 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "timm": timm.__version__, "lightly": lightly.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "device": cfg.device, "loadavg": _loadavg(),
-            "allocator": allocator_note(), "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
-    if cfg.device.startswith("cuda"):
-        info.update(gpu=torch.cuda.get_device_name(cfg.device), cuda=torch.version.cuda)
-    return info
+    return {"cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "gpu": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else None, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "timm": timm.__version__, "lightly": lightly.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "allocator": allocator_note(), "loadavg": _loadavg()}
 
 
 def memory_job(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> dict[str, Any]:
@@ -544,42 +428,46 @@ def memory_job(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> dic
         work = workload(row, impl, cfg, device)
         for _ in range(cfg.memory_steps):
             work.step()
-    params = list(work.model.parameters())
-    out.update(params=sum(p.numel() for p in params), trainable_params=sum(p.numel() for p in params if p.requires_grad),
-               saved_activation_bytes=saved_activation_bytes(work.step, params),
-               flops_per_image_counted=count_flops(work.step) / work.views[0].shape[0])
+    out["saved_activation_bytes"] = saved_activation_bytes(work.step, list(work.model.parameters()))
+    out["flops_per_image_counted"] = count_flops(work.step) / work.views[0].shape[0]
     return out
 
 
 def timing_job(cfg: BenchConfig, row: str) -> dict[str, Any]:
     """Ours and the peer of ``row`` timed interleaved, with a dense square matmul taking its turn in
-    each round (fp32, three products on a CPU; bf16, ten of at least 8192 on a GPU)."""
+    each round (fp32, three products on a CPU; bf16, whose rate GPUs are quoted in, ten of at least
+    8192 on a GPU). A round counts when its matmul ran at ``MIN_RATE`` of the best: no other job took
+    cores away. With fewer than half counting, all count and the result says ``disturbed``."""
     device = torch.device(cfg.device)
     works = {impl: workload(row, impl, cfg, device, cfg.compile) for impl in (("ours", "peer") if cfg.peers else ("ours",))}
-    n, reps = (cfg.round_matmul_size, 3) if device.type == "cpu" else (max(cfg.round_matmul_size, 8192), 10)
-    a = torch.randn(n, n, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    n, reps, dtype = (cfg.round_matmul_size, 3, torch.float32) if device.type == "cpu" else (max(cfg.round_matmul_size, 8192), 10, torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=dtype)
     product = torch.empty_like(a)
-    steps: dict[str, Callable[[], Any]] = {impl: w.step for impl, w in works.items()}
-    steps["matmul"] = lambda: [torch.mm(a, a, out=product) for _ in range(reps)]
-    load = _loadavg()
-    timing = time_interleaved(steps, cfg.warmup, cfg.steps, device)
+    steps = {**{impl: w.step for impl, w in works.items()}, "matmul": lambda: [torch.mm(a, a, out=product) for _ in range(reps)]}
+    walls = time_interleaved(steps, cfg.warmup, cfg.steps, device)
+    rates = [2.0 * n**3 * reps / t for t in walls.pop("matmul")]
+    counted = [i for i, rate in enumerate(rates) if rate >= MIN_RATE * max(rates)]
+    disturbed = len(counted) < len(rates) / 2
+    counted = list(range(len(rates))) if disturbed else counted
+    out: dict[str, Any] = {"round_matmul": {"dtype": str(dtype).removeprefix("torch."), "flops_per_s": rates}, "counted": counted}
     for impl, work in works.items():
-        batch = timing[impl]["batch"] = work.views[0].shape[0]
-        timing[impl]["images_per_s"] = batch / timing[impl]["median_step_s"]
-    timing["matmul"]["flops_per_s"] = [2.0 * n**3 * reps / t for t in timing["matmul"]["step_s"]]
+        batch = work.views[0].shape[0]
+        out[impl] = {"step_s": walls[impl], "batch": batch, "images_per_s": batch / statistics.median(walls[impl][i] for i in counted), "disturbed": disturbed}
     if cfg.peers:  # > 1: ours is faster, in the same round
-        timing["paired_ratio"] = paired(timing["peer"]["step_s"], timing["ours"]["step_s"], timing["counted"])
-    return {**timing, "loadavg": [load, _loadavg()]}
+        out["paired_ratio"] = paired(walls["peer"], walls["ours"], counted)
+    return out
 
 
-def views_job(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> dict[str, Any]:
-    """Views per second of an augmentation row's transform on random RGB images (decoded: decoding is not timed)."""
+def views_job(cfg: BenchConfig, impl: Literal["ours", "peer"]) -> dict[str, Any]:
+    """Views per second of our ``MultiCrop`` or lightly's ``DINOTransform`` on random 256-px RGB images (decoding is not timed)."""
     from PIL import Image
 
+    from ssl_vit.data.views import MultiCrop
+
     gen = torch.Generator().manual_seed(cfg.seed)
-    size = cfg.data_source_size
-    images = [Image.fromarray(torch.randint(0, 256, (size, size, 3), generator=gen, dtype=torch.uint8).numpy()) for _ in range(cfg.data_images)]
-    transform = view_transform(cfg, row, impl)
+    images = [Image.fromarray(torch.randint(0, 256, (256, 256, 3), generator=gen, dtype=torch.uint8).numpy()) for _ in range(8)]
+    transform = MultiCrop(**cfg.multicrop)
+    transform = transform if impl == "ours" else lightly_dino_transform(transform)
     return {"views_per_s": views_per_second(transform, images, cfg.data_seconds), "views_per_image": len(transform(images[0]))}
 
 
@@ -591,12 +479,6 @@ def _run_job(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], args: tuple[An
         return fn(cfg, *args)
     except Exception as err:  # out of memory too: one failed row does not sink the run
         return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-
-
-def _child(conn: Any, cfg: BenchConfig, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> None:
-    keep_freed_memory()  # a fresh interpreter gets the heap setting ssl-vit was given (SSL_VIT_MALLOC)
-    conn.send(_run_job(cfg, fn, args))
-    conn.close()
 
 
 def isolated(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -612,82 +494,43 @@ def isolated(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], *args: Any) ->
     ctx = mp.get_context(how)
     if how == "forkserver":
         ctx.set_forkserver_preload([__name__, "ssl_vit.methods", "timm", "lightly.loss"])
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child, args=(sender, cfg, fn, args), daemon=True)
-    process.start()
-    sender.close()
-    try:
-        result = receiver.recv() if receiver.poll(cfg.job_timeout_s) else {"error": f"timed out after {cfg.job_timeout_s:.0f} s"}
-    except EOFError:
-        result = {"error": "the benchmark process died without a result (out of memory?)"}
-    process.join(30)
-    if process.is_alive():
-        process.kill()
-    elif process.exitcode and "error" not in result:
-        result["error"] = f"the benchmark process exited with code {process.exitcode}"
-    receiver.close()
-    return result
+    # keep_freed_memory: a fresh interpreter gets the heap setting ssl-vit was given (SSL_VIT_MALLOC)
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=keep_freed_memory) as pool:
+        try:
+            return pool.submit(_run_job, cfg, fn, args).result()
+        except BrokenProcessPool:
+            return {"error": "the benchmark process died without a result (out of memory?)"}
 
 
 # ---------------------------------------------------------------------------------- the run
 def _train_row(cfg: BenchConfig, row: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """A row's memory jobs (each side alone; on a CPU the least of ``memory_repeats`` processes)
+    and its timing job; then each side's FLOP/s (ours' FLOPs per image: the same work for the peer)
+    and its fraction of the matmul rate in the same rounds, and the ratios ours / peer."""
     impls = ("ours", "peer") if cfg.peers else ("ours",)
-    out: dict[str, Any] = {"name": row, "label": row_label(row, cfg), "views": [list(v) for v in row_views(row, cfg)],
-                           "peer_name": PEER_NAMES[row] if cfg.peers else None}
-    for impl in impls:  # a GPU's max_memory_allocated is the same every time, a CPU's RSS is not
+    out: dict[str, Any] = {"name": row, "label": row_label(row, cfg)}
+    for impl in impls:
         runs = [isolated(cfg, memory_job, row, impl) for _ in range(cfg.memory_repeats if cfg.device == "cpu" else 1)]
-        good = [r for r in runs if "error" not in r]
-        res = out[impl] = min(good, key=lambda r: r["peak_mem_bytes"]) if good else runs[0]
-        if len(good) > 1:
-            res["peak_mem_bytes_runs"] = [r["peak_mem_bytes"] for r in good]
+        res = out[impl] = min(runs, key=lambda r: r.get("peak_mem_bytes", math.inf))
         say(f"  {row:<10} {impl:<4} " + (res["error"] if "error" in res else f"peak {res['peak_mem_bytes'] / MiB:.0f} MiB"))
     timing = isolated(cfg, timing_job, row)
     if "error" in timing:
-        out["timing_error"] = timing
         say(f"  {row:<10} timing: {timing['error']}")
-        return out
-    for impl in impls:
-        out[impl] = {**timing[impl], **out[impl]}  # a memory error stays visible
-    out.update(paired_ratio=timing.get("paired_ratio"), round_matmul=timing["matmul"], counted=timing["counted"], loadavg=timing["loadavg"])
+        return {**out, "timing_error": timing}
+    out.update({**timing, **{impl: {**timing[impl], **out[impl]} for impl in impls}})  # a memory error stays visible
     say(f"  {row:<10} " + ", ".join(f"{impl} {timing[impl]['images_per_s']:.2f} img/s" for impl in impls)
         + (" (disturbed by other load)" if timing["ours"]["disturbed"] else ""))
-    return out
-
-
-def _derive(row: dict[str, Any], matmul_peak: float | None) -> None:
-    """FLOP/s (ours' FLOPs per image, the same work for the peer), the fraction of the matmul rate
-    (``matmul_fraction``: against the matmul in the same rounds; ``matmul_fraction_of_peak``:
-    against the run's best rate, pessimistic on a machine whose speed drifts), and the ratios
-    ours / peer: speed from the median step times, memory from the peaks."""
-    flops = row["flops_per_image"] = (row.get("ours") or {}).get("flops_per_image_counted")
-    for res in (row.get(impl) for impl in ("ours", "peer")):
-        if res is None or "images_per_s" not in res or not flops:
-            continue
+    ours, peer = out["ours"], out.get("peer", {})
+    flops = out["flops_per_image"] = ours.get("flops_per_image_counted")
+    for res in (ours, peer) if flops else ():
         res["flops_per_s"] = flops * res["images_per_s"]
-        res["matmul_fraction_of_peak"] = res["flops_per_s"] / matmul_peak if matmul_peak else None
         achieved = [flops * res["batch"] / t for t in res["step_s"]]
-        res["matmul_fraction_paired"] = paired(achieved, row["round_matmul"]["flops_per_s"], row["counted"])
-        res["matmul_fraction"] = res["matmul_fraction_paired"]["median"]
-    ours, peer = row.get("ours") or {}, row.get("peer") or {}
-    if "images_per_s" in ours and "images_per_s" in peer:
-        row["throughput_ratio"] = ours["images_per_s"] / peer["images_per_s"]
+        res["matmul_fraction"] = paired(achieved, out["round_matmul"]["flops_per_s"], out["counted"])["median"]
+    if peer:
+        out["throughput_ratio"] = ours["images_per_s"] / peer["images_per_s"]
     if ours.get("peak_mem_bytes") and peer.get("peak_mem_bytes"):
-        row["memory_ratio"] = ours["peak_mem_bytes"] / peer["peak_mem_bytes"]
-
-
-def _targets(rows: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
-    targets: dict[str, Any] = {}
-    for r in rows:
-        speed, memory = r.get("throughput_ratio"), r.get("memory_ratio")
-        if r["name"] != "backbone" and speed is not None and memory is not None:
-            targets[r["name"]] = {"throughput_ratio": speed, "memory_ratio": memory, "pass": speed >= TARGET_SPEED and memory <= TARGET_MEMORY}
-        elif r["name"] == "backbone" and speed is not None:
-            targets["backbone"] = {"throughput_ratio": speed, "pass": speed >= TARGET_BACKBONE}
-    backbone = next((r for r in rows if r["name"] == "backbone"), {})
-    fraction = (backbone.get("ours") or {}).get("matmul_fraction")
-    if fraction is not None and cfg.device == "cpu" and vit_label(cfg.backbone_model) == "ViT-S/16" and cfg.backbone_img_size == 224:
-        targets["matmul_fraction"] = {"ours": fraction, "peer": (backbone.get("peer") or {}).get("matmul_fraction"), "pass": fraction >= TARGET_MATMUL}
-    return targets
+        out["memory_ratio"] = ours["peak_mem_bytes"] / peer["peak_mem_bytes"]
+    return out
 
 
 def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] | None = lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict[str, Any]:
@@ -695,35 +538,38 @@ def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] | None = lam
     follows from them; returns the JSON-ready result that :func:`format_report` prints."""
     say = progress or (lambda msg: None)
     start = time.perf_counter()
-    m = cfg.backbone_model  # its largest matmul joins the sizes: the MLP's [B·T, D] @ [D, 4D]
-    tokens = cfg.backbone_batch * ((cfg.backbone_img_size // m["patch_size"]) ** 2 + 1)
-    sizes = (*cfg.matmul_sizes, (tokens, m["embed_dim"], int(m["embed_dim"] * m["mlp_ratio"])))
-    result: dict[str, Any] = {"format": RESULT_FORMAT, "config": dataclasses.asdict(cfg), "environment": isolated(cfg, environment)}
-    say("matmul rate ...")
-    result["matmul"] = isolated(cfg, matmul_rates, sizes)
-    result["rows"] = []
+    result: dict[str, Any] = {"format": RESULT_FORMAT, "config": dataclasses.asdict(cfg), "environment": isolated(cfg, environment), "rows": [], "data": []}
     for row in ("backbone", *cfg.methods):
         say(f"{row} ...")
         result["rows"].append(_train_row(cfg, row, say))
-    result["data"] = []
-    for name, (transform, methods, peer_name) in DATA_ROWS.items() if cfg.data else ():
-        if set(methods.split(", ")) & set(cfg.methods):
-            res = {"name": name, "transform": transform, "methods": methods, "peer_name": peer_name}
-            for impl in ("ours", "peer") if peer_name and cfg.peers else ("ours",):
-                res[impl] = isolated(cfg, views_job, name, impl)
-                say(f"  {transform:<10} {impl:<4} " + (res[impl]["error"] if "error" in res[impl] else f"{res[impl]['views_per_s']:.1f} views/s"))
-            if "views_per_s" in res.get("peer", {}) and "views_per_s" in res["ours"]:
-                res["throughput_ratio"] = res["ours"]["views_per_s"] / res["peer"]["views_per_s"]
-            result["data"].append(res)
-    # Again at the end: one measurement can catch a busy moment, and the best rate is the machine's.
-    result["matmul_end"] = isolated(cfg, matmul_rates, sizes)
-    peak = result["matmul_peak_flops_per_s"] = max((r.get("peak_flops_per_s") or 0 for r in (result["matmul"], result["matmul_end"])), default=0) or None
-    for row in result["rows"]:
-        _derive(row, peak)
-    return {**result, "targets": _targets(result["rows"], cfg), "loadavg_end": _loadavg(), "wall_s": time.perf_counter() - start}
+    if cfg.data and "dino" in cfg.methods:
+        data = {"name": "multicrop", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform" if cfg.peers else None}
+        for impl in ("ours", "peer") if cfg.peers else ("ours",):
+            res = data[impl] = isolated(cfg, views_job, impl)
+            say(f"  MultiCrop  {impl:<4} " + (res["error"] if "error" in res else f"{res['views_per_s']:.1f} views/s"))
+        if "views_per_s" in data.get("peer", {}) and "views_per_s" in data["ours"]:
+            data["throughput_ratio"] = data["ours"]["views_per_s"] / data["peer"]["views_per_s"]
+        result["data"].append(data)
+    return {**result, "loadavg_end": _loadavg(), "wall_s": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------------------------- the report
+def targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Each target of the benchmark (the constants ``TARGET_*``) with what was measured, and whether it was met."""
+    out, cfg, rows = [], result["config"], result["rows"]
+    for r in rows:
+        speed, memory = r.get("throughput_ratio"), r.get("memory_ratio")
+        if r["name"] == "backbone" and speed is not None:
+            out.append((f"backbone >= {TARGET_BACKBONE:.2f}x timm: {speed:.3f}x", speed >= TARGET_BACKBONE))
+        elif speed is not None and memory is not None:
+            out.append((f"{r['name']} >= {TARGET_SPEED:.2f}x peer speed at <= its memory: {speed:.3f}x speed, {memory:.3f}x memory",
+                        speed >= TARGET_SPEED and memory <= TARGET_MEMORY))
+    ours, peer = ((next((r for r in rows if r["name"] == "backbone"), {}).get(impl) or {}).get("matmul_fraction") for impl in ("ours", "peer"))
+    if ours is not None and cfg["device"] == "cpu" and vit_label(cfg["backbone_model"]) == "ViT-S/16" and cfg["backbone_img_size"] == 224:
+        out.append((f"ViT-S/16 224 px training >= {TARGET_MATMUL:.0%} of the matmul rate: ours {_pct(ours)}, timm {_pct(peer)}", ours >= TARGET_MATMUL))
+    return out
+
+
 def _num(x: float | None, fmt: str = ".2f", scale: float = 1.0) -> str:
     """``x / scale`` in ``fmt``; a value ``fmt`` would print as 0 (a tiny model's GFLOPs) keeps two digits."""
     if x is None:
@@ -731,8 +577,8 @@ def _num(x: float | None, fmt: str = ".2f", scale: float = 1.0) -> str:
     return format(x / scale, ".2g") if x and fmt.endswith("f") and not format(abs(x / scale), fmt).strip("0.") else format(x / scale, fmt)
 
 
-def _ratio(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}x"
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _pct(x: float | None) -> str:
@@ -769,72 +615,45 @@ def step_table(result: dict[str, Any], markdown: bool = False) -> str:
 def data_table(result: dict[str, Any], markdown: bool = False) -> str:
     header = ["augmentation", "methods", "views/image", "ours views/s/worker", "peer", "peer views/s/worker", "speed"]
     rows = [[d["transform"], d["methods"], _side(d.get("ours"), "views_per_image", ".0f"), _side(d.get("ours"), "views_per_s", ".1f"),
-             d["peer_name"] or "-", _side(d.get("peer"), "views_per_s", ".1f"), _ratio(d.get("throughput_ratio"))] for d in result.get("data", [])]
+             d["peer_name"] or "-", _side(d.get("peer"), "views_per_s", ".1f"), _ratio(d.get("throughput_ratio"))] for d in result["data"]]
     return _table(header, rows, markdown)
-
-
-def _header(result: dict[str, Any]) -> list[str]:
-    env, cfg = result.get("environment", {}), result["config"]
-    lines = [
-        f"machine: {env.get('cpu', '?')}, {env.get('cpus_usable', '?')} usable cores, {env.get('mem_total_gib', '?')} GiB" + (f", {env['gpu']}" if env.get("gpu") else ""),
-        f"software: torch {env.get('torch', '?')} ({env.get('torch_threads', '?')} threads), timm {env.get('timm', '?')}, lightly {env.get('lightly', '?')}, "
-        f"Python {env.get('python', '?')}; C heap: {env.get('allocator', '?')}; our ViT: lean_backward={cfg.get('lean_backward', True)}; AdamW: ours "
-        f"{'fused' if cfg.get('fused_optimizer') else 'torch default'}, peers torch default"
-        + ("; timed with every ViT's blocks compiled (torch.compile, inductor), ours and the peers'" if cfg.get("compile") else ""),
-        f"device {cfg['device']}, precision {cfg['precision']}, {cfg['warmup']} warm-up steps + {cfg['steps']} timed rounds (ours and peer "
-        f"interleaved; medians), load average at start {env.get('loadavg')} / end {result.get('loadavg_end')}",
-    ]
-    for key, when in (("matmul", "start"), ("matmul_end", "end")):
-        mm = result.get(key, {})
-        if "sizes" in mm:
-            sizes = [f"{'x'.join(map(str, s['mkn']))}: {s['flops_per_s'] / 1e9:.1f}" + (" (disturbed)" if s.get("disturbed") else "") for s in mm["sizes"]]
-            lines.append(f"matmul {mm['dtype']} GFLOP/s at the {when}: {', '.join(sizes)}")
-        elif "error" in mm:
-            lines.append(f"matmul at the {when}: error: {mm['error']}")
-    if result.get("matmul_peak_flops_per_s"):
-        lines.append(f"matmul rate, best of the above: {result['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s")
-    return lines
-
-
-def _target_lines(targets: dict[str, Any]) -> list[str]:
-    lines = []
-    for name, t in targets.items():
-        mark = "[ok]" if t["pass"] else "[MISSED]"
-        if name == "backbone":
-            lines.append(f"backbone >= {TARGET_BACKBONE:.2f}x timm: {_ratio(t['throughput_ratio'], 3)} {mark}")
-        elif name == "matmul_fraction":
-            lines.append(f"ViT-S/16 224 px training >= {TARGET_MATMUL:.0%} of the matmul rate: ours {_pct(t['ours'])}, timm {_pct(t.get('peer'))} {mark}")
-        else:
-            lines.append(f"{name} >= {TARGET_SPEED:.2f}x peer speed at <= its memory: {_ratio(t['throughput_ratio'], 3)} speed, "
-                         f"{_ratio(t['memory_ratio'], 3)} memory {mark}")
-    return lines
 
 
 def format_report(result: dict[str, Any], markdown: bool = False) -> str:
     """The report of a result: the machine, the step and augmentation tables, the targets, the errors."""
-    parts = [*_header(result), "", step_table(result, markdown), "",
-             "speed, memory: ours / peer (speed from the median step times; per-round speed: quartiles of the ratio within each interleaved "
-             "round, i.e. the noise). GFLOP/img: FLOPs of one training step per image (a multiply-add is 2); FLOPs ours/peer: each side's, "
-             "counted by torch's FlopCounterMode, over GFLOP/img (1.000: the same work). of matmul: achieved FLOP/s / the dense matmul rate "
-             "measured in the same rounds. saved MiB: the tensors autograd keeps for backward in one step, counted exactly (peak RSS on a "
-             "CPU also carries the allocator's noise, about 1-3 %)."]
+    env, cfg = result["environment"], result["config"]
+    timed = [r for r in result["rows"] if "round_matmul" in r]
+    rates = [statistics.median(r["round_matmul"]["flops_per_s"][i] for i in r["counted"]) / 1e9 for r in timed]
+    parts = [
+        f"machine: {env['cpu']}, {env['cpus_usable']} usable cores, {env['mem_total_gib']} GiB" + (f", {env['gpu']}" if env.get("gpu") else ""),
+        f"software: torch {env['torch']} ({env['torch_threads']} threads), timm {env['timm']}, lightly {env['lightly']}, Python {env['python']}; "
+        f"C heap: {env.get('allocator', '?')}; our ViT: lean_backward={cfg.get('lean_backward', True)}; AdamW: ours "
+        f"{'fused' if cfg.get('fused_optimizer') else 'torch default'}, peers torch default"
+        + ("; timed with every ViT's blocks compiled (torch.compile, inductor), ours and the peers'" if cfg.get("compile") else ""),
+        f"device {cfg['device']}, precision {cfg['precision']}, {cfg['warmup']} warm-up steps + {cfg['steps']} timed rounds (ours and peer "
+        f"interleaved; medians), load average at start {env['loadavg']} / end {result['loadavg_end']}",
+        *([f"dense {timed[0]['round_matmul']['dtype']} matmul in the timed rounds: {min(rates):.1f}-{max(rates):.1f} GFLOP/s (the rows' medians)"] if timed else []),
+        "", step_table(result, markdown), "",
+        "speed, memory: ours / peer (speed from the median step times; per-round speed: quartiles of the ratio within each interleaved "
+        "round, i.e. the noise). GFLOP/img: FLOPs of one training step per image (a multiply-add is 2); FLOPs ours/peer: each side's, "
+        "counted by torch's FlopCounterMode, over GFLOP/img (1.000: the same work). of matmul: achieved FLOP/s / the dense matmul rate "
+        "measured in the same rounds. saved MiB: the tensors autograd keeps for backward in one step, counted exactly (peak RSS on a "
+        "CPU also carries the allocator's noise, about 1-3 %).",
+    ]
     if any((r.get(i) or {}).get("disturbed") for r in result["rows"] for i in ("ours", "peer")):
         parts.append("* other load took cores away during most timed steps: rerun on a quiet machine")
-    if result.get("data"):
+    if result["data"]:
         parts += ["", data_table(result, markdown)]
-    if result.get("targets"):
-        parts += ["", *_target_lines(result["targets"])]
+    if met := targets(result):
+        parts += ["", *(f"{text} {'[ok]' if ok else '[MISSED]'}" for text, ok in met)]
     errors = [f"{r['name']} (timing): {r['timing_error']['error']}" for r in result["rows"] if "timing_error" in r]
-    errors += [f"{r['name']} ({i}): {r[i]['error']}" for r in [*result["rows"], *result.get("data", [])] for i in ("ours", "peer") if "error" in (r.get(i) or {})]
+    errors += [f"{r['name']} ({i}): {r[i]['error']}" for r in [*result["rows"], *result["data"]] for i in ("ours", "peer") if "error" in (r.get(i) or {})]
     return "\n".join(parts + (["", "errors:", *errors] if errors else []))
 
 
 def render(path: Path, markdown: bool = False) -> str:
     """The report of an earlier ``--json`` result; anything else is refused naming the file."""
     result = read_json(path)
-    if not isinstance(result, dict) or result.get("format") not in READABLE_FORMATS:
+    if not isinstance(result, dict) or result.get("format") != RESULT_FORMAT:
         raise ValueError(f"{path}: not a benchmark result (no format {RESULT_FORMAT!r}, which ssl-vit benchmark --json writes)")
-    try:
-        return format_report(result, markdown)
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:
-        raise ValueError(f"{path}: not a benchmark result (malformed: {type(err).__name__} {one_line(str(err))})") from None
+    return format_report(result, markdown)

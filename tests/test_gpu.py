@@ -120,7 +120,7 @@ def test_benchmark_runs_on_cuda(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     assert main(["--preset", "tiny", "--device", "cuda", "--precision", "bf16-mixed", "--methods", "dino", "--no-data", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["matmul"]["dtype"] == "bfloat16" and result["environment"]["gpu"]
+    assert result["rows"][0]["round_matmul"]["dtype"] == "bfloat16" and result["environment"]["gpu"]
     for row in result["rows"]:
         for impl in ("ours", "peer"):
             assert "error" not in row[impl], row[impl].get("traceback")
