@@ -733,15 +733,15 @@ def test_colour_images_for_a_grey_backbone_are_noted_once(tmp_path, capsys):
     "command,message",
     [
         (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--data-arg", "img_size=abc"],
-         "ssl-vit eval: error: --data-arg img_size must be an integer, got 'abc'"),
+         "ssl-vit eval: error: --data-arg img_size: Expected a <class 'int'>. Got value: abc"),
         (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--data-arg", "subset=abc"],
-         "ssl-vit eval: error: --data-arg subset must be an integer or null, got 'abc'"),
+         "ssl-vit eval: error: --data-arg subset: Expected a <class 'int'>"),
         (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, *SYNTH, "--data-arg", "eval_crop_pct=true"],
-         "ssl-vit eval: error: --data-arg eval_crop_pct must be a number, got True"),
+         "ssl-vit eval: error: --data-arg eval_crop_pct: Expected a <class 'float'>. Got value: True"),
         (["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", TINY, "--data", "imagefolder", "--data-arg", "train_dir=2024"],
          "ssl-vit eval: error: image directory 2024 does not exist or is not a directory"),  # a folder's name stays text
         (["visualize", "random:vit", "--backbone-kwargs", TINY, "--images", "synthetic", "--data-arg", "img_size=abc", "--out", "{tmp}"],
-         "ssl-vit visualize: error: --data-arg img_size must be an integer, got 'abc'"),
+         "ssl-vit visualize: error: --data-arg img_size: Expected a <class 'int'>. Got value: abc"),
     ],
 )
 def test_a_data_argument_of_the_wrong_type_names_its_key_and_type(tmp_path, capsys, command, message):
@@ -752,18 +752,20 @@ def test_a_data_argument_of_the_wrong_type_names_its_key_and_type(tmp_path, caps
 def test_the_types_a_data_argument_is_checked_against():
     from typing import Optional
 
-    from ssl_vit.cli.options import ArgText, parse_data_args
+    from ssl_vit.cli.options import parse_data_args
     from ssl_vit.errors import optional
 
     assert optional(int) == (int, False) and optional(str | None) == (str, True) and optional(Optional[float]) == (float, True)  # noqa: UP045 (the old spelling, on purpose)
     assert optional(int | str) == (None, False) and optional(int | str | None) == (None, True)  # a wider union: no one type to read the text as
-    parsed = parse_data_args("imagefolder", {"img_size": ArgText("28"), "train_dir": ArgText("2024"), "eval_crop_pct": ArgText("875e-3"), "val_dir": ArgText("null")})
-    assert parsed == {"img_size": 28, "train_dir": "2024", "eval_crop_pct": 0.875, "val_dir": None}  # text where text is taken; null is None
-    assert parse_data_args("synthetic", {"subset": ArgText("null")}) == {"subset": None}
-    with pytest.raises(ValueError, match="--data-arg img_size must be an integer, got True"):
-        parse_data_args("synthetic", {"img_size": ArgText("true")})
-    # a text argument that is not optional keeps "None" as the text it is
-    assert parse_data_args("imagefolder", {"train_dir": ArgText("None")}) == {"train_dir": "None"}
+    parsed = parse_data_args("imagefolder", {"img_size": "28", "train_dir": "2024", "eval_crop_pct": "875e-3", "val_dir": "null", "mean": "[0.5]"})
+    assert parsed == {"img_size": 28, "train_dir": "2024", "eval_crop_pct": 0.875, "val_dir": None, "mean": (0.5,)}  # text where text is taken; null is None
+    assert parse_data_args("synthetic", {"subset": "null"}) == {"subset": None}
+    with pytest.raises(ValueError, match=r"--data-arg img_size: Expected a <class 'int'>. Got value: True"):
+        parse_data_args("synthetic", {"img_size": "true"})
+    with pytest.raises(ValueError, match=r"--data-arg in_chans: Expected a typing.Literal\[1, 3\]. Got value: 2"):
+        parse_data_args("synthetic", {"in_chans": "2"})
+    # a text argument keeps "None" as the text it is
+    assert parse_data_args("imagefolder", {"train_dir": "None"}) == {"train_dir": "None"}
 
 
 def test_annotations_are_read_as_python_does_with_none_only_where_allowed():

@@ -148,7 +148,7 @@ def trainer_devices(device: str, count: int) -> int | list[int]:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_option_values(args, RULES)  # before any note or work
-    options.datamodule_class(args.data)  # a misspelt name, before the backbone loads
+    data_args = options.parse_data_args(args.data, dict(args.data_arg))  # a misspelt name or value: before the backbone loads
     protocols = args.protocols if args.protocol == "frozen" else ["linear_aug" if args.augment else args.protocol]
     sweeps = [v for p, v in (("linear", args.__dict__.get("lr")), ("knn", args.__dict__.get("k"))) if p in protocols and v and len(v) > 1]
     if args.select_fraction is not None and not sweeps:
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> int:
         feature_dim(backbone, args.features)
     except ValueError as err:
         raise ValueError(f"--features {args.features}: {err}") from None
-    dm = options.build_datamodule(args.data, backbone, info, options.parse_data_args(args.data, dict(args.data_arg)), args.img_size)
+    dm = options.build_datamodule(args.data, backbone, info, data_args, args.img_size)
     dm.num_workers = args.num_workers
     if first:
         options.note_channel_conversion(dm.eval_datasets()[0], backbone.in_chans, "ssl-vit eval", f"--data {args.data}")

@@ -1,20 +1,20 @@
 """Options the commands share: the data (``--data NAME`` or a datamodule's dotted path, with
-``--data-arg KEY=VALUE`` read by the datamodule's own arguments), JSON objects, and output folders
+``--data-arg KEY=VALUE`` read as a recipe's ``data.init_args``), JSON objects, and output folders
 that must take a file before any work starts. No torch at module level: ``--help`` stays fast."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ssl_vit.errors import check_argument_types, did_you_mean, init_parameters, optional
+from ssl_vit.errors import did_you_mean, one_line
 from ssl_vit.eval.results import DATASETS
 
 
@@ -29,17 +29,12 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-class ArgText(str):
-    """A ``--data-arg`` value as typed: read as YAML (``64`` a number, ``true`` a flag, ``null``)
-    unless the datamodule takes text there (``train_dir=2024`` stays a folder's name)."""
-
-
-def key_value(text: str) -> tuple[str, ArgText]:
+def key_value(text: str) -> tuple[str, str]:
     """An argparse type: ``KEY=VALUE``, split at the first ``=``."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
     key, value = text.split("=", 1)
-    return key.strip(), ArgText(value)
+    return key.strip(), value
 
 
 def datamodule_class(name: str, option: str = "--data") -> type:
@@ -62,52 +57,34 @@ def datamodule_class(name: str, option: str = "--data") -> type:
     return cls
 
 
-def parse_data_args(name: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The ``--data-arg`` values of datamodule ``name`` as its ``__init__`` takes them, checked
-    against plain annotations (int, float, bool, str or an Optional of one)."""
-    cls = datamodule_class(name)
-    params, values = init_parameters(cls), {}
-    for key, value in given.items():
-        if isinstance(value, ArgText):
-            kind, none_ok = optional(params[key].annotation) if key in params else (None, False)
-            if none_ok and value.strip() in ("null", "~", "None", ""):
-                value = None
-            elif kind is str:
-                value = str(value)
-            else:
-                value = yaml.safe_load(value)
-                if kind is float and isinstance(value, str):  # (YAML 1.1 reads 1e-3 as text)
-                    try:
-                        value = float(value)
-                    except ValueError:
-                        pass
-        values[key] = value
-    try:
-        check_argument_types(cls, values, "--data-arg ")
-    except TypeError as err:
-        raise ValueError(str(err)) from None
-    return values
+def parse_data_args(name: str, given: dict[str, str], option: str = "--data") -> dict[str, Any]:
+    """The ``--data-arg`` values of datamodule ``name``, typed as jsonargparse reads a recipe's
+    ``data.init_args``: YAML (``64`` a number, ``null`` or nothing None, ``[0.5]`` a list) where
+    the datamodule takes no text (``train_dir=2024`` stays a folder's name)."""
+    from jsonargparse import ArgumentError, ArgumentParser
 
-
-def build_datamodule(name: str, backbone: Any, info: dict[str, Any], extra: dict[str, Any], img_size: int | None = None,
-                     option: str = "--data") -> Any:
-    """The named datamodule at the backbone's resolution and channels, normalised as the backbone
-    was trained: with the statistics it records, ImageNet's for foreign 3-channel weights that
-    record none (what timm's expect), else (a random initialisation) the dataset's own.
-    ``extra``: the ``--data-arg`` values (:func:`parse_data_args`), which win."""
-    cls = datamodule_class(name, option)
-    kwargs: dict[str, Any] = {"img_size": img_size or backbone.img_size[0], "in_chans": backbone.in_chans}
-    source = str(info.get("normalization_source") or "")
-    if info.get("mean") is not None and (not source.startswith("default") or (source.startswith("default (ImageNet") and info.get("kind") != "random")):
-        kwargs["mean"], kwargs["std"] = tuple(info["mean"]), tuple(info["std"])
-    params = [p for p in init_parameters(cls) if p != "views"]
-    if unknown := sorted(set(extra) - set(params)):
+    cls, parser = datamodule_class(name, option), ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, skip={"views"})
+    params = list(parser.get_defaults().keys())
+    if unknown := sorted(set(given) - set(params)):
         hint = did_you_mean(unknown[0], params) if len(unknown) == 1 else ""
         raise ValueError(f"{option} {name} takes no argument {', '.join(unknown)}{hint}; its arguments: {', '.join(params)}")
-    kwargs.update(extra)
-    if missing := [n for n, p in init_parameters(cls).items() if p.default is p.empty and n not in kwargs]:
+    if missing := [n for n, p in inspect.signature(cls).parameters.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and n not in given]:
         raise ValueError(f"{option} {name} needs " + " ".join(f"--data-arg {m}=..." for m in missing))
-    return cls(**kwargs)
+    try:
+        return parser.parse_args([f"--{k}={v if v.strip() else 'null'}" for k, v in given.items()], defaults=False).as_dict()
+    except ArgumentError as err:
+        raise ValueError(re.sub(r'^Parser key "(\w+)":', r"--data-arg \1:", one_line(str(err)))) from None
+
+
+def build_datamodule(name: str, backbone: Any, info: dict[str, Any], given: dict[str, Any], img_size: int | None = None,
+                     option: str = "--data") -> Any:
+    """The named datamodule feeding ``backbone`` what it was trained on (``backbone_data_args``),
+    at ``img_size`` when given; ``given``: the ``--data-arg`` values (:func:`parse_data_args`), which win."""
+    from ssl_vit.eval.evaluate import backbone_data_args
+
+    return datamodule_class(name, option)(**{**backbone_data_args(backbone, info), **({"img_size": img_size} if img_size else {}), **given})
 
 
 def note_channel_conversion(dataset: Any, in_chans: int, prog: str, what: str) -> None:
@@ -121,14 +98,12 @@ def note_channel_conversion(dataset: Any, in_chans: int, prog: str, what: str) -
 
 
 def check_output_folder(folder: str | Path, what: str, create: bool = False) -> None:
-    """``folder`` can take the output, found before any work rather than after it: its nearest
-    existing folder takes a file (a write is tried); ``create``: it is made too. ``what`` names
-    the option in messages."""
+    """``folder`` (``what`` names its option) can take the output, found before any work rather
+    than after it: its nearest existing folder takes a file (a write is tried); ``create``: made."""
     path = Path(folder).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what}: {folder} exists and is not a folder")
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
+    if not (existing := next(p for p in [path, *path.parents] if p.exists())).is_dir():
         raise ValueError(f"{what}: cannot create the folder {folder}: {existing} is not a folder")
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".ssl-vit-write-check-"):

@@ -52,8 +52,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--images {name}: not a folder of images, a dataset ({', '.join(sorted(options.DATASETS))}) or a datamodule's dotted path")
     elif name == "imagefolder" and "train_dir" not in data_args:
         raise ValueError("--images imagefolder needs --data-arg train_dir=DIR; or name the folder itself: --images DIR")
-    options.datamodule_class(name, "--images")
-    data_args = options.parse_data_args(name, data_args)
+    data_args = options.parse_data_args(name, data_args, "--images")
     device = resolve_device(args.device)
     backbone, info = load_any_backbone(args.backbone, which=args.which, backbone=args.arch, backbone_kwargs=args.backbone_kwargs, seed=args.seed)
     figures = args.figures or render.applicable_figures(backbone)
