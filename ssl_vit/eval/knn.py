@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ssl_vit.eval.results import topk_accuracy
+from ssl_vit.eval.results import held_out, topk_accuracy
 
 
 def _topk_in_chunks(q: Tensor, bank: Tensor, k: int, bank_chunk_size: int | None) -> tuple[Tensor, Tensor]:
@@ -104,12 +104,10 @@ class KNNClassifier:
         num_classes = num_classes or int(max(train_labels.max(), test_labels.max())) + 1
         if len(self.ks) == 1:
             return topk_accuracy(self.scores(train_features, train_labels, test_features, num_classes), test_labels)
-        n = train_features.shape[0]
-        if (short := self.bank_shortfall(n)) is not None:
+        if (short := self.bank_shortfall(len(train_features))) is not None:
             raise ValueError(short)
         labels = train_labels.to(train_features.device)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed or 0)).to(train_features.device)
-        val, fit = perm[: self._held_out(n)], perm[self._held_out(n) :]
+        val, fit = held_out(len(train_features), self.select_fraction, self.seed)
         held = self.votes(train_features[fit], labels[fit], train_features[val], num_classes)
         select = {k: topk_accuracy(v, labels[val], ks=(1,))["top1"] for k, v in held.items()}
         best = max(self.ks, key=lambda k: select[k])  # ties: the first listed

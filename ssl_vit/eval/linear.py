@@ -1,14 +1,12 @@
-"""Linear probe on frozen features (MAE §4 / Appendix A.3, ``main_linprobe.py``): a BatchNorm
-without affine parameters and one Linear layer (:class:`~ssl_vit.heads.LinearProbeHead`; the BN
-re-normalises features whose scale differs wildly between methods, and the pair stays linear),
-on features extracted once. SGD, momentum 0.9, weight decay 0, a linear warm-up then cosine decay
-to 0 per step (MAE ``util/lr_sched.py``), ``lr = base_lr · batch_size / 256``; base LR 0.01 (our
-choice for SGD on standardised features) or MAE's LARS at 0.1.
-
-Several base LRs sweep it, as the papers tune their probes (MoCo v3 §4, DINO; DINOv2 trains one
-classifier per setting on the same batches): one head per LR trains on the training features less
-a held-out ``select_fraction``, the LR most accurate there wins (ties: the first listed), and the
-probe is trained again on every training feature at it. The test split chooses nothing.
+"""Linear probe on features extracted once (MAE §4 / Appendix A.3, ``main_linprobe.py``): a
+BatchNorm without affine parameters and one Linear layer (:class:`~ssl_vit.heads.LinearProbeHead`:
+the BN re-normalises features whose scale differs wildly between methods, the pair stays linear).
+SGD, momentum 0.9, weight decay 0, linear warm-up then cosine decay to 0 per step (MAE
+``util/lr_sched.py``), ``lr = base_lr · batch_size / 256``; base LR 0.01 (our choice for SGD on
+standardised features) or MAE's LARS at 0.1. Several base LRs sweep it as the papers tune their
+probes (MoCo v3 §4, DINO; DINOv2 trains one classifier per setting on the same batches): one head
+per LR on the training features less a held-out ``select_fraction``, the best there (ties: the
+first listed) trained again on all of them. The test split chooses nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from lightly.utils.scheduler import CosineWarmupScheduler
 from torch import Tensor, nn
 
-from ssl_vit.eval.results import topk_accuracy
+from ssl_vit.eval.results import held_out, topk_accuracy
 from ssl_vit.heads import LinearProbeHead
 from ssl_vit.training.progress import CountProgress
 
@@ -42,10 +40,8 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:  # Lightning's automatic optimisation runs forward + backward here
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():  # (Lightning's automatic optimisation runs forward + backward in the closure)
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             for p in (p for p in group["params"] if p.grad is not None):
                 update = p.grad
@@ -66,10 +62,9 @@ def probe_optimizer(params: Iterable[nn.Parameter], optimizer: str, lr: float, m
 
 
 def warmup_cosine(opt: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> CosineWarmupScheduler:
-    """Per step: a linear warm-up over ``warmup_epochs`` (at most the whole run), then cosine decay
-    to 0, step t of T after W warm-up steps at ``cos(pi (t - W) / (T - W))`` (MAE
-    ``util/lr_sched.py``: the last step still trains; lightly's scheduler ends at ``max_epochs - 1``,
-    hence ``total_steps + 1``). Each parameter group keeps its own LR ratio."""
+    """Per step, each parameter group at its own LR: a linear warm-up over ``warmup_epochs`` (at most
+    the whole run), then cosine decay to 0 (MAE ``util/lr_sched.py``; lightly's scheduler ends at
+    ``max_epochs - 1``, hence ``total_steps + 1``: the last step still trains)."""
     warmup = min(int(warmup_epochs * steps_per_epoch), total_steps)
     return CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total_steps + 1, end_value=0.0)
 
@@ -126,13 +121,12 @@ class LinearProbe:
         bs = min(self.batch_size, x.shape[0])
         steps_per_epoch = x.shape[0] // bs
         heads = []
-        for _ in base_lrs:
+        for _ in base_lrs:  # each from the same seeded draw
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed or 0)
                 heads.append(LinearProbeHead(x.shape[1], num_classes).to(device).train())
-        opt = probe_optimizer(heads[0].parameters(), self.optimizer, base_lrs[0] * bs / 256, self.momentum, self.weight_decay)
-        for head, lr in zip(heads[1:], base_lrs[1:]):
-            opt.add_param_group({"params": list(head.parameters()), "lr": lr * bs / 256})
+        opt = probe_optimizer([{"params": h.parameters(), "lr": lr * bs / 256} for h, lr in zip(heads, base_lrs)], self.optimizer,
+                              base_lrs[0] * bs / 256, self.momentum, self.weight_decay)
         sched = warmup_cosine(opt, self.warmup_epochs, steps_per_epoch, self.epochs * steps_per_epoch)
         gen = torch.Generator().manual_seed(self.seed or 0)
         progress = CountProgress(f"linear probe, {len(heads)} LRs" if len(heads) > 1 else "linear probe", total=self.epochs, unit="epochs",
@@ -158,13 +152,10 @@ class LinearProbe:
         num_classes = num_classes or int(max(train_labels.max(), test_labels.max())) + 1
         best = self.base_lrs[0]
         if len(self.base_lrs) > 1:
-            n = train_features.shape[0]
-            held = max(1, round(self.select_fraction * n))
-            if n - held < 2:
-                raise ValueError(f"an LR sweep holds out {held} of {n} training examples and needs 2 more to train on")
+            val, fit = held_out(len(train_features), self.select_fraction, self.seed)
+            if len(fit) < 2:
+                raise ValueError(f"an LR sweep holds out {len(val)} of {len(train_features)} training examples and needs 2 more to train on")
             labels = train_labels.to(train_features.device)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed or 0)).to(train_features.device)
-            val, fit = perm[:held], perm[held:]
             heads = self.fit_heads(train_features[fit], labels[fit], num_classes, self.base_lrs)
             select = {lr: topk_accuracy(predict_logits(h, train_features[val]), labels[val], ks=(1,))["top1"] for lr, h in zip(self.base_lrs, heads)}
             best = max(self.base_lrs, key=select.__getitem__)  # ties: the first listed

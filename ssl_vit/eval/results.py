@@ -23,10 +23,10 @@ from ssl_vit.io import atomic_write_text, read_json
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
+# The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6);
 # linear_aug: the linear probe trained on augmented images (the papers' protocol).
-PROTOCOLS: tuple[str, ...] = ("linear", "linear_aug", "knn", "fewshot", "finetune")
-# The number a protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
 MAIN_METRIC: dict[str, str] = {"linear": "top1", "linear_aug": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
+PROTOCOLS: tuple[str, ...] = tuple(MAIN_METRIC)
 # A datamodule as ``--data`` and results name it.
 DATASETS: dict[str, str] = {"fashion_mnist": "FashionMNISTDataModule", "cifar10": "CIFAR10DataModule", "cifar100": "CIFAR100DataModule",
                             "stl10": "STL10DataModule", "imagefolder": "ImageFolderDataModule", "synthetic": "SyntheticDataModule"}
@@ -41,6 +41,15 @@ def topk_accuracy(scores: Tensor, labels: Tensor, ks: tuple[int, ...] = (1, 5)) 
     ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices  # [Q, k], best first
     hits = ranked == labels.to(scores.device).long()[:, None]  # [Q, k]
     return {f"top{k}": hits[:, :k].any(dim=1).float().mean().item() for k in ks if k <= scores.shape[1]}
+
+
+def held_out(n: int, fraction: float, seed: int | None) -> tuple[Tensor, Tensor]:
+    """A sweep's seeded random split of ``range(n)``: the ``fraction`` (at least one) held out to
+    pick its setting on, and the rest."""
+    import torch
+
+    perm, held = torch.randperm(n, generator=torch.Generator().manual_seed(seed or 0)), max(1, round(fraction * n))
+    return perm[:held], perm[held:]
 
 
 def method_order(method: str) -> tuple[int, str]:
@@ -63,8 +72,7 @@ def dataset_name(class_name: str, path: str | None = None) -> str:
 
 
 def datamodule_name(datamodule: Any) -> str:
-    cls = type(datamodule)
-    return dataset_name(cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    return dataset_name(type(datamodule).__name__, f"{type(datamodule).__module__}.{type(datamodule).__qualname__}")
 
 
 def data_label(data: Mapping[str, Any]) -> str:
