@@ -78,9 +78,11 @@ def test_fit_writes_step_and_last_checkpoints_with_the_recipe(tmp_path, monkeypa
     assert at_2 > 0 and meta["pretrain_flops"] == pytest.approx(1.5 * at_2)
 
 
-def test_a_fast_dev_run_saves_nothing_and_leaves_the_folder_to_the_real_run(tmp_path):
+def test_a_fast_dev_run_or_one_without_checkpointing_saves_nothing_and_leaves_the_folder_to_the_real_run(tmp_path):
     cfg = tiny_config(tmp_path)
     assert cli_main(["fit", "--config", str(cfg), "--trainer.fast_dev_run", "true"]) == 0
+    # the recipe's checkpoint section is set aside, not handed to a Trainer that refuses it
+    assert cli_main(["fit", "--config", str(cfg), "--trainer.enable_checkpointing", "false"]) == 0
     assert not list((tmp_path / "run").rglob("*.ckpt"))
     assert cli_main(["fit", "--config", str(cfg)]) == 0  # no "already holds checkpoints" refusal
 
@@ -276,12 +278,14 @@ def test_resume_takes_a_slurm_requeue_checkpoint_that_is_further_and_warns_of_no
         (["--resume"], "--resume: no checkpoint to resume from in "),
         pytest.param(["--trainer.accelerator", "gpu"], "(the recipe's trainer asks for GPUs; on a machine without one add --config recipes/trainer/cpu.yaml)",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+        (["--trainer.enable_checkpointing", "false", "--evaluate.protocols", "[knn]"],
+         "evaluate: the evaluations read the run's last checkpoint, which --trainer.enable_checkpointing false does not write"),
     ],
     ids=["unknown-key", "wrong-type", "unknown-backbone", "unknown-method", "patch-size", "data-size", "channels", "local-crop-size", "global-batch",
          "global-batch-over-devices", "global-batch-zero", "abbreviation",
          "no-length", "evaluate-argument", "evaluate-unused-argument", "evaluate-which", "evaluate-features", "missing-accelerator", "backbone-argument-type",
          "backbone-size", "method-name", "datamodule-name", "accumulate-zero", "no-steps", "resume-and-ckpt-path", "mpp-corruption",
-         "dino-views", "mocov3-views", "supervised-one-class", "resume-without-checkpoints", "gpu-on-a-cpu-machine"],
+         "dino-views", "mocov3-views", "supervised-one-class", "resume-without-checkpoints", "gpu-on-a-cpu-machine", "evaluate-without-checkpoints"],
 )
 def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra, message):
     cfg = tiny_config(tmp_path)
@@ -308,11 +312,26 @@ def test_bad_recipes_fail_before_training_with_one_line(tmp_path, capsys, extra,
         ([], "evaluat:\n  knn: {k: 3}\n", "Option 'evaluat.knn.k' is not accepted (did you mean 'evaluate.knn'?)"),
         ([], "model:\n  init_args:\n    warmup_epoch: 1\n", "Option 'warmup_epoch' is not accepted (did you mean 'warmup_epochs'?)"),
         ([], "chekpoint:\n  keep_last: 1\n", "Option 'chekpoint.keep_last' is not accepted (did you mean 'checkpoint.keep_last'?)"),
+        (["--data.init_args.views", "Twoviews"], None, "(did you mean 'TwoViews'?) (views: MultiCrop, SingleView, TwoViews, or the dotted path of a ViewTransform of your own)"),
+        # keys at the wrong level: where they belong
+        ([], "model:\n  class_path: ssl_vit.methods.DINO\n  warmup_epochs: 1\n",
+         "typo.yaml: model.warmup_epochs sits beside class_path; a class's arguments go under init_args (model.init_args.warmup_epochs)"),
+        ([], "trainer:\n  callbacks:\n  - {class_path: lightning.pytorch.callbacks.LearningRateMonitor, logging_interval: step}\n",
+         "trainer.callbacks.0.logging_interval sits beside class_path; a class's arguments go under init_args (trainer.callbacks.0.init_args.logging_interval)"),
+        (["--max_steps", "3"], None, "unrecognized arguments: --max_steps 3 (did you mean '--trainer.max_steps'?)"),
+        ([], "max_steps: 3\n", "Option 'max_steps' is not accepted (did you mean 'trainer.max_steps'?)"),
+        (["--model.init_args.img_size", "16"], None, "Option 'img_size' is not accepted (a backbone argument: model.init_args.backbone_kwargs.img_size)"),
+        ([], "data:\n  init_args:\n    train_dir: images/\n",
+         "Option 'train_dir' is not accepted (train_dir is an argument of ImageFolderDataModule, not of SyntheticDataModule)"),
+        ([], "data:\n  init_args:\n    views: {class_path: TwoViews, init_args: {size: 16, n_local_crops: 2}}\n",
+         "Option 'n_local_crops' is not accepted (n_local_crops is an argument of MultiCrop, not of TwoViews)"),
     ],
     ids=["flag", "flag-group", "flag-top", "flag-rest", "method-option", "data-option", "method-name", "backbone-name", "backbone-argument",
-         "evaluate-argument", "yaml-group", "yaml-top", "yaml-method-option", "yaml-top-group"],
+         "evaluate-argument", "yaml-group", "yaml-top", "yaml-method-option", "yaml-top-group", "views-name", "beside-class-path",
+         "beside-a-callbacks-class-path", "flag-trainer-key-at-the-top", "yaml-trainer-key-at-the-top", "backbone-argument-of-the-method",
+         "argument-of-another-datamodule", "argument-of-other-views"],
 )
-def test_a_misspelt_key_is_answered_with_its_likely_spelling(tmp_path, capsys, extra, yaml_text, suggestion):
+def test_a_misspelt_or_misplaced_key_is_answered_with_where_it_belongs(tmp_path, capsys, extra, yaml_text, suggestion):
     cfg = tiny_config(tmp_path)
     configs = ["--config", str(cfg)]
     if yaml_text is not None:
@@ -418,11 +437,13 @@ def test_a_later_config_that_replaces_a_dict_setting_says_what_it_drops(tmp_path
 
 def test_print_config_resolves_the_recipe(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
+    # a later file may give a class's arguments without init_args: they go to the class named before
+    (tmp_path / "later.yaml").write_text("model:\n  warmup_epochs: 2\n")
     with pytest.raises(SystemExit) as exit_:
-        cli_main(["fit", "--config", str(cfg), "--print_config"])
+        cli_main(["fit", "--config", str(cfg), "--config", str(tmp_path / "later.yaml"), "--print_config"])
     assert exit_.value.code == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["model"]["class_path"] == "ssl_vit.methods.DINO"
+    assert out["model"]["class_path"] == "ssl_vit.methods.DINO" and out["model"]["init_args"]["warmup_epochs"] == 2
     assert out["model"]["init_args"]["teacher_temp"] == 0.07  # defaults appear resolved
 
 

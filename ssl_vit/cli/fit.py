@@ -2,8 +2,11 @@
 
 A recipe maps onto typed constructors (``model: {class_path, init_args}``, ``data: ...``,
 ``trainer: {...}``); several ``--config`` files merge left to right (a dict-valued setting such as
-``backbone_kwargs`` is replaced whole: what that drops is named); ``--print_config`` prints the
-resolved recipe. Everything is checked before training starts (``ssl_vit.cli.recipe_checks``).
+``backbone_kwargs`` is replaced whole: what that drops is named). A later file or the command line
+may set a class's arguments without ``init_args`` (``--model.lr 1e-3``, ``model: {lr: 1e-3}``):
+they go to the class named before. ``--print_config`` prints the resolved recipe. Everything is
+checked before training starts (``ssl_vit.cli.recipe_checks``). ``--trainer.enable_checkpointing
+false`` trains without checkpoints (the ``checkpoint`` section then goes unused).
 
 A resumed run continues exactly where its checkpoint was written: weights, EMA/teacher, DINO's
 centre, optimiser state, schedules, loop counters, the position in the epoch's data order and the
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import lightning as L
-from jsonargparse import ArgumentError, Namespace
+from jsonargparse import ArgumentError
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -30,32 +33,21 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import ssl_vit.data  # noqa: F401  (registers the datamodules and views: short class names in recipes)
-from ssl_vit.cli.recipe_checks import (
-    check_continuable,
-    check_yaml_files,
-    key_hint,
-    known_classes,
-    validate_run,
-)
+from ssl_vit.cli import recipe_checks as checks
 from ssl_vit.errors import ConfigError, one_line
 from ssl_vit.eval.evaluate import Evaluation
 from ssl_vit.eval.train_run import EvalRunInterrupted
 from ssl_vit.methods.base import BaseMethod
 from ssl_vit.runtime import release_process_group
+from ssl_vit.training import checkpoint
 from ssl_vit.training.callbacks import PretrainFlopsCounter
-from ssl_vit.training.checkpoint import (
-    AtomicCheckpointIO,
-    StepCheckpoint,
-    hpc_checkpoints,
-    newest_checkpoint,
-)
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.progress import ProgressLog
 
 
 class SSLViTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(checkpoint.StepCheckpoint, "checkpoint")
         parser.add_class_arguments(Evaluation, "evaluate", help="evaluations of the final backbone: fine-tuning and frozen-feature protocols (none by default)")
         parser.add_argument("--global_batch_size", type=PositiveInt | None, default=None, help="total batch over all devices, nodes and accumulation steps (the papers' batch size)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from; 'last' resumes the newest in the run's folder; 'auto' does that when there is one and starts a new run otherwise (job scripts)")
@@ -74,9 +66,9 @@ class SSLViTCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         try:
             super().parse_arguments(parser, args)
-        except (ArgumentError, ValueError, TypeError) as err:  # a line with the likely spelling or the known classes
+        except (ArgumentError, ValueError, TypeError) as err:  # a line with where the key belongs, or the known classes
             message = str(err)
-            raise ConfigError(one_line(message) + (key_hint(message, list(parser.get_defaults().keys())) or known_classes(message))) from None
+            raise ConfigError(one_line(message) + (checks.key_hint(message, list(parser.get_defaults().keys())) or checks.known_classes(message))) from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         # Checkpoints are written atomically, unless the recipe chose a CheckpointIO itself (as a
@@ -84,7 +76,9 @@ class SSLViTCLI(LightningCLI):
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins) and getattr(config.get("strategy"), "_checkpoint_io", None) is None:
-            config["plugins"] = [*plugins, AtomicCheckpointIO()]
+            config["plugins"] = [*plugins, checkpoint.AtomicCheckpointIO()]
+        if config.get("enable_checkpointing") is False:  # (Lightning refuses a checkpoint callback then)
+            callbacks = [c for c in callbacks if not isinstance(c, checkpoint.StepCheckpoint)]
         # Without a progress bar, a line of progress every minute rather than silence.
         if config.get("enable_progress_bar") is False and not any(isinstance(c, ProgressLog) for c in [*callbacks, *(config.get("callbacks") or [])]):
             callbacks = [*callbacks, ProgressLog()]
@@ -100,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fit(argv: list[str]) -> int:
-    check_yaml_files(argv)
+    checks.check_yaml_files(argv)
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")  # (the dispatcher strips "fit")
     try:
         cli = SSLViTCLI(BaseMethod, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, auto_configure_optimizers=False,
@@ -113,20 +107,22 @@ def _fit(argv: list[str]) -> int:
         raise ConfigError(one_line(str(err)) + gpu) from None
     cfg, model, data, trainer = cli.config, cli.model, cli.datamodule, cli.trainer
     evaluation: Evaluation = cli.config_init["evaluate"]
-    if evaluation.data is not None:  # what the recipe sets of it; its img_size, in_chans, mean and std otherwise follow the backbone
-        evaluation.data_args = (cli.parser.parse_args(argv, defaults=False).get("evaluate.data.init_args") or Namespace()).as_dict()
     model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)  # travels inside every checkpoint
-    validate_run(model, data, trainer, cfg.global_batch_size)
+    checks.validate_run(model, data, trainer, cfg.global_batch_size)
     evaluation.check_model(model)
     evaluation.check_data(data)
     # The checkpoint folder is fixed before anything is restored: the restored bookkeeping must match
     # it (else last.ckpt would get a last-v1.ckpt sibling and keep_last would not prune).
-    ckpt_dir = Path(next(cb for cb in trainer.callbacks if isinstance(cb, StepCheckpoint)).resolve_dirpath(trainer))
+    saver = next((cb for cb in trainer.callbacks if isinstance(cb, checkpoint.StepCheckpoint)), None)
+    if saver is None and evaluation.protocols:
+        raise ConfigError("evaluate: the evaluations read the run's last checkpoint, which --trainer.enable_checkpointing false does not write; "
+                          "keep checkpoints on, or leave evaluate.protocols empty")
+    ckpt_dir = Path(saver.resolve_dirpath(trainer) if saver else checkpoint.default_checkpoint_dir(trainer))
     # A SLURM job that Lightning requeued resumes from its hpc_ckpt_<n>.ckpt by itself.
-    requeued = SLURMEnvironment.detect() and bool(hpc_checkpoints(trainer.default_root_dir))
-    ckpt_path = _checkpoint_to_resume(cfg.ckpt_path, cfg.resume, ckpt_dir, trainer.default_root_dir, requeued)
+    requeued = SLURMEnvironment.detect() and bool(checkpoint.hpc_checkpoints(trainer.default_root_dir))
+    ckpt_path = _checkpoint_to_resume(cfg.ckpt_path, cfg.resume, ckpt_dir, trainer.default_root_dir, requeued or saver is None)
     if ckpt_path is not None:
-        check_continuable(model, ckpt_path)
+        checks.check_continuable(model, ckpt_path)
     resuming = ckpt_path is not None or requeued
     evaluation.check_run_dirs(trainer.default_root_dir, resuming)
     try:
@@ -148,21 +144,21 @@ def _fit(argv: list[str]) -> int:
     return _evaluate(evaluation, ckpt_dir, data, trainer, resuming) if evaluation.protocols else 0
 
 
-def _checkpoint_to_resume(ckpt_path: str | None, resume: bool, ckpt_dir: Path, root_dir: str, requeued: bool) -> str | None:
-    """The checkpoint ``--ckpt_path`` / ``--resume`` name (None: a new run). A new run is refused
-    where an earlier run's checkpoints are: it would overwrite them from its first save on."""
+def _checkpoint_to_resume(ckpt_path: str | None, resume: bool, ckpt_dir: Path, root_dir: str, new_run_ok: bool) -> str | None:
+    """The checkpoint ``--ckpt_path`` / ``--resume`` name (None: a new run). A new run that saves
+    checkpoints is refused where an earlier run's are: it would overwrite them from its first save on."""
     if resume:
         if ckpt_path is not None:
             raise ConfigError("--resume and --ckpt_path both say where to continue from: give one (--resume is --ckpt_path last)")
         ckpt_path = "last"
     if ckpt_path in ("last", "auto"):
-        newest = newest_checkpoint(ckpt_dir, root_dir)
+        newest = checkpoint.newest_checkpoint(ckpt_dir, root_dir)
         if newest is None and ckpt_path == "last":
             raise ConfigError(f"--resume: no checkpoint to resume from in {ckpt_dir} (--ckpt_path auto starts a new run then)")
         if rank_zero_only.rank == 0:
             print(f"ssl-vit fit: resuming from {newest}" if newest else f"ssl-vit fit: no checkpoint in {ckpt_dir}; starting a new run", file=sys.stderr)
         return str(newest) if newest is not None else None
-    if ckpt_path is None and not requeued and (earlier := newest_checkpoint(ckpt_dir)) is not None:
+    if ckpt_path is None and not new_run_ok and (earlier := checkpoint.newest_checkpoint(ckpt_dir)) is not None:
         raise ConfigError(f"{ckpt_dir} already holds a run's checkpoints (newest: {earlier.name}): continue it with --resume, or start anew "
                           "in another --trainer.default_root_dir (or --checkpoint.dirpath), or remove that folder first")
     return ckpt_path
@@ -171,8 +167,7 @@ def _checkpoint_to_resume(ckpt_path: str | None, resume: bool, ckpt_dir: Path, r
 def _evaluate(evaluation: Evaluation, ckpt_dir: Path, data: L.LightningDataModule, trainer: L.Trainer, resuming: bool) -> int:
     """The recipe's ``evaluate`` section, as ``ssl-vit eval`` would run it: the protocols that train
     on images on every process of the run, then those on extracted features in process 0 alone."""
-    first = rank_zero_only.rank == 0
-    last = newest_checkpoint(ckpt_dir)
+    first, last = rank_zero_only.rank == 0, checkpoint.newest_checkpoint(ckpt_dir)
     if last is None:
         if not first:
             return 1

@@ -1,32 +1,39 @@
 """The checks a recipe passes before ``ssl-vit fit`` trains, each failure one line naming the
-problem: a file that is not YAML, a misspelt key with its likely spelling, a class the parser
-cannot find with the known ones, a batch that does not split over the devices, images the patch
-size does not divide, a checkpoint of another run."""
+problem and its fix: a file that is not YAML, a key misspelt or at the wrong level (with where it
+belongs), a class the parser cannot find (with the known ones), a batch that does not split over
+the devices, images the patch size does not divide, a checkpoint of another run."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from ssl_vit.backbones import is_vit
+from ssl_vit.backbones import get_spec, is_vit, list_backbones
 from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.data.views import ViewTransform
 from ssl_vit.errors import ConfigError, closest, did_you_mean, init_parameters, one_line
 from ssl_vit.methods.base import BaseMethod
 from ssl_vit.training.checkpoint import load_record
 
+# What a recipe may name at each class-valued key: the base class and how messages call its kind.
+_KINDS = {"model": (BaseMethod, "methods"), "data": (L.LightningDataModule, "datamodules"), "views": (ViewTransform, "views")}
+_SPEC_KEYS = {"class_path", "init_args", "dict_kwargs"}  # (jsonargparse's keys of a class's mapping)
+_SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backward"}  # a run may continue with others
+
 
 def check_yaml_files(argv: list[str]) -> None:
-    """Name the file, line and column of a recipe that is not YAML (the parser's own message names
-    only "<unicode string>"), and say what a later file drops where it replaces a dict-valued
-    argument of the method whole (``backbone_kwargs``: jsonargparse merges recipes key by key, and
-    classes' arguments too, but not the keys inside a dict's value)."""
+    """Name the file, line and column of a recipe that is not YAML (the parser names only
+    "<unicode string>"), and a key beside a ``class_path`` (the parser says only that the mapping is
+    no valid class); say what a later file drops where it replaces a dict-valued argument of the
+    method whole (``backbone_kwargs``: jsonargparse merges files key by key, but not inside a dict)."""
     paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")] + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     earlier: dict[str, tuple[Path, dict]] = {}
     for path in (Path(p) for p in paths if Path(p).is_file()):  # (a missing file: the parser says so)
@@ -39,8 +46,8 @@ def check_yaml_files(argv: list[str]) -> None:
         if not isinstance(cfg, dict):
             what = "is empty" if cfg is None else f"holds a {type(cfg).__name__}"
             raise ConfigError(f"{path}: {what}; a recipe is a mapping of settings (model:, data:, trainer: ...)")
-        model = cfg.get("model")
-        init = model.get("init_args") if isinstance(model, dict) else None
+        _check_class_mappings(path, cfg, "")
+        init = cfg["model"].get("init_args") if isinstance(cfg.get("model"), dict) else None
         for name, value in init.items() if isinstance(init, dict) else ():
             if isinstance(value, dict) and "class_path" not in value:
                 key = f"model.init_args.{name}"
@@ -50,60 +57,77 @@ def check_yaml_files(argv: list[str]) -> None:
                 earlier[key] = (path, value)
 
 
+def _check_class_mappings(path: Path, value: Any, key: str) -> None:
+    if isinstance(value, dict) and "class_path" in value and (stray := sorted(set(value) - _SPEC_KEYS)):
+        raise ConfigError(f"{path}: {key}.{stray[0]} sits beside class_path; a class's arguments go under init_args ({key}.init_args.{stray[0]})")
+    for name, item in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
+        _check_class_mappings(path, item, f"{key}.{name}" if key else str(name))
+
+
 def key_hint(message: str, keys: list[str]) -> str:
-    """The likely spelling of a key the parser refused: an ``init_args`` entry of the class the
-    recipe names, or one of the parser's own ``keys`` (``trainer.max_epochs`` ...); else ``""``."""
+    """Where a key the parser refused belongs, or ``""``: the likely spelling among the arguments
+    of the class the recipe names (else a backbone argument, or the classes that take it), or
+    among the parser's own ``keys`` (``trainer.max_epochs`` ...; a top-level key: the group's)."""
     if found := re.search(r"class_path '([\w.]+)'\W+Option '(\w+)' is not accepted", message):
-        module, _, name = found.group(1).rpartition(".")
-        try:
-            return did_you_mean(found.group(2), init_parameters(getattr(importlib.import_module(module), name)))
-        except (ImportError, AttributeError, ValueError):
-            return ""
+        return _argument_hint(found.group(1), found.group(2))
     flag = re.search(r"unrecognized arguments: --([\w.]+)", message)
     group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
     option = re.search(r"Option '([\w.]+)' is not accepted", message)
     key = flag.group(1) if flag else f"{group.group(1)}.{group.group(2)}" if group else option.group(1) if option else None
-    if key is None:
-        return ""
+    # One part corrected, against its siblings' names (whole paths would look alike by their shared
+    # group: `evaluate.max_epochs` is not `evaluate.protocols`), then as much of the rest as exists
+    # there: `evaluat.knn.k` -> 'evaluate.knn'.
+    close, fixed = [], False
+    for part in key.split(".") if key else ():
+        siblings = {k.split(".")[len(close)] for k in keys if k.startswith(".".join([*close, ""]))}
+        if part not in siblings:
+            if fixed or (part := closest(part, siblings)) is None:
+                break
+            fixed = True
+        close.append(part)
+    if not fixed:  # a group's key at the top level: `max_steps` -> 'trainer.max_steps'
+        grouped = [k for k in keys if k.endswith(f".{key}")] if key and not close else []
+        if len(grouped) != 1:
+            return ""
+        close = grouped
+    shown = ".".join(close)
+    return f" (did you mean {f'--{shown}' if flag else shown!r}?)"
 
-    def exists(prefix: str) -> bool:
-        return any(k == prefix or k.startswith(prefix + ".") for k in keys)
 
-    # The first part of the key that names nothing, against its siblings' names (whole paths would
-    # look alike by their shared group: `evaluate.max_epochs` is not `evaluate.protocols`), then as
-    # much of the rest as exists there: `evaluat.knn.k` -> 'evaluate.knn'.
-    parts = key.split(".")
-    depth = next((d for d in range(len(parts)) if not exists(".".join(parts[: d + 1]))), None)
-    if depth is None:
+def _argument_hint(class_path: str, name: str) -> str:
+    module, _, attr = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
         return ""
-    parent = ".".join(parts[:depth])
-    name = closest(parts[depth], {k.split(".")[depth] for k in keys if depth == 0 or k.startswith(parent + ".")})
-    if name is None:
-        return ""
-    close = ".".join([*parts[:depth], name])
-    for end in range(len(parts), depth + 1, -1):
-        if exists(longer := ".".join([close, *parts[depth + 1 : end]])):
-            close = longer
-            break
-    shown = f"--{close}" if flag else close
-    return f" (did you mean {shown!r}?)"
+    if hint := did_you_mean(name, init_parameters(cls)):
+        return hint
+    base = next((b for b, _ in _KINDS.values() if inspect.isclass(cls) and issubclass(cls, b)), None)
+    if base is BaseMethod and any(name in get_spec(b).allowed_kwargs() for b in list_backbones()):
+        return f" (a backbone argument: model.init_args.backbone_kwargs.{name})"
+    takers = [k.__name__ for k in _known(base) if name in init_parameters(k)] if base else []
+    return f" ({name} is an argument of {' and '.join(takers)}, not of {attr})" if takers else ""
+
+
+def _known(base: type) -> list[type]:
+    """The classes of ours a recipe may name where a ``base`` is expected."""
+    import ssl_vit.data
+    from ssl_vit.methods import METHODS
+
+    if base is BaseMethod:
+        return list(METHODS.values())
+    found = (getattr(ssl_vit.data, n) for n in ssl_vit.data.__all__ if n not in ("ImageDataModule", "ViewTransform"))
+    return sorted((c for c in found if inspect.isclass(c) and issubclass(c, base)), key=lambda c: c.__name__)
 
 
 def known_classes(message: str) -> str:
     """What a recipe may name where the parser could not import a class (``model: Dino``)."""
-    found = re.search(r"Expected a path but (\S+) either not accessible or invalid", message)
-    if found is None or not re.search(r'key "(model|data)"', message):  # the class was found (its options may not be)
+    found = re.search(r'key "(\w+)"\W+Expected a path but (\S+) either not accessible or invalid', message)
+    if found is None or found.group(1) not in _KINDS:  # (a class found: its options may not be)
         return ""
-    if 'key "model"' in message:
-        from ssl_vit.methods import METHODS
-
-        names, what = [cls.__name__ for cls in METHODS.values()], "methods: {}, or the dotted path of a BaseMethod of your own"
-    else:
-        import ssl_vit.data
-
-        names = sorted(n for n in ssl_vit.data.__all__ if n.endswith("DataModule") and n != "ImageDataModule")
-        what = "datamodules: {}, or the dotted path of a LightningDataModule of your own"
-    return f"{did_you_mean(found.group(1), names)} ({what.format(', '.join(names))})"
+    base, kind = _KINDS[found.group(1)]
+    names = [c.__name__ for c in _known(base)]
+    return f"{did_you_mean(found.group(2), names)} ({kind}: {', '.join(names)}, or the dotted path of a {base.__name__} of your own)"
 
 
 def _hw(size: int | tuple[int, int]) -> tuple[int, int]:
@@ -120,13 +144,12 @@ def validate_run(model: BaseMethod, datamodule: L.LightningDataModule, trainer: 
         if global_batch_size % split:
             raise ConfigError(f"global_batch_size {global_batch_size} is not divisible by devices x nodes x accumulate_grad_batches = {split}")
         datamodule.batch_size = global_batch_size // split
-    backbone, img = model.backbone, getattr(datamodule, "img_size", None)
+    backbone, img, views = model.backbone, getattr(datamodule, "img_size", None), getattr(datamodule, "views", None)
     patch = getattr(backbone, "patch_size", None)  # (a ResNet has none)
     if patch and img is not None and any(side % patch for side in _hw(img)):
         raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {patch}")
-    views, crops = getattr(datamodule, "views", None), []
-    if isinstance(views, ViewTransform):  # (already fitted to the data's img_size by the datamodule)
-        crops = [_hw(aug.size) for aug in views.augmentations()]
+    crops = [_hw(aug.size) for aug in views.augmentations()] if isinstance(views, ViewTransform) else []  # (fitted to data.img_size)
+    if crops:
         try:
             model.check_views(len(crops))
         except ValueError as err:
@@ -145,14 +168,9 @@ def validate_run(model: BaseMethod, datamodule: L.LightningDataModule, trainer: 
                 raise ConfigError(f"{what}; set them to match")
             if rank_zero_only.rank == 0:
                 print(f"ssl-vit fit: note: {what}: its position embedding is resampled for them at every step", file=sys.stderr)
-    chans = getattr(datamodule, "in_chans", None)
-    if chans is not None and chans != backbone.in_chans:
+    if (chans := getattr(datamodule, "in_chans", None)) is not None and chans != backbone.in_chans:
         raise ConfigError(f"the data gives {chans}-channel images but the backbone was built with in_chans={backbone.in_chans}; "
                           "set data in_chans or model backbone_kwargs.in_chans to match")
-
-
-# Backbone arguments that change no parameter's shape: a run may continue with others.
-_SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backward"}
 
 
 def check_continuable(model: BaseMethod, ckpt_path: str) -> None:
