@@ -520,16 +520,16 @@ def _train_row(cfg: BenchConfig, row: str, say: Callable[[str], None]) -> dict[s
     out.update({**timing, **{impl: {**timing[impl], **out[impl]} for impl in impls}})  # a memory error stays visible
     say(f"  {row:<10} " + ", ".join(f"{impl} {timing[impl]['images_per_s']:.2f} img/s" for impl in impls)
         + (" (disturbed by other load)" if timing["ours"]["disturbed"] else ""))
-    ours, peer = out["ours"], out.get("peer", {})
-    flops = out["flops_per_image"] = ours.get("flops_per_image_counted")
-    for res in (ours, peer) if flops else ():
+    flops = out["flops_per_image"] = out["ours"].get("flops_per_image_counted")
+    for res in (out[impl] for impl in impls) if flops else ():
         res["flops_per_s"] = flops * res["images_per_s"]
         achieved = [flops * res["batch"] / t for t in res["step_s"]]
         res["matmul_fraction"] = paired(achieved, out["round_matmul"]["flops_per_s"], out["counted"])["median"]
-    if peer:
+    if cfg.peers:
+        ours, peer = out["ours"], out["peer"]
         out["throughput_ratio"] = ours["images_per_s"] / peer["images_per_s"]
-    if ours.get("peak_mem_bytes") and peer.get("peak_mem_bytes"):
-        out["memory_ratio"] = ours["peak_mem_bytes"] / peer["peak_mem_bytes"]
+        if ours.get("peak_mem_bytes") and peer.get("peak_mem_bytes"):
+            out["memory_ratio"] = ours["peak_mem_bytes"] / peer["peak_mem_bytes"]
     return out
 
 

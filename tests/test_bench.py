@@ -467,9 +467,10 @@ class _FakeJobs:
         if fn is bench.memory_job:
             return {"peak_mem_bytes": next(self.mem[args[1]]), "flops_per_image_counted": 2e9}
         if fn is bench.timing_job:
-            return {"ours": {"images_per_s": 10.0, "disturbed": False, "batch": 2, "step_s": [0.2, 0.1, 0.4]},
-                    "peer": {"images_per_s": 4.0, "disturbed": False, "batch": 2, "step_s": [0.5, 0.5, 0.5]},
-                    "paired_ratio": {"median": 2.0, "quartiles": [1.9, 2.1]}, "round_matmul": {"flops_per_s": [4e10, 8e10, 1e10]}, "counted": [0, 1]}
+            peer = {"peer": {"images_per_s": 4.0, "disturbed": False, "batch": 2, "step_s": [0.5, 0.5, 0.5]},
+                    "paired_ratio": {"median": 2.0, "quartiles": [1.9, 2.1]}} if cfg.peers else {}
+            return {"ours": {"images_per_s": 10.0, "disturbed": False, "batch": 2, "step_s": [0.2, 0.1, 0.4]}, **peer,
+                    "round_matmul": {"dtype": "float32", "flops_per_s": [4e10, 8e10, 1e10]}, "counted": [0, 1]}
         assert fn is bench.views_job
         return {"views_per_s": 30.0 if args[0] == "ours" else 10.0, "views_per_image": 4}
 
@@ -499,6 +500,8 @@ def test_no_peers_runs_no_peer_job(monkeypatch) -> None:
     result = bench.run_benchmark(dataclasses.replace(TINY, methods=("dino",), peers=False), progress=None)
     assert all(j[-1] == "ours" for j in jobs.jobs if j[0] in ("memory_job", "views_job"))
     assert "peer" not in result["data"][0] and "throughput_ratio" not in result["data"][0]
+    assert all("peer" not in r and "throughput_ratio" not in r and r["ours"]["matmul_fraction"] == 0.5 for r in result["rows"])
+    assert "dino (peer)" not in bench.format_report({**result, "environment": _report_result()["environment"]})  # the report has no peer to show
 
 
 # ------------------------------------------------------------------------------- the report
