@@ -107,6 +107,9 @@ def _fit(argv: list[str]) -> int:
         raise ConfigError(one_line(str(err)) + gpu) from None
     cfg, model, data, trainer = cli.config, cli.model, cli.datamodule, cli.trainer
     evaluation: Evaluation = cli.config_init["evaluate"]
+    if evaluation.data is not None:  # what the recipe sets of evaluate.data: its img_size, in_chans, mean and std otherwise follow the backbone
+        given = cli.parser.parse_args(argv, defaults=False).get("evaluate.data.init_args")
+        evaluation.data_args = given.as_dict() if given else {}
     model.recipe = cli.parser.dump(cfg, skip_none=False, skip_validation=True)  # travels inside every checkpoint
     checks.validate_run(model, data, trainer, cfg.global_batch_size)
     evaluation.check_model(model)
