@@ -138,8 +138,10 @@ def _worker(out: Path) -> None:
         model.load_state_dict(init[name])
         fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy=cpu_fsdp_strategy())
         result[f"fsdp_{name}"] = model.trainer.strategy.lightning_module_state_dict()
-    for strategy in ("ddp", "fsdp"):  # the blocks of student and teacher through torch.compile (aot_eager: torch's kernels)
-        model = METHODS["dino"][0](**COMMON, **METHODS["dino"][1], compile_backbone=True, compile_backend="aot_eager")
+    # The blocks of student and teacher through torch.compile: under DDP with the eager backend (dynamo's graphs, split at
+    # DDP's buckets), under FSDP with aot_eager (AOTAutograd over FSDP's flat parameters, then torch's kernels).
+    for strategy, backend in (("ddp", "eager"), ("fsdp", "aot_eager")):
+        model = METHODS["dino"][0](**COMMON, **METHODS["dino"][1], compile_backbone=True, compile_backend=backend)
         model.load_state_dict(init["dino"])
         counters.clear()
         fit(model, datamodule("dino", PER_DEVICE), devices=WORLD, strategy="ddp" if strategy == "ddp" else cpu_fsdp_strategy())
