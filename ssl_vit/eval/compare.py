@@ -51,20 +51,18 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
         if not p.exists():
             raise FileNotFoundError(f"no result file or folder at {p}")
         for f in sorted(q for q in p.rglob("*.json") if q.is_file()) if p.is_dir() else [p]:
-            if p.is_dir():
-                try:
-                    d = json.loads(f.read_text(encoding="utf-8"))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    print(f"compare: skipping {f} (not JSON)", file=sys.stderr)
-                    skipped.append(f"{f}: not JSON")
-                    continue
-                if (why := _not_results(d)) is not None:
-                    if isinstance(d, list) and any(_not_results(r) is None for r in d):
-                        raise ValueError(f"{f}: {why}, beside results")  # broken results, not another kind of file
-                    skipped.append(f"{f}: {why}")
-                    continue
-            elif (d := read_json(f)) == []:
-                skipped.append(f"{f}: an empty list")
+            try:
+                d = read_json(f)
+            except ValueError:
+                if not p.is_dir():
+                    raise
+                print(f"compare: skipping {f} (not JSON)", file=sys.stderr)
+                skipped.append(f"{f}: not JSON")
+                continue
+            if (why := _not_results(d) if p.is_dir() or d == [] else None) is not None:
+                if isinstance(d, list) and any(_not_results(r) is None for r in d):
+                    raise ValueError(f"{f}: {why}, beside results")  # broken results, not another kind of file
+                skipped.append(f"{f}: {why}")
                 continue
             results += [EvalResult.from_dict(r, f"{f}[{i}]") for i, r in enumerate(d)] if isinstance(d, list) else [EvalResult.from_dict(d, str(f))]
     if not results:
@@ -73,10 +71,8 @@ def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
             raise ValueError(f"no results found in {where} (no *.json files)")
         more = f"; and {len(skipped) - SKIPPED_SHOWN} more file(s)" if len(skipped) > SKIPPED_SHOWN else ""
         raise ValueError(f"no results found in {where}: {'; '.join(skipped[:SKIPPED_SHOWN])}{more}")
-    unique: dict[str, EvalResult] = {}  # the same result read twice (the demo's files and its results.json): once
-    for r in results:
-        unique.setdefault(json.dumps(r.to_dict(), sort_keys=True, default=str), r)
-    return list(unique.values())
+    # The same result read twice (the demo's files and its results.json) counts once.
+    return list({json.dumps(r.to_dict(), sort_keys=True, default=str): r for r in results}.values())
 
 
 def _metric_order(name: str) -> tuple[int, float, str]:  # top1, top5, top10, then 1shot, 5shot ...

@@ -10,10 +10,9 @@ of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after the pretrai
         class_path: ImageFolderDataModule
         init_args: {train_dir: labelled/train, val_dir: labelled/val}
 
-Each protocol's settings are one typed class (``FineTuneSettings``, ``LinearAugSettings``,
-``LinearProbe``, ``KNNClassifier``, ``FewShotEvaluator``). The protocols that train on images run
-first, on every process of a run, checkpointed; then process 0 extracts the features of both
-splits once for every frozen-feature protocol. Each writes an ``EvalResult`` (``result_path``).
+Each protocol's settings are one typed class. The protocols that train on images run first, on
+every process of a run, checkpointed; then process 0 extracts the features of both splits once
+for the frozen-feature protocols. Each writes an ``EvalResult`` (``result_path``).
 """
 
 from __future__ import annotations
@@ -114,16 +113,14 @@ def missing_labels(datamodule: Any) -> str | None:
 
 
 class Evaluation:
-    """Evaluations of one backbone (module docstring; none by default): the ``protocols`` with their
-    settings (None: the defaults; fine-tuning runs at the data's resolution); ``data``: the
-    labelled train/test splits (None: the run's data), whose ``img_size``, ``in_chans``, ``mean``
-    and ``std`` follow the backbone's training unless the recipe sets them; ``features``: the
-    linear probes' and kNN's representation (``cls``, ``last4``, ``avg``, ``cls_avg``); ``which``:
-    a checkpoint's encoder (None: the method's default, DINO's teacher); ``out``: the results'
-    folder (None after a fit: ``<default_root_dir>/results``); ``batch_size``: of the feature
-    extraction; ``train_subset``, ``test_subset``: fixed random subsets of the splits (the data's
-    ``subset`` already one); ``seed``: of those, of the runs on images, of the protocols whose own
-    is None."""
+    """Evaluations of one backbone (none by default): the ``protocols`` with their settings (None:
+    the defaults); ``data``: the labelled splits (None: the run's), whose ``img_size``,
+    ``in_chans``, ``mean`` and ``std`` follow the backbone unless the recipe sets them;
+    ``features``: the representation the linear probes and kNN read; ``which``: a checkpoint's
+    encoder (None: the method's default, DINO's teacher); ``out``: the results' folder (None after
+    a fit: ``<default_root_dir>/results``); ``batch_size``: of the feature extraction;
+    ``train_subset``, ``test_subset``: fixed random subsets; ``seed``: of those, of the runs on
+    images, and of the protocols whose own is None."""
 
     def __init__(self, protocols: list[Protocol] | None = None, data: ImageDataModule | None = None, features: FeatureMode = "cls",
                  which: str | None = None, linear: LinearProbe | None = None, knn: KNNClassifier | None = None,
@@ -132,7 +129,7 @@ class Evaluation:
                  seed: int = 0) -> None:
         self.protocols, self.data, self.features, self.which, self.out = list(dict.fromkeys(protocols or [])), data, features, which, out
         self.batch_size, self.train_subset, self.test_subset, self.seed = batch_size, train_subset, test_subset, seed
-        self.data_args: dict[str, Any] = {}  # the arguments of ``data`` the recipe sets (``ssl-vit fit`` tells); the rest is rebuilt
+        self.data_args: dict[str, Any] = {}  # those of ``data``'s arguments the recipe sets (ssl-vit fit tells)
         given = {"linear": linear, "knn": knn, "fewshot": fewshot, "finetune": finetune, "linear_aug": linear_aug}
         if unused := [p for p, s in given.items() if s is not None and p not in self.protocols]:
             print(f"ssl-vit: note: evaluate has settings for {', '.join(unused)}, which evaluate.protocols ({', '.join(self.protocols) or 'none'}) "
@@ -174,9 +171,8 @@ class Evaluation:
             return
         datamodule, where = (self.data, "evaluate.data") if self.data is not None else (datamodule, "data")
         if (missing := missing_labels(datamodule)) is not None:
-            other = ", or evaluate on labelled data of its own (evaluate.data)" if where == "data" else ""
-            raise ValueError(f"{'evaluate' if where == 'data' else where}: {type(datamodule).__name__} {missing}; "
-                             f"set evaluate.protocols: [] to pretrain without evaluating{other}")
+            raise ValueError(f"{'evaluate' if where == 'data' else where}: {type(datamodule).__name__} {missing}; set evaluate.protocols: [] to "
+                             f"pretrain without evaluating{', or evaluate on labelled data of its own (evaluate.data)' if where == 'data' else ''}")
         sizes = {"evaluate.train_subset": self.train_subset, f"{where}.subset": getattr(datamodule, "subset", None)}
         if known := sorted((n, name) for name, n in sizes.items() if n is not None):
             self._check_sizes(*known[0], datamodule.num_classes)
@@ -203,8 +199,8 @@ class Evaluation:
 
     def after_fit(self, checkpoint: str | Path, datamodule: Any, trainer: Any, resuming: bool) -> list[results.EvalResult]:
         """The recipe's evaluation of the backbone a fit ended with, on the run's processes, devices
-        and precision (``data``, else the run's datamodule); the runs on images checkpoint into
-        ``<default_root_dir>/<protocol>`` (a resumed fit continues them)."""
+        and precision; the runs on images checkpoint into ``<default_root_dir>/<protocol>`` (a
+        resumed fit continues them)."""
         from ssl_vit.export import load_any_backbone
 
         backbone, info = load_any_backbone(checkpoint, which=self.which)

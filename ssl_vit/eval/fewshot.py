@@ -89,8 +89,5 @@ class FewShotEvaluator:
                 if self.l2_grid is not None and k >= 2:
                     l2 = _pick_l2(sx, sy, list(torch.arange(k * num_classes).reshape(num_classes, k)), num_classes, self.l2_grid)
                 accs[k].append((fewshot_fit_predict(sx, sy, test_features, num_classes, l2) == test_labels).double().mean().item())
-        out: dict[str, float] = {}
-        for k, values in accs.items():
-            v = torch.tensor(values, dtype=torch.float64)
-            out[f"{k}shot"], out[f"{k}shot_std"] = v.mean().item(), v.std(correction=0).item()
-        return out
+        per_k = {k: torch.tensor(a, dtype=torch.float64) for k, a in accs.items()}
+        return {f"{k}shot{stat}": value.item() for k, a in per_k.items() for stat, value in (("", a.mean()), ("_std", a.std(correction=0)))}

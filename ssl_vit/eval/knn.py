@@ -58,13 +58,10 @@ class KNNClassifier:
     def ks(self) -> tuple[int, ...]:
         return (self.k,) if isinstance(self.k, int) else tuple(self.k)
 
-    def _held_out(self, n: int) -> int:
-        return max(1, round(self.select_fraction * n)) if len(self.ks) > 1 else 0
-
     def bank_shortfall(self, n: int) -> str | None:
         """Why a bank of ``n`` training examples is too small (None: it is not): the largest k must fit,
         in a sweep in what the held-out part leaves."""
-        most, held = max(self.ks), self._held_out(n)
+        most, held = max(self.ks), max(1, round(self.select_fraction * n)) if len(self.ks) > 1 else 0  # (as held_out)
         if most > n:
             return f"k={most} neighbours, but the kNN bank holds {n} training examples"
         if most > n - held:
@@ -94,8 +91,7 @@ class KNNClassifier:
 
     def scores(self, bank: Tensor, bank_labels: Tensor, queries: Tensor, num_classes: int | None = None) -> Tensor:
         """Class votes ``[Q, C]`` at the first k (``num_classes``: default max label + 1)."""
-        num_classes = num_classes or int(bank_labels.max()) + 1
-        return self.votes(bank, bank_labels, queries, num_classes, ks=self.ks[:1])[self.ks[0]]
+        return self.votes(bank, bank_labels, queries, num_classes or int(bank_labels.max()) + 1, ks=self.ks[:1])[self.ks[0]]
 
     def evaluate(self, train_features: Tensor, train_labels: Tensor, test_features: Tensor, test_labels: Tensor,
                  num_classes: int | None = None) -> dict[str, float]:
