@@ -482,23 +482,21 @@ def test_each_method_decays_the_parameters_its_reference_decays():
     assert {"backbone.pos_embed", "backbone.norm.weight"} <= no_decay
 
 
-def test_dino_and_mocov3_default_to_their_papers_optimisation():
-    # main_dino.py's defaults and MoCo v3's ViT recipe (its CONFIG.md).
-    dino = DINO(**TINY_BACKBONE, **SMALL_HEADS["dino"]).hparams
-    assert (dino.base_lr, dino.min_lr, dino.weight_decay, dino.weight_decay_end) == (5e-4, 1e-6, 0.04, 0.4)
-    assert (dino.grad_clip, dino.grad_clip_mode, dino.warmup_epochs) == (3.0, "per_param", 10.0)
-    moco = MoCoV3(**TINY_BACKBONE, **SMALL_HEADS["mocov3"]).hparams
-    assert (moco.base_lr, moco.weight_decay, moco.warmup_epochs, moco.weight_decay_exempt) == (1.5e-4, 0.1, 40.0, "none")
-
-
-def test_mpp_and_the_supervised_baseline_default_to_the_vit_papers_optimisation():
-    # The ViT paper's LRs are at batch 4096; ours are per 256 images (the linear scaling rule).
-    # MPP, Appendix B.1.2: Adam, base LR 2e-4 (its weight decay is Table 3's JFT value, 0.1).
-    mpp = MPP(**TINY_BACKBONE, mean=[0.5], std=[0.5]).hparams
-    assert (mpp.base_lr * 4096 / 256, mpp.weight_decay) == (pytest.approx(2e-4), 0.1)
-    # Supervised ViT-B/16 on ImageNet, Table 3: LR 3e-3, weight decay 0.3, global-norm clipping at 1.
-    sup = Supervised(**TINY_BACKBONE, num_classes=4).hparams
-    assert (sup.base_lr * 4096 / 256, sup.weight_decay, sup.grad_clip, sup.grad_clip_mode) == (pytest.approx(3e-3), 0.3, 1.0, "global")
+@pytest.mark.parametrize("method, expected", [
+    # main_dino.py's defaults
+    ("dino", {"base_lr": 5e-4, "min_lr": 1e-6, "weight_decay": 0.04, "weight_decay_end": 0.4, "grad_clip": 3.0, "grad_clip_mode": "per_param",
+              "warmup_epochs": 10.0}),
+    # MoCo v3's ViT recipe (its CONFIG.md)
+    ("mocov3", {"base_lr": 1.5e-4, "weight_decay": 0.1, "warmup_epochs": 40.0, "weight_decay_exempt": "none"}),
+    # The ViT paper's LRs are at batch 4096, ours per 256 images (the linear scaling rule). MPP, Appendix B.1.2: Adam,
+    # base LR 2e-4 (its weight decay is Table 3's JFT value, 0.1); supervised ViT-B/16 on ImageNet, Table 3: LR 3e-3,
+    # weight decay 0.3, global-norm clipping at 1.
+    ("mpp", {"base_lr": 2e-4 * 256 / 4096, "weight_decay": 0.1}),
+    ("supervised", {"base_lr": 3e-3 * 256 / 4096, "weight_decay": 0.3, "grad_clip": 1.0, "grad_clip_mode": "global"}),
+])
+def test_each_method_defaults_to_its_papers_optimisation(method, expected):
+    hp = METHODS[method](**TINY_BACKBONE, num_classes=4, **SMALL_HEADS[method]).hparams
+    assert {k: hp[k] for k in expected} == expected
 
 
 @pytest.mark.parametrize("mode", ["global", "per_param"])

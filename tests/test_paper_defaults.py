@@ -12,6 +12,7 @@ from ssl_vit.data import MultiCrop, SingleView, TwoViews
 from ssl_vit.eval.fewshot import FewShotEvaluator
 from ssl_vit.eval.finetune import FineTuneSettings
 from ssl_vit.eval.knn import KNNClassifier
+from ssl_vit.losses import MoCoV3Loss
 from ssl_vit.masking import make_corruption_plan
 from ssl_vit.methods import DINO, MPP, MoCoV3
 
@@ -39,6 +40,8 @@ def defaults(fn) -> dict:
         # patch / 10 % kept; target the 3-bit mean colour.
         (MPP, {"corruption_ratio": 0.5, "mask_prob": 0.8, "random_prob": 0.1, "target": "mean_color"}),
         (make_corruption_plan, {"ratio": 0.5, "mask_prob": 0.8, "random_prob": 0.1}),
+        # MoCo v3 §4: τ = 0.2 for ViTs (the method picks 1.0 for a ResNet).
+        (MoCoV3Loss, {"temperature": 0.2}),
         # BYOL's augmentations (MoCo v3 §4 uses them): crop (0.08, 1), flip 0.5, colour jitter
         # 0.4/0.4/0.2/0.1 with p 0.8, grey 0.2, blur p 1.0 / 0.1, solarise p 0 / 0.2.
         (TwoViews, {"scale": (0.08, 1.0), "flip_p": 0.5, "jitter_p": 0.8, "brightness": 0.4, "contrast": 0.4, "saturation": 0.2,

@@ -53,11 +53,9 @@ class BaseMethod(L.LightningModule):
         base_lr: LR per 256 images: the peak is ``base_lr * global_batch / 256`` (Goyal et al.'s
             linear scaling, as MoCo v3 and DINO), after a linear warm-up, then a cosine to ``min_lr``.
         warmup_epochs, warmup_steps: the warm-up's length; ``warmup_steps`` (the ViT paper counts
-            steps), when set, replaces ``warmup_epochs``. The start-up line says which one counts
-            and how many steps it makes; a note names a warm-up under 20 steps made from epochs
-            (a small folder has few steps per epoch) and one as long as the run.
-        weight_decay, weight_decay_end: a cosine from one to the other over the run (DINO: 0.04 ->
-            0.4); ``weight_decay_end`` None keeps it constant.
+            steps), when set, replaces ``warmup_epochs``. The start-up line says the steps and which
+            one set them; a note names a warm-up as long as the run, or under 20 steps from epochs.
+        weight_decay, weight_decay_end: a cosine from one to the other (DINO: 0.04 -> 0.4); None: constant.
         weight_decay_exempt: no weight decay for ``bias_norm_tokens`` biases, norm weights, [CLS],
             position and mask embeddings (big_vision, timm, MAE); ``bias_norm`` biases and other 1-D
             parameters (DINO ``utils.get_params_groups``); ``none`` (MoCo v3 ``main_moco.py``).
@@ -70,7 +68,7 @@ class BaseMethod(L.LightningModule):
         nonfinite_policy: on a NaN/Inf loss, ``raise`` names the step and the last good checkpoint;
             ``skip`` drops the optimiser step, its EMA update and what it changed in buffers
             (BatchNorm statistics, DINO's centre), at most ``max_skipped_batches`` times in the run.
-        fused_optimizer: torch's fused AdamW / SGD kernels (the same update, several times faster).
+        fused_optimizer: torch's fused AdamW / SGD kernels (the same update in one kernel).
         compile_backbone, compile_backend: ``torch.compile`` the backbone and any momentum encoder
             or teacher one block at a time (``ssl_vit.backbones.compile``; for GPUs, see
             ``benchmarks/RESULTS.md``); ``inductor`` needs a C++ compiler on a CPU.
@@ -337,8 +335,7 @@ class BaseMethod(L.LightningModule):
         else:
             self.before_optimizer_step()
         if (self.hparams.grad_clip or 0) > 0:  # every parameter but the probe's, in the optimiser's order (FSDP: the same list everywhere)
-            group = distributed.gradient_shard_group(self.trainer.strategy) if self._trainer is not None else None
-            probe = self._probe_ids()
+            group, probe = distributed.gradient_shard_group(self.trainer.strategy) if self._trainer is not None else None, self._probe_ids()
             distributed.clip_gradients([p for p in params if id(p) not in probe], self.hparams.grad_clip, self.hparams.grad_clip_mode, group)
         optim.materialize_adam_state(optimizer)  # (for the parameters without a gradient yet: FSDP gathers it for checkpoints)
 
@@ -369,8 +366,7 @@ class BaseMethod(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         # (Lightning's weighted mean divides the summed weights by the process count in integers.)
         sums, self._val_totals = self._val_totals, {}
-        names = sorted(sums)
-        if not names:
+        if not (names := sorted(sums)):
             return
         totals = torch.stack([sums[n] for n in names])  # [K, 2]
         if self.trainer.world_size > 1:  # every process has batches, so the same names
