@@ -150,8 +150,7 @@ def main(argv: list[str]) -> int:
     check_option_values(args, RULES)  # before any note or work
     data_args = options.parse_data_args(args.data, dict(args.data_arg))  # a misspelt name or value: before the backbone loads
     protocols = args.protocols if args.protocol == "frozen" else ["linear_aug" if args.augment else args.protocol]
-    sweeps = [v for p, v in (("linear", args.__dict__.get("lr")), ("knn", args.__dict__.get("k"))) if p in protocols and v and len(v) > 1]
-    if args.select_fraction is not None and not sweeps:
+    if args.select_fraction is not None and not any(p in protocols and len(getattr(args, o, None) or []) > 1 for p, o in (("linear", "lr"), ("knn", "k"))):
         raise ValueError("--select-fraction: holds out features to pick the LR (--lr) or k (--k) of a sweep; give several, or leave it out")
     if args.augment and len(args.lr or []) > 1:
         raise ValueError("--lr: a sweep of several LRs is for the probe on fixed features; with --augment give one")

@@ -195,9 +195,6 @@ class FineTuneModule(ImageClassifier):
             compile_backbone(self.backbone, self.settings.compile_backend)
             self._compiled = True
 
-    def on_fit_start(self) -> None:
-        self.train()  # Lightning keeps each module's mode: a backbone handed over in eval mode would train so
-
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         seed_training_step(self.hparams.seed, self.current_epoch, batch_idx, self.global_rank)
 

@@ -96,9 +96,6 @@ class AugmentedLinearProbe(ImageClassifier):
         self.backbone.eval()  # frozen: BatchNorm on running statistics, no dropout / drop path
         return self
 
-    def on_fit_start(self) -> None:
-        self.train()  # the head trains, the backbone stays in eval mode whatever it was handed in
-
     def forward(self, x: Tensor) -> Tensor:
         with torch.no_grad():
             f = embed(self.backbone, x, self.features)  # [B, F]

@@ -84,6 +84,9 @@ class ImageClassifier(L.LightningModule):
             return None
         return torch.stack([p.sum() for p in self.parameters() if p.requires_grad]).sum() * 0.0
 
+    def on_fit_start(self) -> None:
+        self.train()  # Lightning keeps each module's mode: a backbone handed over in eval mode would train so (a probe's train() keeps it frozen)
+
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         if len(y):  # (a batch of unreadable files only: nothing to count)
