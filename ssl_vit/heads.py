@@ -1,4 +1,4 @@
-"""Heads on a backbone's representation: MoCo v3's MLPs, the DINO head, the masked patch prediction
+"""Heads on a backbone's representation: MoCo v3's MLP, the DINO head, the masked patch prediction
 head and the linear-probe head. Pure torch."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ class MoCoV3MLP(nn.Sequential):
     """MoCo v3's MLP (Chen, Xie, He 2021, §4; reference ``moco/builder.py: _build_mlp``):
     ``num_layers`` Linear layers without bias (the BN after each cancels it), BatchNorm1d + ReLU
     after each hidden one, and a BatchNorm1d without affine after the last when ``last_bn``.
-    An ``nn.Sequential`` in the reference's order, so parameter names match its checkpoints.
-    (lightly's ``MoCoProjectionHead`` is MoCo v2's: 2 layers with biases, no BN.)"""
+    An ``nn.Sequential`` in the reference's order, so parameter names match its checkpoints. The
+    reference's ``MoCo_ViT`` builds the projector with 3 layers, the predictor with 2 (hidden 4096,
+    output 256, last BN in both). (lightly's ``MoCoProjectionHead`` is MoCo v2's: 2 layers with
+    biases, no BN.)"""
 
     def __init__(self, input_dim: int, hidden_dim: int = 4096, output_dim: int = 256, num_layers: int = 3, last_bn: bool = True) -> None:
         layers: list[nn.Module] = []
@@ -29,21 +31,6 @@ class MoCoV3MLP(nn.Sequential):
             elif last_bn:
                 layers.append(nn.BatchNorm1d(d_out, affine=False))
         super().__init__(*layers)  # [B, input_dim] -> [B, output_dim]
-
-
-class MoCoV3ProjectionHead(MoCoV3MLP):
-    """The projector (reference ``MoCo_ViT``): 3 layers, hidden 4096, output 256, last BN."""
-
-    def __init__(self, input_dim: int, hidden_dim: int = 4096, output_dim: int = 256, num_layers: int = 3, last_bn: bool = True) -> None:
-        super().__init__(input_dim, hidden_dim, output_dim, num_layers, last_bn)
-
-
-class MoCoV3PredictionHead(MoCoV3MLP):
-    """The predictor (query branch only): 2 layers, hidden 4096, output 256. ``last_bn`` as the
-    reference's ``MoCo_ViT`` (``_build_mlp(2, dim, mlp_dim, dim)``); its ``MoCo_ResNet`` passes False."""
-
-    def __init__(self, input_dim: int = 256, hidden_dim: int = 4096, output_dim: int = 256, num_layers: int = 2, last_bn: bool = True) -> None:
-        super().__init__(input_dim, hidden_dim, output_dim, num_layers, last_bn)
 
 
 class WeightNormLinear(nn.Module):

@@ -12,8 +12,6 @@ from ssl_vit.heads import (
     DINOHead,
     LinearProbeHead,
     MoCoV3MLP,
-    MoCoV3PredictionHead,
-    MoCoV3ProjectionHead,
     MPPHead,
     WeightNormLinear,
 )
@@ -37,7 +35,7 @@ def _layer_kinds(mlp: nn.Sequential) -> list[str]:
 
 
 def test_mocov3_projector_structure_and_shapes() -> None:
-    head = MoCoV3ProjectionHead(32, hidden_dim=64, output_dim=16)
+    head = MoCoV3MLP(32, hidden_dim=64, output_dim=16)
     assert _layer_kinds(head) == [
         "linear", "bn", "relu", "linear", "bn", "relu", "linear", "bn-noaffine",
     ]  # fmt: skip
@@ -47,20 +45,16 @@ def test_mocov3_projector_structure_and_shapes() -> None:
 
 
 def test_mocov3_defaults() -> None:
-    proj = MoCoV3ProjectionHead(384)
-    pred = MoCoV3PredictionHead()
-    assert [m.out_features for m in proj if isinstance(m, nn.Linear)] == [4096, 4096, 256]
-    assert [(m.in_features, m.out_features) for m in pred if isinstance(m, nn.Linear)] == [
-        (256, 4096),
-        (4096, 256),
-    ]
+    from helpers import TINY_BACKBONE
+
+    from ssl_vit.methods import MoCoV3
+
+    assert [m.out_features for m in MoCoV3MLP(384) if isinstance(m, nn.Linear)] == [4096, 4096, 256]
+    model = MoCoV3(**TINY_BACKBONE)  # the method's heads at the paper's widths: projector 3 layers, predictor 2
+    assert [(m.in_features, m.out_features) for m in model.projector if isinstance(m, nn.Linear)] == [(32, 4096), (4096, 4096), (4096, 256)]
+    assert [(m.in_features, m.out_features) for m in model.predictor if isinstance(m, nn.Linear)] == [(256, 4096), (4096, 256)]
     # Reference MoCo_ViT builds its predictor with last_bn=True (the default of _build_mlp).
-    assert _layer_kinds(pred) == ["linear", "bn", "relu", "linear", "bn-noaffine"]
-
-
-def test_mocov3_predictor_without_last_bn() -> None:
-    pred = MoCoV3PredictionHead(16, hidden_dim=32, output_dim=16, last_bn=False)
-    assert _layer_kinds(pred) == ["linear", "bn", "relu", "linear"]
+    assert _layer_kinds(model.predictor) == ["linear", "bn", "relu", "linear", "bn-noaffine"]
 
 
 def _reference_build_mlp(
@@ -90,7 +84,7 @@ def test_mocov3_state_dict_matches_reference_layout(num_layers: int, last_bn: bo
 
 
 def test_mocov3_last_bn_standardises() -> None:
-    head = MoCoV3ProjectionHead(8, hidden_dim=16, output_dim=4).train()
+    head = MoCoV3MLP(8, hidden_dim=16, output_dim=4).train()
     out = head(torch.randn(64, 8) * 5 + 3)
     assert torch.allclose(out.mean(0), torch.zeros(4), atol=1e-5)
     assert torch.allclose(out.var(0, unbiased=False), torch.ones(4), atol=1e-3)

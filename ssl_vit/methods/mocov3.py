@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from ssl_vit.backbones import is_vit
-from ssl_vit.heads import MoCoV3PredictionHead, MoCoV3ProjectionHead
+from ssl_vit.heads import MoCoV3MLP
 from ssl_vit.losses import MoCoV3Loss, embedding_std
 from ssl_vit.methods.base import BaseMethod, ema_update
 from ssl_vit.methods.optim import WeightDecayExempt
@@ -65,8 +65,9 @@ class MoCoV3(BaseMethod):
             nn.init.uniform_(proj.weight, -bound, bound)
             nn.init.zeros_(proj.bias)
             proj.requires_grad_(False)
-        self.projector = MoCoV3ProjectionHead(self.backbone.embed_dim, proj_hidden_dim, proj_output_dim)
-        self.predictor = MoCoV3PredictionHead(proj_output_dim, pred_hidden_dim, proj_output_dim)
+        # moco/builder.py MoCo_ViT: _build_mlp(3, D, mlp_dim, dim) projects, _build_mlp(2, dim, mlp_dim, dim) predicts.
+        self.projector = MoCoV3MLP(self.backbone.embed_dim, proj_hidden_dim, proj_output_dim, num_layers=3)
+        self.predictor = MoCoV3MLP(proj_output_dim, pred_hidden_dim, proj_output_dim, num_layers=2)
         self.momentum_backbone = self.target_backbone()
         self.momentum_projector = copy.deepcopy(self.projector).requires_grad_(False)
         self.criterion = MoCoV3Loss(temperature if temperature is not None else 0.2 if vit else 1.0)
