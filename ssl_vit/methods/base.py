@@ -138,10 +138,8 @@ class BaseMethod(L.LightningModule):
     def target_backbone(self) -> nn.Module:
         """A frozen copy of the backbone for a momentum encoder / teacher, built without stochastic
         depth or dropout (as the references build theirs)."""
-        spec, kwargs = get_spec(self.backbone_name), dict(self.backbone_kwargs)
-        for key in ("drop_path_rate", "drop_rate", "attn_drop_rate"):
-            if key in spec.allowed_kwargs() or (key in kwargs and spec.takes_any_kwargs()):
-                kwargs[key] = 0.0
+        kwargs, allowed = dict(self.backbone_kwargs), get_spec(self.backbone_name).allowed_kwargs()
+        kwargs |= {k: 0.0 for k in ("drop_path_rate", "drop_rate", "attn_drop_rate") if k in allowed or k in kwargs}  # (given: accepted)
         target = create_backbone(self.backbone_name, **kwargs)
         target.load_state_dict(self.backbone.state_dict())
         return target.requires_grad_(False)
