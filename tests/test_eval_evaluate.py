@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from PIL import Image
+from helpers import write_image_folder
 
 from ssl_vit.cli import main as cli_main
 from ssl_vit.data import ImageFolderDataModule
@@ -15,17 +15,12 @@ from ssl_vit.eval.evaluate import Evaluation
 TINY = {"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 1, "num_heads": 2}
 
 
-def _images(root, classes: dict[str, int]):
-    """PNGs in class folders (name -> count), or directly in ``root`` for the name ``""``."""
-    for i, (name, count) in enumerate(classes.items()):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for j in range(count):
-            Image.new("RGB", (16, 16), (60 * i + 10 * j, 90, 200 - 40 * i)).save(root / name / f"{j}.png")
-    return root
+def _images(root, classes: dict[str, int] | int):
+    return write_image_folder(root, classes, [(16, 16)])
 
 
 def _recipe(tmp_path, evaluate_data: dict) -> str:
-    flat = _images(tmp_path / "unlabelled", {"": 16})
+    flat = _images(tmp_path / "unlabelled", 16)
     recipe = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "default_root_dir": str(tmp_path / "run"), "enable_progress_bar": False,
@@ -42,7 +37,7 @@ def _recipe(tmp_path, evaluate_data: dict) -> str:
 def test_a_recipe_pretrains_on_an_unlabelled_folder_and_evaluates_on_a_labelled_pair(tmp_path, capsys, monkeypatch):
     train, val = _images(tmp_path / "labelled" / "train", {"a": 4, "b": 4}), _images(tmp_path / "labelled" / "val", {"a": 2, "b": 2})
     # a labelled pair whose val_dir lacks class folders stops the recipe before it trains
-    flat_val = _images(tmp_path / "flat_val", {"": 4})
+    flat_val = _images(tmp_path / "flat_val", 4)
     assert cli_main(["fit", "--config", _recipe(tmp_path, {"train_dir": str(train), "val_dir": str(flat_val)})]) == 1
     assert (f"evaluate.data: ImageFolderDataModule val_dir {flat_val} has no class folders (<class>/<image>): its images have no labels; "
             "set evaluate.protocols: [] to pretrain without evaluating\n") in capsys.readouterr().err
@@ -65,14 +60,14 @@ def test_a_recipe_pretrains_on_an_unlabelled_folder_and_evaluates_on_a_labelled_
 
 @pytest.mark.parametrize("own, train, val, message", [
     # the run's data: an unlabelled folder alone, or beside a labelled val_dir (not blamed)
-    (False, {"": 4}, None, "evaluate: ImageFolderDataModule has no val_dir (the labelled test split); set evaluate.protocols: [] to pretrain "
+    (False, 4, None, "evaluate: ImageFolderDataModule has no val_dir (the labelled test split); set evaluate.protocols: [] to pretrain "
                            "without evaluating, or evaluate on labelled data of its own (evaluate.data)"),
-    (False, {"": 4}, {"a": 1, "b": 1}, "evaluate: ImageFolderDataModule train_dir {tmp}/train has no class folders (<class>/<image>): its "
+    (False, 4, {"a": 1, "b": 1}, "evaluate: ImageFolderDataModule train_dir {tmp}/train has no class folders (<class>/<image>): its "
                                        "images have no labels; set evaluate.protocols: [] to pretrain without evaluating, or evaluate"),
     # evaluate.data of its own
     (True, {"a": 2, "b": 2}, None, "evaluate.data: ImageFolderDataModule has no val_dir (the labelled test split); set evaluate.protocols: []"),
-    (True, {"a": 2, "b": 2}, {"": 2}, "evaluate.data: ImageFolderDataModule val_dir {tmp}/val has no class folders (<class>/<image>)"),
-    (True, {"": 4}, {"a": 1, "b": 1}, "evaluate.data: ImageFolderDataModule train_dir {tmp}/train has no class folders (<class>/<image>)"),
+    (True, {"a": 2, "b": 2}, 2, "evaluate.data: ImageFolderDataModule val_dir {tmp}/val has no class folders (<class>/<image>)"),
+    (True, 4, {"a": 1, "b": 1}, "evaluate.data: ImageFolderDataModule train_dir {tmp}/train has no class folders (<class>/<image>)"),
 ])
 def test_a_missing_labelled_split_is_named_before_training(tmp_path, own, train, val, message):
     dm = ImageFolderDataModule(str(_images(tmp_path / "train", train)), str(_images(tmp_path / "val", val)) if val else None)
