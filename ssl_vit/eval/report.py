@@ -29,9 +29,9 @@ def write_report(cmp: Comparison, out: str | Path, plots: bool = True, note: str
     """``out`` (Markdown, ``note`` above its table) and, with ``plots``, ``<stem>_bars.png`` and
     (when FLOPs are known) ``<stem>_compute.png`` beside it; returns the paths written."""
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     figures = [plot_bars(cmp, out.with_name(f"{out.stem}_bars.png")), plot_compute(cmp.results, out.with_name(f"{out.stem}_compute.png"))] if plots else []
     figures = [f for f in figures if f is not None]
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(format_markdown(cmp, figures, note), encoding="utf-8")
     return [out, *figures]
 
@@ -47,10 +47,8 @@ def _figure(width: float, height: float, ncols: int = 1) -> tuple[Any, list[Any]
 
 
 def _save(fig: Any, path: str | Path, **kwargs: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, **kwargs)
-    return path
+    return Path(path)
 
 
 def plot_bars(cmp: Comparison, path: str | Path) -> Path:
