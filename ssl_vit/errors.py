@@ -45,12 +45,9 @@ class ArgumentParser(argparse.ArgumentParser):
     own and its subcommands' (argparse suggests only from Python 3.14)."""
 
     def error(self, message: str) -> typing.NoReturn:
-        def options(parser: argparse.ArgumentParser) -> list[str]:
-            subs = [p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
-            return [o for a in parser._actions for o in a.option_strings if o.startswith("--")] + [o for p in subs for o in options(p)]
-
         if found := re.search(r"unrecognized arguments: (--[\w-]+)", message):
-            message += did_you_mean(found.group(1), options(self))
+            parsers = [self, *(p for a in self._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values())]
+            message += did_you_mean(found.group(1), [o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")])
         super().error(message)
 
 

@@ -29,42 +29,38 @@ USAGE = "\n".join(["usage: ssl-vit <command> [options]   (ssl-vit <command> --he
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+    debug, argv = "--debug" in argv, [a for a in argv if a != "--debug"]
+    if not argv or argv[0] in ("-h", "--help", "help", "--version"):
+        print(f"ssl-vit {__version__}" if argv and argv[0] == "--version" else USAGE)
         return 0
-    if argv[0] == "--version":
-        print(f"ssl-vit {__version__}")
-        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     # OpenMP threads that sleep while they wait: with data-loading workers or another process on the
     # same cores, spinning threads slow a CPU run down several times over. (Before torch is imported.)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from ssl_vit.runtime import keep_freed_memory, world_info
 
-    try:
-        keep_freed_memory()  # SSL_VIT_MALLOC=keep (ssl_vit.runtime)
-    except ValueError as err:
-        print(f"ssl-vit: error: {err}", file=sys.stderr)
-        return 2
     # Lightning 2.6 with this torch warns at every fit of its own use of a deprecated pytree API.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     quiet_lightning_tips()
-    command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
-        print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
     # SSL_VIT_PLUGINS=mypkg.backbones,mypkg.byol: one's own modules (backbones they register, methods),
     # imported before any command so that eval / export / visualize know them too.
-    for name in filter(None, (n.strip() for n in os.environ.get("SSL_VIT_PLUGINS", "").split(","))):
-        try:
-            importlib.import_module(name)
-        except Exception as err:
-            if debug:
-                raise
-            hint = " (is its folder on PYTHONPATH?)" if isinstance(err, ModuleNotFoundError) else ""
-            print(f"ssl-vit: error: SSL_VIT_PLUGINS: cannot import {name}: {type(err).__name__}: {one_line(str(err))}{hint}", file=sys.stderr)
-            return 2
+    plugins = [n.strip() for n in os.environ.get("SSL_VIT_PLUGINS", "").split(",") if n.strip()]
+    try:
+        keep_freed_memory()  # SSL_VIT_MALLOC=keep (ssl_vit.runtime)
+        for name in plugins:
+            try:
+                importlib.import_module(name)
+            except Exception as err:
+                hint = " (is its folder on PYTHONPATH?)" if isinstance(err, ModuleNotFoundError) else ""
+                raise ValueError(f"SSL_VIT_PLUGINS: cannot import {name}: {type(err).__name__}: {one_line(str(err))}{hint}") from err
+    except ValueError as err:  # the environment's settings, before any command
+        if debug:
+            raise
+        print(f"ssl-vit: error: {err}", file=sys.stderr)
+        return 2
     try:
         return int(importlib.import_module(COMMANDS[command][0]).main(rest) or 0)
     except KeyboardInterrupt:

@@ -1,17 +1,12 @@
 """``ssl-vit fit``: pretraining (or the supervised baseline) from YAML recipes via LightningCLI.
 
 A recipe maps onto typed constructors (``model: {class_path, init_args}``, ``data: ...``,
-``trainer: {...}``); several ``--config`` files merge left to right (a dict-valued setting such as
-``backbone_kwargs`` is replaced whole: what that drops is named). A later file or the command line
-may set a class's arguments without ``init_args`` (``--model.lr 1e-3``, ``model: {lr: 1e-3}``):
-they go to the class named before. ``--print_config`` prints the resolved recipe. Everything is
-checked before training starts (``ssl_vit.cli.recipe_checks``). ``--trainer.enable_checkpointing
-false`` trains without checkpoints (the ``checkpoint`` section then goes unused).
-
-A resumed run continues exactly where its checkpoint was written: weights, EMA/teacher, DINO's
-centre, optimiser state, schedules, loop counters, the position in the epoch's data order and the
-per-step seeds. SIGTERM, SIGUSR1 or Ctrl-C writes ``last.ckpt`` after the current step and exits
-with status 128 + the signal's number.
+``trainer: {...}``); ``--config`` files merge left to right, and a later file or the command line
+may set a class's arguments without ``init_args`` (``--model.lr 1e-3``); ``--print_config`` prints
+the result. A resumed run continues exactly where its checkpoint was written (weights, EMA/teacher,
+optimiser, schedules, the position in the data order, the per-step seeds). SIGTERM, SIGUSR1 or
+Ctrl-C writes ``last.ckpt`` after the current step and exits with status 128 + the signal's number.
+``--trainer.enable_checkpointing false`` trains without checkpoints.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import lightning as L
 from jsonargparse import ArgumentError
@@ -52,14 +47,13 @@ class SSLViTCLI(LightningCLI):
         parser.add_argument("--global_batch_size", type=PositiveInt | None, default=None, help="total batch over all devices, nodes and accumulation steps (the papers' batch size)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from; 'last' resumes the newest in the run's folder; 'auto' does that when there is one and starts a new run otherwise (job scripts)")
         parser.add_argument("--resume", action="store_true", help="resume the newest checkpoint in the run's folder (--ckpt_path last)")
-        # The datamodule knows whether labels exist and how many classes: the online probe and the
-        # supervised head follow it, so a recipe never states the class count twice.
+        # The online probe and the supervised head follow the data's class count: a recipe states it once.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
         for action in parser._actions:
             # Lightning's Union[float, int, None] batch limits: the parser takes the first type that fits,
             # and `limit_train_batches: 1` (one batch) became 1.0 (all). With int first, 1 stays one batch.
             if action.dest in {f"trainer.limit_{stage}_batches" for stage in ("train", "val", "test", "predict")}:
-                action._typehint = Union[int, float, None]  # noqa: UP007 (the parser reads typing's form)
+                action._typehint = int | float | None
             elif action.dest == "trainer.accumulate_grad_batches":  # (0 would divide by zero in Lightning)
                 action._typehint = PositiveInt
 
@@ -86,16 +80,16 @@ class SSLViTCLI(LightningCLI):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``ssl-vit fit``, in a copy of the caller's context: LightningCLI leaves itself (and with it the
-    trainer, model and data) in a context variable, where nothing collects it until the interpreter
-    exits. Run this way, a process that fits several times (a notebook, a sweep, the tests) does not
-    keep every earlier run in memory."""
+    """``ssl-vit fit``, in a copy of the caller's context: LightningCLI leaves itself (trainer, model,
+    data) in a context variable, which would keep every earlier run of a process (a notebook, a sweep) in memory."""
     return contextvars.copy_context().run(_fit, list(sys.argv[1:] if argv is None else argv))
 
 
 def _fit(argv: list[str]) -> int:
     checks.check_yaml_files(argv)
-    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")  # (the dispatcher strips "fit")
+    # (The dispatcher strips "fit"; the checkpoint folder's files are this run's, or refused in _checkpoint_to_resume.)
+    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
+    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
     try:
         cli = SSLViTCLI(BaseMethod, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, auto_configure_optimizers=False,
                         run=False, args=argv, save_config_kwargs={"overwrite": True},
@@ -129,15 +123,11 @@ def _fit(argv: list[str]) -> int:
     resuming = ckpt_path is not None or requeued
     evaluation.check_run_dirs(trainer.default_root_dir, resuming)
     try:
-        with warnings.catch_warnings():
-            if ckpt_path is not None:  # resuming: the checkpoint folder holds this run's own files
-                warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
-            trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException:
         pass  # a stop request, saved by PreemptionCheckpoint (which names its signal)
-    # Every process ended at the same step (the end, or a signal all agreed on): the process group can
-    # go, before process 0's evaluation, which the others do not wait for. Not after an exception:
-    # another process may still wait in a collective, and tearing the group down under it can hang both.
+    # Every process ended at the same step (the end, or an agreed signal): the process group goes before
+    # process 0's evaluation. Not after an exception: another process may wait in a collective and hang.
     release_process_group()
     stopped_by = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)).stopped_by
     if stopped_by is not None:
@@ -170,10 +160,7 @@ def _checkpoint_to_resume(ckpt_path: str | None, resume: bool, ckpt_dir: Path, r
 def _evaluate(evaluation: Evaluation, ckpt_dir: Path, data: L.LightningDataModule, trainer: L.Trainer, resuming: bool) -> int:
     """The recipe's ``evaluate`` section, as ``ssl-vit eval`` would run it: the protocols that train
     on images on every process of the run, then those on extracted features in process 0 alone."""
-    first, last = rank_zero_only.rank == 0, checkpoint.newest_checkpoint(ckpt_dir)
-    if last is None:
-        if not first:
-            return 1
+    if (last := checkpoint.newest_checkpoint(ckpt_dir)) is None:  # (a fast_dev_run)
         raise ConfigError(f"evaluate: the run left no checkpoint in {ckpt_dir} to evaluate")
     try:
         results = evaluation.after_fit(last, data, trainer, resuming)
@@ -182,7 +169,7 @@ def _evaluate(evaluation: Evaluation, ckpt_dir: Path, data: L.LightningDataModul
             print(f"ssl-vit fit: the pretraining is done; evaluate's {stop}; continue with --resume", file=sys.stderr)
         return 128 + int(getattr(signal, stop.signal_name))
     except (ValueError, RuntimeError, OSError) as err:
-        if not first:
+        if rank_zero_only.rank != 0:
             raise
         # The training is done and kept: say how to evaluate it without training again.
         raise ValueError(f"evaluate: {one_line(str(err)).removeprefix('evaluate: ')} (the trained backbone is kept in {last}: fix the evaluate "

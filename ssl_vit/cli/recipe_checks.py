@@ -1,7 +1,7 @@
-"""The checks a recipe passes before ``ssl-vit fit`` trains, each failure one line naming the
-problem and its fix: a file that is not YAML, a key misspelt or at the wrong level (with where it
-belongs), a class the parser cannot find (with the known ones), a batch that does not split over
-the devices, images the patch size does not divide, a checkpoint of another run."""
+"""The checks a recipe passes before ``ssl-vit fit`` trains, each failure one line that names the
+problem and its fix: a file that is not YAML, a key misspelt or at the wrong level, a class the
+parser cannot find, a batch that does not split over the devices, images the patch size does not
+divide, a checkpoint of another run."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import lightning as L
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 
+import ssl_vit.data
 from ssl_vit.backbones import get_spec, is_vit, list_backbones
 from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.data.views import ViewTransform
 from ssl_vit.errors import ConfigError, closest, did_you_mean, init_parameters, one_line
-from ssl_vit.methods.base import BaseMethod
+from ssl_vit.methods import METHODS, BaseMethod
 from ssl_vit.training.checkpoint import load_record
 
 # What a recipe may name at each class-valued key: the base class and how messages call its kind.
@@ -30,10 +31,9 @@ _SHAPE_NEUTRAL = {"drop_path_rate", "drop_rate", "attn_drop_rate", "lean_backwar
 
 
 def check_yaml_files(argv: list[str]) -> None:
-    """Name the file, line and column of a recipe that is not YAML (the parser names only
-    "<unicode string>"), and a key beside a ``class_path`` (the parser says only that the mapping is
-    no valid class); say what a later file drops where it replaces a dict-valued argument of the
-    method whole (``backbone_kwargs``: jsonargparse merges files key by key, but not inside a dict)."""
+    """Name the line of a file that is not YAML and a key beside a ``class_path`` (the parser says
+    "<unicode string>" and "Not a valid subclass"); say what a later file drops where it replaces a
+    method's dict-valued argument whole (``backbone_kwargs``: files merge key by key, not inside a dict)."""
     paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")] + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     earlier: dict[str, tuple[Path, dict]] = {}
     for path in (Path(p) for p in paths if Path(p).is_file()):  # (a missing file: the parser says so)
@@ -111,13 +111,8 @@ def _argument_hint(class_path: str, name: str) -> str:
 
 def _known(base: type) -> list[type]:
     """The classes of ours a recipe may name where a ``base`` is expected."""
-    import ssl_vit.data
-    from ssl_vit.methods import METHODS
-
-    if base is BaseMethod:
-        return list(METHODS.values())
-    found = (getattr(ssl_vit.data, n) for n in ssl_vit.data.__all__ if n not in ("ImageDataModule", "ViewTransform"))
-    return sorted((c for c in found if inspect.isclass(c) and issubclass(c, base)), key=lambda c: c.__name__)
+    ours = [*METHODS.values(), *(getattr(ssl_vit.data, n) for n in ssl_vit.data.__all__ if n not in ("ImageDataModule", "ViewTransform"))]
+    return [c for c in ours if inspect.isclass(c) and issubclass(c, base)]
 
 
 def known_classes(message: str) -> str:

@@ -1,11 +1,7 @@
 """Checkpoints of a run: written atomically, every N optimiser steps and at the end, in one folder
-that a rerun of the same recipe finds again.
-
-Lightning's ``ModelCheckpoint`` puts its files under the first logger's new version folder
-(``lightning_logs/version_N/checkpoints``), so a rerun never sees the previous run's files
-(``ckpt_path="last"`` finds nothing; ``last.ckpt`` gets a sibling ``last-v1.ckpt``).
-:class:`StepCheckpoint` keeps a recipe's run in ``<default_root_dir>/checkpoints``, and
-:func:`newest_checkpoint` is what ``--resume`` loads.
+that a rerun of the same recipe finds again: ``<default_root_dir>/checkpoints``, where Lightning's
+``ModelCheckpoint`` would use the first logger's new ``version_N`` folder (a rerun would then never
+see the previous run's files: ``ckpt_path="last"`` finds nothing, ``last.ckpt`` gets a ``last-v1.ckpt``).
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from ssl_vit.io import atomic_torch_save, stale_temporaries
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O through :func:`ssl_vit.io.atomic_torch_save` (a temporary file
-    renamed over the target): a job killed mid-write leaves the previous checkpoint whole, not a
-    truncated file that the next ``--resume`` fails on or loads as garbage."""
+    """Lightning's checkpoint I/O through :func:`ssl_vit.io.atomic_torch_save`: a job killed mid-write
+    leaves the previous checkpoint whole, not a truncated file that ``--resume`` fails on."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:  # refused, as TorchCheckpointIO does, rather than dropped
@@ -36,20 +31,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def default_checkpoint_dir(trainer: L.Trainer) -> str:
-    """``<default_root_dir>/checkpoints``, absolute (as Lightning resolves a given ``dirpath``), so
-    that a run resumed from another working directory is the same run."""
+    """``<default_root_dir>/checkpoints``, absolute (as Lightning resolves a ``dirpath``): a run
+    resumed from another working directory is the same run."""
     return os.path.realpath(os.path.join(os.path.expanduser(str(trainer.default_root_dir)), "checkpoints"))
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Checkpoint every ``every_n_train_steps`` optimiser steps and at the end, keep the newest
-    ``keep_last``, and refresh ``last.ckpt`` in place (the newest state of the run).
-
-    Args:
-        dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints``.
-        every_n_train_steps: checkpoint interval in optimiser steps.
-        keep_last: how many step checkpoints to keep besides ``last.ckpt``.
-    """
+    """Checkpoint every ``every_n_train_steps`` optimiser steps and at the end into ``dirpath``
+    (default :func:`default_checkpoint_dir`), keep the newest ``keep_last`` step files, and refresh
+    ``last.ckpt`` in place (the newest state of the run)."""
 
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 500, keep_last: int = 3) -> None:
         super().__init__(dirpath=dirpath, filename="step{step:08d}", monitor="step", mode="max", save_top_k=keep_last, save_last=True,
@@ -63,26 +53,23 @@ class StepCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         folder = self.resolve_dirpath(trainer)
-        if trainer.is_global_zero and os.path.isdir(folder):
-            # A job killed while writing a checkpoint left its temporary file, of full checkpoint size.
-            if stale := stale_temporaries(folder, ".ckpt"):
-                for tmp in stale:
-                    tmp.unlink(missing_ok=True)
-                print(f"removed {len(stale)} unfinished checkpoint write(s) of an interrupted job: {', '.join(p.name for p in stale)}", file=sys.stderr)
+        # A job killed while writing a checkpoint left its temporary file, of full checkpoint size.
+        if trainer.is_global_zero and os.path.isdir(folder) and (stale := stale_temporaries(folder, ".ckpt")):
+            for tmp in stale:
+                tmp.unlink(missing_ok=True)
+            print(f"removed {len(stale)} unfinished checkpoint write(s) of an interrupted job: {', '.join(p.name for p in stale)}", file=sys.stderr)
         self._trainer = weakref.ref(trainer)  # load_state_dict (after setup) asks it what is resumed
         super().setup(trainer, pl_module, stage)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the bookkeeping (which step files exist, where ``last.ckpt`` is) also when the
-        run's folder is reached by another path than when it was written (a relative
-        ``default_root_dir`` from another working directory, a moved or copied run): the recorded
-        paths are re-based on this folder, keeping those whose file exists, so that ``last.ckpt`` is
-        overwritten (not versioned) and ``keep_last`` prunes the old files. A checkpoint from
+        """Restore the bookkeeping (which step files exist, where ``last.ckpt`` is) also when the run's
+        folder is reached by another path than when it was written (a relative ``default_root_dir``,
+        a moved or copied run): the paths are re-based on this folder, keeping those whose file
+        exists, so that ``last.ckpt`` is overwritten and ``keep_last`` prunes. A checkpoint from
         another folder (continuing someone else's run) starts the bookkeeping afresh."""
         saved = state_dict.get("dirpath")
         if saved is not None and self.dirpath is not None and saved != self.dirpath:
-            trainer = self._trainer() if getattr(self, "_trainer", None) else None
-            resumed = getattr(trainer, "ckpt_path", None)
+            resumed = getattr(self._trainer() if getattr(self, "_trainer", None) else None, "ckpt_path", None)
             if resumed is not None and os.path.realpath(os.path.dirname(str(resumed))) == os.path.realpath(str(self.dirpath)):
                 state_dict = _rebased(state_dict, str(self.dirpath))
             else:
@@ -99,7 +86,10 @@ class StepCheckpoint(ModelCheckpoint):
         # The final weights whatever the interval, saved at the last batch's end as every periodic
         # checkpoint is: one written after the loop ended records its last batch twice, and a run
         # continued from it (a larger max_steps) would skip a batch. A smoke test saves nothing.
-        if not trainer.fast_dev_run and self._last_global_step_saved != trainer.global_step and _ends_after_this_batch(trainer):
+        max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+        ends = (trainer.should_stop or 0 <= max_steps <= trainer.global_step
+                or (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1 and trainer.is_last_batch))
+        if ends and not trainer.fast_dev_run and self._last_global_step_saved != trainer.global_step:
             self.save_last_checkpoint(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -112,31 +102,18 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
 
 
-def _ends_after_this_batch(trainer: L.Trainer) -> bool:
-    """Whether the fit loop stops after the batch that just ended (max_steps, the last batch of the
-    last epoch, or a stop requested)."""
-    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
-    if trainer.should_stop or (max_steps is not None and 0 <= max_steps <= trainer.global_step):
-        return True
-    return max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1 and bool(trainer.is_last_batch)
-
-
 def _rebased(state_dict: dict[str, Any], dirpath: str) -> dict[str, Any]:
     def here(path: str) -> str:
         moved = os.path.join(dirpath, os.path.basename(path))
         return moved if path and os.path.exists(moved) else ""
 
-    state = dict(state_dict, dirpath=dirpath)
-    state["best_k_models"] = {here(p): v for p, v in state_dict.get("best_k_models", {}).items() if here(p)}
-    for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
-        if key in state_dict:
-            state[key] = here(state_dict[key])
-    return state
+    state = dict(state_dict, dirpath=dirpath, best_k_models={here(p): v for p, v in state_dict.get("best_k_models", {}).items() if here(p)})
+    return state | {key: here(state_dict[key]) for key in ("best_model_path", "kth_best_model_path", "last_model_path") if key in state_dict}
 
 
 def newest_checkpoint(dirpath: str | Path, root_dir: str | Path | None = None) -> Path | None:
-    """The furthest-trained ``*.ckpt`` in ``dirpath``, or a SLURM requeue checkpoint
-    (``<root_dir>/hpc_ckpt_<n>.ckpt``, Lightning's) if that is further; None when there is none.
+    """The furthest-trained ``*.ckpt`` in ``dirpath``, or a SLURM requeue checkpoint (Lightning's
+    ``<root_dir>/hpc_ckpt_<n>.ckpt``) if that is further; None when there is none.
 
     Furthest by the optimiser step each file records, then by modification time (a checkpoint is
     renamed into place when complete): times alone mislead in a copied run folder (``cp -r`` stamps

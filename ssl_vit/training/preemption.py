@@ -2,15 +2,12 @@
 (SLURM's warning with ``--signal=USR1@90``) and Ctrl-C write ``last.ckpt`` after the current
 optimiser step and stop the run, so that ``--resume`` loses nothing; a second Ctrl-C stops at once.
 
-The handler only notes the signal; at the end of each optimiser step (and of each validation batch:
-a long validation pass is not waited for) the processes agree on it with one all-reduce, so that all
-save and stop at the same step. Lightning's own handlers act wherever each process was interrupted:
-its SIGTERM handler broadcasts (with several processes the step's collectives then mismatch: gloo
-aborts or the run hangs), its SLURM requeue handler saves mid-step and lets the run go on. So its
-SIGTERM handler is replaced once training starts, and with SLURM auto-requeue the requeue signal is
-ours too: at the agreed batch end Lightning's requeue runs (``hpc_ckpt_<n>.ckpt``, ``scontrol
-requeue``). ``stopped_by`` names the signal: ``ssl-vit fit`` exits with 128 + its number, as a shell
-reports a process a signal killed.
+The handler only notes the signal; at the end of each optimiser step (and validation batch) the
+processes agree on it with one all-reduce, and all save and stop at the same step. Lightning's own
+handlers act wherever each process was interrupted (its SIGTERM handler broadcasts mid-step, which
+mismatches the step's collectives; its SLURM requeue handler saves mid-step), so they are replaced
+once training starts; with SLURM auto-requeue, Lightning's requeue runs at the agreed batch end.
+``stopped_by`` names the signal: ``ssl-vit fit`` exits with 128 + its number, as a shell would.
 """
 
 from __future__ import annotations
@@ -31,11 +28,7 @@ from ssl_vit.training.checkpoint import default_checkpoint_dir
 
 
 class PreemptionCheckpoint(Callback):
-    """Save ``<checkpoint dir>/last.ckpt`` and stop when the job is told to stop.
-
-    Args:
-        signals: the signals besides SIGTERM that ask for a checkpoint and a stop.
-    """
+    """Save ``<checkpoint dir>/last.ckpt`` and stop on SIGTERM and the other ``signals``."""
 
     def __init__(self, signals: tuple[str, ...] = ("SIGUSR1", "SIGINT")) -> None:
         self.signals = signals
@@ -84,8 +77,8 @@ class PreemptionCheckpoint(Callback):
             signal.signal(sig, self._handler)
 
     def _take_sigterm(self) -> None:
-        """Replace the SIGTERM handler Lightning registered when the run started, and take SIGINT;
-        the first hook after that registration calls this."""
+        """Replace the SIGTERM handler Lightning registered at the run's start (the first hook after
+        it calls this), and take SIGINT."""
         if signal.SIGTERM not in self._previous:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handler)
             if "SIGINT" in self.signals:
@@ -116,8 +109,7 @@ class PreemptionCheckpoint(Callback):
         return Path(cb.dirpath if isinstance(cb, ModelCheckpoint) and cb.dirpath else default_checkpoint_dir(trainer)) / "last.ckpt"
 
     def _agreed_signal(self, trainer: L.Trainer) -> int:
-        """The signal any process got (its number; 0 for none), the same in every process: a
-        signal may reach the processes a step apart."""
+        """The number of the signal any process got (0: none): signals may reach processes a step apart."""
         signum = int(signal.Signals[self._requested]) if self._requested is not None else 0
         if trainer.world_size > 1:
             signum = int(trainer.strategy.reduce(torch.tensor(signum, device=trainer.strategy.root_device), reduce_op="max"))
