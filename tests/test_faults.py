@@ -6,7 +6,7 @@
   freeze, teacher-temperature and weight-decay schedules, drop path, multi-crop augmentations,
   online probe), also when the resumed run reads its data with worker processes;
 * a real SIGTERM to an ``ssl-vit fit`` subprocess writes ``last.ckpt``, exits with 143, and the
-  run resumes to the end;
+  run resumes from it;
 * a non-finite loss stops the run with one line naming the step and the last good checkpoint,
   whose bytes stay as they were;
 * unreadable images are skipped and listed in the run's summary; a missing or empty image folder
@@ -30,7 +30,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import TINY_VIT, subprocess_env, under_file_size_limit
+from helpers import TINY_VIT, under_file_size_limit
 from PIL import Image
 
 from ssl_vit.cli import main as ssl_vit_main
@@ -434,7 +434,7 @@ def test_ckpt_path_last_in_the_recipe_resumes_too(tmp_path, uninterrupted):
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 
-def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_resumes_exactly(tmp_path, uninterrupted):
+def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_resumes_exactly(tmp_path, uninterrupted, monkeypatch, capsys):
     """``recipes/trainer/slurm.yaml`` in a SLURM job (its environment and ``scontrol`` faked): the
     requeue signal, arriving between a step's backward pass and its optimiser step, saves the hpc
     checkpoint after that step, requeues the job and stops; the requeued job (the same command)
@@ -447,21 +447,22 @@ def test_slurm_requeue_signal_mid_step_requeues_after_it_and_the_requeued_job_re
     scontrol.chmod(0o755)
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
              "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
-    env = subprocess_env(**slurm, OMP_NUM_THREADS="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:  # (a test run inside a SLURM job: only the fake job's)
+        monkeypatch.delenv(name)
+    for name, value in {**slurm, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}.items():
+        monkeypatch.setenv(name, value)
 
-    def job(callbacks: list[dict[str, Any]] | None = None) -> subprocess.CompletedProcess:
-        cfg = recipe(tmp_path, callbacks=callbacks)
+    def job(callbacks: list[dict[str, Any]] | None = None) -> int:
         # the job line README.md gives: the first run starts, the requeued one resumes
-        cmd = [sys.executable, "-m", "ssl_vit.cli", "fit", "--config", str(cfg), "--config", str(ROOT / "recipes/trainer/slurm.yaml"), "--ckpt_path", "auto"]
-        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return fit("--config", str(recipe(tmp_path, callbacks=callbacks)), "--config", str(ROOT / "recipes/trainer/slurm.yaml"), "--ckpt_path", "auto")
 
-    first = job([{"class_path": "test_faults.Interrupt", "init_args": {"step": 5, "how": "SIGUSR1", "mid_step": True}}])
-    assert first.returncode == 128 + signal.SIGUSR1, first.stderr[-3000:]
+    interrupt = [{"class_path": "test_faults.Interrupt", "init_args": {"step": 5, "how": "SIGUSR1", "mid_step": True}}]
+    assert job(interrupt) == 128 + signal.SIGUSR1
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     assert load(tmp_path / "run" / "hpc_ckpt_1.ckpt")["global_step"] == 5  # after the signalled step, whole
-    requeued = job()
-    assert requeued.returncode == 0, requeued.stderr[-3000:]
-    assert "ssl-vit fit: resuming from" in requeued.stderr  # hpc_ckpt_1.ckpt or last.ckpt: both hold step 5
+    capsys.readouterr()
+    assert job() == 0
+    assert "ssl-vit fit: resuming from" in capsys.readouterr().err  # hpc_ckpt_1.ckpt or last.ckpt: both hold step 5
     assert_same_run(load(ckpt_dir(tmp_path) / "last.ckpt"), uninterrupted)
 
 
@@ -488,8 +489,9 @@ def test_a_stop_signal_to_a_training_process_checkpoints_and_the_run_resumes(tmp
     last = load(ckpt_dir(tmp_path) / "last.ckpt")  # complete and loadable
     assert 2 <= last["global_step"] < steps
     assert not [p for p in ckpt_dir(tmp_path).iterdir() if p.suffix == ".tmp"]  # no half-written files
-    assert fit("--config", str(cfg), "--resume") == 0
-    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == steps
+    end = last["global_step"] + 2  # (the run goes on from there: two steps show it, the rest would only take time)
+    assert fit("--config", str(cfg), "--resume", "--trainer.max_steps", str(end)) == 0
+    assert load(ckpt_dir(tmp_path) / "last.ckpt")["global_step"] == end
 
 
 def test_data_workers_ignore_ctrl_c_and_leave_the_decision_to_the_training_process():
@@ -502,9 +504,12 @@ def test_data_workers_ignore_ctrl_c_and_leave_the_decision_to_the_training_proce
                              num_workers=1, views=TwoViews(size=16))
     dm.setup("fit")
     assert dm.train_dataloader().worker_init_fn is ignore_sigint and dm.val_dataloader().worker_init_fn is ignore_sigint
-    probe = subprocess.run([sys.executable, "-c", "import signal; from ssl_vit.data.base import ignore_sigint; ignore_sigint(0); "
-                            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"], capture_output=True, text=True, cwd=ROOT)
-    assert probe.stdout.strip() == "True", probe.stderr
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        ignore_sigint(0)  # what a worker process runs first
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 # ----------------------------------------------------------------------------- non-finite loss
