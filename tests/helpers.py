@@ -14,9 +14,9 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-from PIL import Image
 import torch
 from lightning.pytorch.callbacks import Callback
+from PIL import Image
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode

@@ -150,7 +150,12 @@ def test_rgb_statistics_converted_to_grey_follow_itu_r_601_luma():
 def test_eval_crop_pct_defaults_to_0875_and_is_applied(tmp_path):
     # Reference: torchvision Resize(short side floor(size / crop_pct), bicubic) + CenterCrop(size).
     # (A 36 x 24 image: the long side 27 or 48 is whole, so rounding and torchvision's truncation agree.)
-    assert inspect.signature(ImageDataModule.__init__).parameters["eval_crop_pct"].default == 0.875
+    # The default (None) is 0.875 for images of another size, 1 (used whole) for images at the size.
+    assert inspect.signature(ImageDataModule.__init__).parameters["eval_crop_pct"].default is None
+    (tmp_path / "small").mkdir()
+    Image.fromarray(np.arange(256, dtype=np.uint8).reshape(16, 16), "L").save(tmp_path / "small" / "a.png")
+    dm = ImageFolderDataModule(str(tmp_path / "small"), img_size=16, in_chans=1, mean=(0.0,), std=(1.0,), num_workers=0)
+    assert torch.equal(dm.eval_datasets()[0][0][0] * 255, torch.arange(256.0).view(1, 16, 16)) and dm.eval_crop_pct == 1.0
     rng = np.random.default_rng(2)
     (tmp_path / "imgs").mkdir()
     Image.fromarray(rng.integers(0, 256, (24, 36, 3), dtype=np.uint8), "RGB").save(tmp_path / "imgs" / "a.png")

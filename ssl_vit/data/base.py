@@ -104,8 +104,8 @@ class ImageDataModule(L.LightningDataModule):
         drop_last: drop the last incomplete training batch.
         eval_batch_size: batch size of the validation / test loaders (None: batch_size).
         eval_crop_pct: the evaluation transform's centre-crop fraction (``EvalTransform``); None:
-            1 when the training images are already ``img_size`` squares (Fashion-MNIST at 28 px:
-            used whole), else timm's and DeiT's 0.875 (224 from 256).
+            1 for images already ``img_size`` squares (used whole), else timm's and DeiT's 0.875
+            (224 from 256). Checkpoints and exports record the one the first training image gets.
     """
 
     #: statistics of the dataset's native channels (1 for grey data, 3 for RGB)
@@ -143,7 +143,7 @@ class ImageDataModule(L.LightningDataModule):
         self.subset, self.seed, self.pin_memory, self.drop_last = subset, seed, pin_memory, drop_last
         self.eval_batch_size = eval_batch_size  # None: follow batch_size (which a CLI may reset)
         self.eval_crop_pct = eval_crop_pct
-        self.eval_transform = EvalTransform(img_size, crop_pct=eval_crop_pct or 0.875)
+        self.eval_transform = EvalTransform(img_size, crop_pct=eval_crop_pct)
         self._train_source: Any = None
         self._test_source: Any = None
 
@@ -168,10 +168,8 @@ class ImageDataModule(L.LightningDataModule):
             train = train.subset(indices.sort().values)
         self._test_source = self._load_split(train=False)
         self._train_source = train
-        if self.eval_crop_pct is None and len(train):
-            # Images already at the model's size are evaluated whole (timm's crop_pct 1).
-            self.eval_transform.crop_pct = 1.0 if to_pil(train[0][0]).size == (self.img_size, self.img_size) else 0.875
-        self.eval_crop_pct = self.eval_transform.crop_pct
+        if self.eval_crop_pct is None and len(train):  # (for the record: timm's crop_pct of an export)
+            self.eval_crop_pct = self.eval_transform.crop_for(to_pil(train[0][0]))
         if self.mean is None or self.std is None:
             self.measure_statistics()
 

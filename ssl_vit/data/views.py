@@ -265,13 +265,18 @@ class MultiCrop(ViewTransform):
 
 class EvalTransform:
     """Evaluation's transform: one image -> one float tensor ``[C, size, size]`` in [0, 1] by
-    :func:`~ssl_vit.data.augment.resize_center_crop` (an image already ``size`` x ``size`` is kept)."""
+    :func:`~ssl_vit.data.augment.resize_center_crop`. ``crop_pct`` None: 1 for an image already
+    ``size`` x ``size`` (used whole: 28-px Fashion-MNIST at 28), else timm's and DeiT's 0.875."""
 
-    def __init__(self, size: int, crop_pct: float = 0.875, interpolation: Interpolation = "bicubic") -> None:
-        if not 0.0 < crop_pct <= 1.0:  # above 1 the crop would be larger than the resized image
+    def __init__(self, size: int, crop_pct: float | None = None, interpolation: Interpolation = "bicubic") -> None:
+        if crop_pct is not None and not 0.0 < crop_pct <= 1.0:  # above 1 the crop would be larger than the resized image
             raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
         self.size, self.crop_pct, self.interpolation = size, crop_pct, interpolation
 
+    def crop_for(self, image: Image.Image) -> float:
+        """The crop fraction ``image`` is evaluated with."""
+        return self.crop_pct or (1.0 if image.size == (self.size, self.size) else 0.875)
+
     def __call__(self, image: ImageLike) -> torch.Tensor:
-        img = resize_center_crop(to_pil(image), self.size, self.crop_pct, self.interpolation)
-        return to_float_tensor(img)
+        img = to_pil(image)
+        return to_float_tensor(resize_center_crop(img, self.size, self.crop_for(img), self.interpolation))
