@@ -1,10 +1,13 @@
-"""Callbacks of every pretraining run: the pretraining FLOP counter."""
+"""Callbacks of every pretraining run: the pretraining FLOP counter and the collapse monitor."""
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
@@ -64,3 +67,51 @@ class PretrainFlopsCounter(L.Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self.total = pl_module.pretrain_flops = float(checkpoint.get("pretrain_flops") or 0.0)
+
+
+class CollapseMonitor(L.Callback):
+    """One console warning when a run's representation collapses (DINO §5.3 and Fig. 7: the two
+    collapses that centring and sharpening balance), read from what the method logs:
+
+    * ``train/teacher_entropy`` at ln K (uniform collapse: every image gets the same flat output,
+      the loss sits at ln K) or near 0 (one prototype for every image);
+    * ``train/embedding_std``, the per-dimension std of the L2-normalised representation, near 0
+      (every image maps to the same direction; about 1/sqrt(D) when healthy).
+
+    A state counts once it has held for ``window`` consecutive steps; each kind is said once.
+    """
+
+    HINT = ("try: normalise with the data's own statistics (mean/std unset for an image folder), a longer LR warm-up, "
+            "a lower teacher temperature, BatchNorm in the head (use_bn_in_head), or more images per batch; see README, Your own images")
+
+    def __init__(self, window: int = 50) -> None:
+        super().__init__()
+        self.window = window
+        self.streaks: dict[str, int] = {}
+        self.said: set[str] = set()
+
+    def _states(self, metrics: dict[str, Any], pl_module: L.LightningModule) -> dict[str, str]:
+        """Collapse kind -> what the figure is, for the kinds the logged values show now."""
+        states = {}
+        entropy, out_dim = metrics.get("train/teacher_entropy"), pl_module.hparams.get("out_dim")
+        if entropy is not None and out_dim:
+            ln_k = math.log(out_dim)
+            if float(entropy) > 0.98 * ln_k:
+                states["uniform"] = f"the teacher's entropy is {float(entropy):.3f}, at ln K = {ln_k:.3f} (uniform collapse: one flat output for every image)"
+            elif float(entropy) < 0.02 * ln_k:
+                states["one-prototype"] = f"the teacher's entropy is {float(entropy):.3f}, near 0 (collapse onto one prototype for every image)"
+        std, dim = metrics.get("train/embedding_std"), getattr(pl_module.backbone, "embed_dim", None)
+        if std is not None and dim and float(std) < 0.1 / math.sqrt(dim):
+            states["embedding"] = (f"the embedding std is {float(std):.4f}, near 0 (healthy: about 1/sqrt({dim}) = "
+                                   f"{1 / math.sqrt(dim):.3f}; every image maps to the same direction)")
+        return states
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        states = self._states(trainer.callback_metrics, pl_module)
+        self.streaks = {kind: self.streaks.get(kind, 0) + 1 for kind in states}
+        for kind, figure in states.items():
+            if self.streaks[kind] >= self.window and kind not in self.said:
+                self.said.add(kind)
+                if rank_zero_only.rank == 0:
+                    print(f"[ssl_vit] warning: {type(pl_module).__name__} looks collapsed at step {trainer.global_step}: "
+                          f"{figure} for the last {self.window} steps; {self.HINT}", file=sys.stderr, flush=True)
