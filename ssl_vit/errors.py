@@ -51,39 +51,23 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def init_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
-    """The named arguments ``fn(...)`` takes, annotations resolved where they can be: a class's
-    ``__init__``'s and, while it passes ``**kwargs`` on, its bases' (a class's own win)."""
-    params: dict[str, inspect.Parameter] = {}
-    for init in [vars(k)["__init__"] for k in fn.__mro__ if "__init__" in vars(k)] if inspect.isclass(fn) else [fn]:
-        try:
-            found = inspect.signature(init, eval_str=True).parameters.values()
-        except NameError:  # an annotation naming what is not importable here: left as text, unchecked
-            found = inspect.signature(init).parameters.values()
-        params |= {p.name: p for p in found if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in params}
-        if not any(p.kind is p.VAR_KEYWORD for p in found):
-            break
-    return params
-
-
-def optional(annotation: Any) -> tuple[Any, bool]:
-    """``(X, whether None is allowed)`` of ``X`` or ``X | None`` (X is None for a wider union)."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
-    rest = [a for a in args if a is not type(None)]
-    return (rest[0] if len(rest) == 1 else None), len(rest) < len(args)
-
-
 def check_argument_types(fn: Callable[..., Any], kwargs: Mapping[str, Any], where: str) -> None:
     """Raise ``TypeError`` naming the first value that breaks its argument's plain (int, float, bool,
-    str) or ``Literal`` annotation, or either ``| None``: ``{where}embed_dim must be an integer, got 'abc'``."""
-    params = init_parameters(fn)
+    str) or ``Literal`` annotation, either ``| None`` too: ``{where}embed_dim must be an integer, got 'abc'``
+    (a recipe's ``backbone_kwargs`` is a free dict, which no parser checks)."""
+    try:
+        params = inspect.signature(fn, eval_str=True).parameters
+    except NameError:  # an annotation naming what is not importable here: left as text, unchecked
+        params = inspect.signature(fn).parameters
     for name, value in kwargs.items():
-        kind, none_ok = optional(params[name].annotation if name in params else None)
+        hint = params[name].annotation if name in params else None
+        union = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = [k for k in union if k is not type(None)]
+        kind, none_ok = kinds[0] if len(kinds) == 1 else None, len(kinds) < len(union)
         if typing.get_origin(kind) is typing.Literal:
             fits, rule = value in typing.get_args(kind), f"one of {', '.join(map(repr, typing.get_args(kind)))}"
-        else:  # (a bool is an int to Python, not to a recipe)
-            fits = kind not in _WORDS or (isinstance(value, kind) or (kind is float and isinstance(value, int))) and (kind is bool or not isinstance(value, bool))
-            rule = _WORDS.get(kind, "")
+        else:
+            fits, rule = kind not in _WORDS or isinstance(value, kind) or (kind is float and isinstance(value, int)), _WORDS.get(kind)
         if not (fits or (value is None and none_ok)):
             raise TypeError(f"{where}{name} must be {rule}{' or null' if none_ok else ''}, got {value!r}")
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonargparse
 import lightning as L
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
@@ -20,7 +21,7 @@ import ssl_vit.data
 from ssl_vit.backbones import get_spec, is_vit, list_backbones
 from ssl_vit.backbones.registry import kwargs_differences
 from ssl_vit.data.views import ViewTransform
-from ssl_vit.errors import ConfigError, closest, did_you_mean, init_parameters, one_line
+from ssl_vit.errors import ConfigError, closest, did_you_mean, one_line
 from ssl_vit.methods import METHODS, BaseMethod
 from ssl_vit.training.checkpoint import load_record
 
@@ -98,15 +99,22 @@ def _argument_hint(class_path: str, name: str) -> str:
     module, _, attr = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), attr)
+        if hint := did_you_mean(name, class_arguments(cls)):
+            return hint
     except (ImportError, AttributeError, ValueError):
         return ""
-    if hint := did_you_mean(name, init_parameters(cls)):
-        return hint
     base = next((b for b, _ in _KINDS.values() if inspect.isclass(cls) and issubclass(cls, b)), None)
     if base is BaseMethod and any(name in get_spec(b).allowed_kwargs() for b in list_backbones()):
         return f" (a backbone argument: model.init_args.backbone_kwargs.{name})"
-    takers = [k.__name__ for k in _known(base) if name in init_parameters(k)] if base else []
+    takers = [k.__name__ for k in _known(base) if name in class_arguments(k)] if base else []
     return f" ({name} is an argument of {' and '.join(takers)}, not of {attr})" if takers else ""
+
+
+def class_arguments(cls: type) -> set[str]:
+    """The arguments a recipe may give ``cls``, as the parser reads its signature (and its bases')."""
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, fail_untyped=False)
+    return {key.split(".")[0] for key in parser.get_defaults().keys()}
 
 
 def _known(base: type) -> list[type]:
