@@ -52,9 +52,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def check_argument_types(fn: Callable[..., Any], kwargs: Mapping[str, Any], where: str) -> None:
-    """Raise ``TypeError`` naming the first value that breaks its argument's plain (int, float, bool,
-    str) or ``Literal`` annotation, either ``| None`` too: ``{where}embed_dim must be an integer, got 'abc'``
-    (a recipe's ``backbone_kwargs`` is a free dict, which no parser checks)."""
+    """Raise ``TypeError`` naming the first value that breaks its plain (int, float, bool, str) or ``Literal``
+    annotation, ``| None`` or not: ``{where}embed_dim must be an integer, got 'abc'`` (for dicts no parser types)."""
     try:
         params = inspect.signature(fn, eval_str=True).parameters
     except NameError:  # an annotation naming what is not importable here: left as text, unchecked
