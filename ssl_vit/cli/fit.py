@@ -2,7 +2,7 @@
 
 A recipe maps onto typed constructors (``model: {class_path, init_args}``, ``data: ...``,
 ``trainer: {...}``); ``--config`` files merge left to right, and a later file or the command line
-may set a class's arguments without ``init_args`` (``--model.lr 1e-3``); ``--print_config`` prints
+may set a class's arguments without ``init_args`` (``--model.base_lr 1e-3``); ``--print_config`` prints
 the result. A resumed run continues exactly where its checkpoint was written (weights, EMA/teacher,
 optimiser, schedules, the position in the data order, the per-step seeds). SIGTERM, SIGUSR1 or
 Ctrl-C writes ``last.ckpt`` after the current step and exits with status 128 + the signal's number.
