@@ -16,4 +16,4 @@ bench: setup
 	$(VENV)/bin/ssl-vit benchmark $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check ssl_vit tests
+	$(VENV)/bin/ruff check ssl_vit tests tools

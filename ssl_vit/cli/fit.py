@@ -35,7 +35,7 @@ from ssl_vit.eval.train_run import EvalRunInterrupted
 from ssl_vit.methods.base import BaseMethod
 from ssl_vit.runtime import release_process_group
 from ssl_vit.training import checkpoint
-from ssl_vit.training.callbacks import PretrainFlopsCounter
+from ssl_vit.training.callbacks import CollapseMonitor, PretrainFlopsCounter
 from ssl_vit.training.preemption import PreemptionCheckpoint
 from ssl_vit.training.progress import ProgressLog
 
@@ -94,7 +94,7 @@ def _fit(argv: list[str]) -> int:
         cli = SSLViTCLI(BaseMethod, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, auto_configure_optimizers=False,
                         run=False, args=argv, save_config_kwargs={"overwrite": True},
                         # The FLOP counter first: a signal's checkpoint at the same batch end then counts the batch.
-                        trainer_defaults={"callbacks": [PretrainFlopsCounter(), PreemptionCheckpoint()]},
+                        trainer_defaults={"callbacks": [PretrainFlopsCounter(), CollapseMonitor(), PreemptionCheckpoint()]},
                         parser_kwargs={"exit_on_error": False, "allow_abbrev": False, "description": __doc__, "prog": "ssl-vit fit"})
     except MisconfigurationException as err:  # Lightning's: an accelerator this machine lacks ...
         gpu = " (the recipe's trainer asks for GPUs; on a machine without one add --config recipes/trainer/cpu.yaml)" if "gpu" in str(err).lower() else ""
