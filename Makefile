@@ -4,7 +4,7 @@ VENV ?= .venv
 .PHONY: setup demo test bench lint
 
 setup:
-	bash scripts/setup.sh
+	bash tools/setup.sh
 
 demo: setup
 	$(VENV)/bin/ssl-vit demo $(ARGS)

@@ -26,7 +26,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 STAMP="$VENV/.ssl_vit-installed"
-WANT=$(cat setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)
+WANT=$(cat setup.py tools/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     exit 0
 fi
