@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ssl_vit.eval import report
-from ssl_vit.eval.compare import build_comparison, load_results
+from ssl_vit.eval.compare import build_comparison, format_text, load_results
 from ssl_vit.eval.results import MAIN_METRIC, EvalResult
 
 BACKBONE = {"name": "vit_tiny", "kwargs": {"patch_size": 4}}
@@ -161,3 +161,25 @@ def test_compute_plot_tick_labels_do_not_collide_and_datasets_keep_their_line_st
         assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in ax.get_xticklabels()]
     styles = {line.get_label(): (line.get_color(), line.get_linestyle()) for ax in axes for line in ax.get_lines()}
     assert styles["dino, fashion_mnist"] != styles["dino, imagefolder:imgs/train"]
+
+
+def test_results_at_fewer_labels_make_the_label_efficiency_table_not_rows_of_the_main_one(tmp_path):
+    # Hand-written expectation: linear probes on 600 and 6000 labelled images (three draws each) and
+    # on all 60000; the supervised baseline trained on those images alone, one pretraining each.
+    def probe(method, n, top1, seed, created="2025-01-01T00:00:00"):
+        return EvalResult(method, BACKBONE, {**DATA, "train_size": n}, "linear", {"top1": top1}, protocol_args={"seed": seed},
+                          source=f"{method}_{n}_{seed}.ckpt" if method == "supervised" else f"{method}.ckpt", created=created)
+
+    results = [probe("dino", 600, a, s) for s, a in enumerate((0.70, 0.72, 0.74))] + [probe("dino", 6000, 0.80, 0), probe("dino", 60000, 0.85, 0)]
+    results += [probe("supervised", 600, a, s) for s, a in enumerate((0.50, 0.56))] + [probe("supervised", 60000, 0.88, 0)]
+    cmp = build_comparison(results)
+    assert [row[0] for row in cmp.rows] == ["dino", "supervised"] and [cmp.get(row, "linear", "top1") for row in cmp.rows] == [0.85, 0.88]
+    text = format_text(cmp)
+    assert "600 labels  6000 labels  60000 labels" in text
+    assert "dino        vit_tiny/4  72.00 ± 2.00        80.00         85.00" in text  # mean ± sample std of 70, 72, 74
+    assert "supervised  vit_tiny/4  53.00 ± 4.24            –         88.00" in text
+    paths = report.write_report(cmp, tmp_path / "report.md")
+    markdown = (tmp_path / "report.md").read_text()
+    assert "## Few labels" in markdown and "| dino | vit_tiny/4 | 72.00 ± 2.00 | 80.00 | 85.00 |" in markdown
+    assert tmp_path / "report_labels.png" in paths and markdown.count("supervised_600_1.ckpt") == 1
+    assert build_comparison([probe("dino", 600, 0.7, 0)]).rows and format_text(build_comparison([probe("dino", 600, 0.7, 0)])).count("labels") == 0

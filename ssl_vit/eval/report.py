@@ -1,5 +1,6 @@
 """The report of ``ssl-vit compare``: the table in Markdown, a bar chart of the main metric per
-protocol, and accuracy against pre-training compute (the ViT paper's Figure 5)."""
+protocol, accuracy against pre-training compute (the ViT paper's Figure 5) and, when results at
+fewer labels are there, linear-probe accuracy against the number of labelled images."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.eval.compare import PICKED_COLUMNS, Comparison, grid
+from ssl_vit.eval.compare import (
+    PICKED_COLUMNS,
+    Comparison,
+    LabelEfficiency,
+    few_labels,
+    format_label_efficiency,
+    grid,
+    label_efficiency,
+)
 from ssl_vit.eval.results import MAIN_METRIC, PROTOCOLS, EvalResult, method_order
 
 
@@ -20,8 +29,15 @@ def format_markdown(cmp: Comparison, figures: Sequence[Path] = (), note: str | N
     picked = " LR / k: what the row's sweep picked on held-out training features." if any(c in PICKED_COLUMNS for _, c in cmp.columns) else ""
     lines += ["", f"Accuracies in %. Δ sup / Δ rand: the protocol's main metric ({', '.join(f'{p}: {m}' for p, m in MAIN_METRIC.items())}) "
               f"minus that of the supervised / random-init row with the same backbone, in percentage points.{picked}", ""]
-    lines += [line for fig in figures for line in (f"![{fig.stem}]({fig.name})", "")] + ["## Records", ""]
-    lines += [f"- `{r.summary_line()}` (source: `{r.source}`, {r.created})" for r in sorted(cmp.results, key=lambda r: (r.protocol, method_order(r.method)))]
+    lines += [line for fig in figures if not fig.stem.endswith("_labels") for line in (f"![{fig.stem}]({fig.name})", "")]
+    if (labels := label_efficiency(cmp.all_results)) is not None:
+        rows = format_label_efficiency(labels)
+        lines += ["## Few labels", "", "Linear-probe top-1 (%) with this many labelled training images (mean ± std over the draws of "
+                  "the labelled images); the supervised row trained on those images alone, the others pretrained without labels.", ""]
+        lines += ["| " + " | ".join(r) + " |" for r in (rows[0], ["---"] * 2 + ["---:"] * (len(rows[0]) - 2), *rows[1:])] + [""]
+        lines += [line for fig in figures if fig.stem.endswith("_labels") for line in (f"![{fig.stem}]({fig.name})", "")]
+    lines += ["## Records", ""]
+    lines += [f"- `{r.summary_line()}` (source: `{r.source}`, {r.created})" for r in sorted(cmp.results + few_labels(cmp.all_results), key=lambda r: (r.protocol, method_order(r.method)))]
     return "\n".join(lines) + "\n"
 
 
@@ -30,7 +46,9 @@ def write_report(cmp: Comparison, out: str | Path, plots: bool = True, note: str
     (when FLOPs are known) ``<stem>_compute.png`` beside it; returns the paths written."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figures = [plot_bars(cmp, out.with_name(f"{out.stem}_bars.png")), plot_compute(cmp.results, out.with_name(f"{out.stem}_compute.png"))] if plots else []
+    labels = label_efficiency(cmp.all_results)
+    figures = [plot_bars(cmp, out.with_name(f"{out.stem}_bars.png")), plot_compute(cmp.results, out.with_name(f"{out.stem}_compute.png")),
+               labels and plot_labels(labels, out.with_name(f"{out.stem}_labels.png"))] if plots else []
     figures = [f for f in figures if f is not None]
     out.write_text(format_markdown(cmp, figures, note), encoding="utf-8")
     return [out, *figures]
@@ -131,3 +149,18 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
     shown = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(list(shown.values()), list(shown), fontsize="small", loc="outside lower center", ncols=min(3, len(shown)))
     return _save(fig, path, bbox_inches="tight")
+
+
+def plot_labels(table: LabelEfficiency, path: str | Path) -> Path:
+    """Linear-probe top-1 against the labelled training images (log x), a line per row, the spread
+    over draws as error bars."""
+    fig, (ax,) = _figure(5.5, 3.8)
+    for i, (row, sizes) in enumerate(table.cells.items()):
+        pts = sorted((n, [100 * v for v in values]) for n, values in sizes.items())
+        means = [sum(v) / len(v) for _, v in pts]
+        stds = [(sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0 for (_, v), m in zip(pts, means)]
+        ax.errorbar([n for n, _ in pts], means, yerr=stds, marker="o", capsize=3, color=f"C{i % 10}", label=f"{row[0]} {row[1]}")
+    ax.set_xscale("log")
+    ax.set(xlabel="labelled training images", ylabel="linear top-1 (%)", title="accuracy against labels")
+    ax.legend(fontsize="small")
+    return _save(fig, path)
