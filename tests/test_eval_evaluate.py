@@ -5,6 +5,7 @@ naming what is missing."""
 import json
 
 import pytest
+import torch
 import yaml
 from helpers import write_image_folder
 
@@ -77,3 +78,33 @@ def test_a_missing_labelled_split_is_named_before_training(tmp_path, own, train,
         evaluation.check_data(labelled if own else dm)
     assert str(err.value).startswith(message.format(tmp=tmp_path))
     Evaluation(["knn"], data=labelled if own else None).check_data(labelled)  # a labelled pair passes
+
+
+def test_few_labels_train_the_linear_probe_on_draws_of_the_training_split_a_subset_of_the_same_seed_holds(tmp_path):
+    # Reference: ImageDataModule(subset=n, seed=s) draws the images the supervised baseline trains on;
+    # the probe at n labels with draw seed s must train on exactly those images' features.
+    from ssl_vit.eval.evaluate import Evaluation
+    from ssl_vit.eval.linear import LinearProbe
+    from ssl_vit.export import load_any_backbone
+
+    backbone, info = load_any_backbone("random:vit", backbone_kwargs={"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 16,
+                                                                       "depth": 1, "num_heads": 2})
+    write_image_folder(tmp_path / "train", {"a": 20, "b": 20, "c": 20}, [(16, 16)], "L")
+    write_image_folder(tmp_path / "val", {"a": 4, "b": 4, "c": 4}, [(16, 16)], "L", seed=1)
+    data = dict(train_dir=str(tmp_path / "train"), val_dir=str(tmp_path / "val"), img_size=16, in_chans=1, num_workers=0)
+    seen: list[set] = []
+
+    class Recording(LinearProbe):
+        def evaluate(self, train_features, train_labels, *args, **kwargs):
+            seen.append({tuple(f.tolist()) for f in train_features})
+            return super().evaluate(train_features, train_labels, *args, **kwargs)
+
+    evaluation = Evaluation(["linear"], linear=Recording(epochs=2), train_subset=40, few_labels=[12], draws=2, seed=5)
+    done = [r for r, _ in evaluation.run(backbone, info, ImageFolderDataModule(**data), tmp_path / "out")]
+    assert [(r.data["train_size"], r.protocol_args["seed"]) for r in done] == [(40, 5), (12, 5), (12, 6)]
+    for n, seed, features in ((40, 5, seen[0]), (12, 5, seen[1]), (12, 6, seen[2])):
+        train, _ = ImageFolderDataModule(**data, subset=n, seed=seed).eval_datasets()
+        with torch.no_grad():
+            assert {tuple(f.tolist()) for f in backbone(torch.stack([x for x, _ in train]))} == features
+    with pytest.raises(ValueError, match="few_labels trains the linear probe on few labels: add linear"):
+        Evaluation(["knn"], few_labels=[10])

@@ -161,6 +161,10 @@ class ImageDataModule(L.LightningDataModule):
         if self._train_source is not None:
             return
         train = self._load_split(train=True)
+        if self.eval_crop_pct is None and len(train):  # (for the record: timm's crop_pct of an export)
+            self.eval_crop_pct = self.eval_transform.crop_for(to_pil(train[0][0]))
+        if self.mean is None or self.std is None:  # (of the whole split: a subset is normalised as the dataset is)
+            self.measure_statistics(train)
         if self.subset is not None:
             if not 0 < self.subset <= len(train):
                 raise ValueError(f"subset={self.subset}: give a number of images from 1 to the {len(train)} training images")
@@ -168,12 +172,8 @@ class ImageDataModule(L.LightningDataModule):
             train = train.subset(indices.sort().values)
         self._test_source = self._load_split(train=False)
         self._train_source = train
-        if self.eval_crop_pct is None and len(train):  # (for the record: timm's crop_pct of an export)
-            self.eval_crop_pct = self.eval_transform.crop_for(to_pil(train[0][0]))
-        if self.mean is None or self.std is None:
-            self.measure_statistics()
 
-    def measure_statistics(self) -> None:
+    def measure_statistics(self, train: Any) -> None:
         """Set ``mean`` / ``std`` left unset to the per-channel statistics of up to ``stats_images``
         training images (a seeded sample, through the evaluation transform), so that a folder of
         one's own is normalised as its own pixels are, not as ImageNet's. A run keeps them in
@@ -183,9 +183,9 @@ class ImageDataModule(L.LightningDataModule):
         key = {"train_dir": str(getattr(self, "train_dir", "")), "img_size": self.img_size, "in_chans": self.in_chans}
         cached = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
         if cached.get("key") != key:
-            source = _for_evaluation(self._train_source)
+            source = _for_evaluation(train)
             n = min(self.stats_images, len(source))
-            picked = torch.randperm(len(source), generator=torch.Generator().manual_seed(self.seed))[:n]
+            picked = torch.randperm(len(source), generator=torch.Generator().manual_seed(0))[:n]
             sample = TransformedDataset(source, self.eval_transform, (0.0,) * self.in_chans, (1.0,) * self.in_chans, self.in_chans, False)
             sums = torch.zeros(3, self.in_chans, dtype=torch.float64)  # pixels, sum, sum of squares per channel
             for i in picked.tolist():

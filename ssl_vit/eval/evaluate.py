@@ -51,11 +51,15 @@ PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torc
 NOT_RECORDED = ("picked", "device", "chunk_size", "bank_chunk_size", "progress_every_n_seconds", "checkpoint_every", "compile_backend")
 
 
+def draw(n: int, size: int | None, seed: int) -> Tensor | None:
+    """A fixed random draw of ``size`` of ``n`` indices, in order (None: all, when ``size`` is None or
+    not less): the draw of ``ImageDataModule``'s ``subset``."""
+    return None if size is None or size >= n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+
+
 def subsample(dataset: Dataset, size: int | None, seed: int = 0) -> Dataset:
     """A fixed random subset of ``size`` items in dataset order (all of them when None or more)."""
-    if size is None or size >= len(dataset):
-        return dataset
-    return Subset(dataset, torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:size].sort().values.tolist())
+    return dataset if (i := draw(len(dataset), size, seed)) is None else Subset(dataset, i.tolist())
 
 
 def labelled_classes(dataset: Any) -> int | None:
@@ -120,15 +124,21 @@ class Evaluation:
     encoder (None: the method's default, DINO's teacher); ``out``: the results' folder (None after
     a fit: ``<default_root_dir>/results``); ``batch_size``: of the feature extraction;
     ``train_subset``, ``test_subset``: fixed random subsets; ``seed``: of those, of the runs on
-    images, and of the protocols whose own is None."""
+    images, and of the protocols whose own is None; ``few_labels``: the linear probe is also trained
+    on this many labelled training images (each a random draw of the whole training split, ``draws``
+    of them with the seeds ``seed``, ``seed + 1`` ...: the draws of a datamodule's ``subset`` with
+    those seeds), where self-supervision pays off against a supervised baseline trained on them."""
 
     def __init__(self, protocols: list[Protocol] | None = None, data: ImageDataModule | None = None, features: FeatureMode = "cls",
                  which: str | None = None, linear: LinearProbe | None = None, knn: KNNClassifier | None = None,
                  fewshot: FewShotEvaluator | None = None, finetune: FineTuneSettings | None = None, linear_aug: LinearAugSettings | None = None,
                  out: str | None = None, batch_size: int = 256, train_subset: int | None = None, test_subset: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, few_labels: list[int] | None = None, draws: int = 1) -> None:
         self.protocols, self.data, self.features, self.which, self.out = list(dict.fromkeys(protocols or [])), data, features, which, out
         self.batch_size, self.train_subset, self.test_subset, self.seed = batch_size, train_subset, test_subset, seed
+        self.few_labels, self.draws = sorted(few_labels or []), draws
+        if self.few_labels and "linear" not in self.protocols:
+            raise ValueError("evaluate.few_labels trains the linear probe on few labels: add linear to evaluate.protocols")
         self.data_args: dict[str, Any] = {}  # those of ``data``'s arguments the recipe sets (ssl-vit fit tells)
         given = {"linear": linear, "knn": knn, "fewshot": fewshot, "finetune": finetune, "linear_aug": linear_aug}
         if unused := [p for p, s in given.items() if s is not None and p not in self.protocols]:
@@ -255,7 +265,7 @@ class Evaluation:
                   num_nodes=place.num_nodes)
         if not self.frozen_protocols or rank_zero_only.rank != 0:
             return done
-        train_ds, test_ds, num_classes = self._splits(datamodule)
+        train_ds, test_ds, num_classes = self._splits(datamodule, whole_train=bool(self.few_labels))
         backbone = backbone.to(device) if device is not None else backbone
         feats = {}
         for split, dataset in (("train", train_ds), ("test", test_ds)):
@@ -263,22 +273,29 @@ class Evaluation:
             feats[split] = labelled_features(*extract_features(backbone, dataset, mode=self.features, batch_size=self.batch_size, device=device,
                                                                num_workers=datamodule.num_workers, autocast_dtype=PRECISIONS[image_run.precision],
                                                                progress=progress), split)
-        (train_f, train_l), (test_f, test_l) = feats["train"], feats["test"]  # [N, F], [N]; [M, F], [M]
+        (all_f, all_l), (test_f, test_l) = feats["train"], feats["test"]  # [N, F], [N]; [M, F], [M]
+        train_f, train_l = (all_f[i], all_l[i]) if (i := draw(len(all_l), self.train_subset, self.seed)) is not None else (all_f, all_l)
         for protocol in self.frozen_protocols:
             s = self.settings[protocol]
             metrics = s.evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
             write(protocol, s, metrics, len(train_l), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision)
+        for n in self.few_labels:
+            for seed in range(self.seed, self.seed + self.draws):
+                s, i = replace(self.settings["linear"], seed=seed), draw(len(all_l), n, seed)
+                f, y = (all_f, all_l) if i is None else (all_f[i], all_l[i])
+                metrics = s.evaluate(f, y, test_f, test_l, num_classes=num_classes)
+                write("linear", s, metrics, len(y), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision)
         return done
 
-    def _splits(self, datamodule: Any, train_views: Any = None) -> tuple[Dataset, Dataset, int]:
-        """The (train, test) evaluation splits, subsampled, and the class count; splits without
-        labels, of one class, or too small for the protocols are refused here, before any feature
-        or training."""
+    def _splits(self, datamodule: Any, train_views: Any = None, whole_train: bool = False) -> tuple[Dataset, Dataset, int]:
+        """The (train, test) evaluation splits, subsampled (the training split not, with
+        ``whole_train``: its features are drawn from), and the class count; splits without labels,
+        of one class, or too small for the protocols are refused here, before any feature or training."""
         train_ds, test_ds = datamodule.eval_datasets(train_views=train_views)
         name, num_classes = results.datamodule_name(datamodule), datamodule.num_classes
         if test_ds is None or not num_classes:
             raise ValueError(f"{name} {isinstance(datamodule, ImageDataModule) and missing_labels(datamodule) or 'has no labelled test split to evaluate on'}")
-        train_ds, test_ds = subsample(train_ds, self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
+        train_ds, test_ds = subsample(train_ds, None if whole_train else self.train_subset, self.seed), subsample(test_ds, self.test_subset, self.seed)
         for split, dataset, folder in (("training", train_ds, "train_dir"), ("test", test_ds, "val_dir")):
             if (held := classes if (classes := labelled_classes(dataset)) is not None else num_classes) < 2:
                 where = getattr(datamodule, folder, None)
