@@ -284,7 +284,8 @@ class Evaluation:
                 s, i = replace(self.settings["linear"], seed=seed), draw(len(all_l), n, seed)
                 f, y = (all_f, all_l) if i is None else (all_f[i], all_l[i])
                 metrics = s.evaluate(f, y, test_f, test_l, num_classes=num_classes)
-                write("linear", s, metrics, len(y), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision)
+                write("linear", s, metrics, len(y), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision,
+                      few_labels=True)
         return done
 
     def _splits(self, datamodule: Any, train_views: Any = None, whole_train: bool = False) -> tuple[Dataset, Dataset, int]:

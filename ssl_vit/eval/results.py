@@ -217,6 +217,8 @@ def result_path(out: str | Path, result: EvalResult) -> Path:
     label = result.backbone_label.replace("/", "-") + (f"-{result.encoder}" if result.encoder else "")
     stem = f"{result.method}_{label}_{result.data_label.replace(':', '-').replace('/', '-')}_{result.protocol}"
     stem += f"-{result.features}" if result.features else ""
+    if result.protocol_args.get("few_labels"):  # (Evaluation.few_labels: one result per number of labels and draw)
+        stem += f"_{result.data['train_size']}-labels-draw{result.protocol_args['seed']}"
     for n in itertools.count(1):
         path = Path(out) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
         try:
