@@ -679,7 +679,7 @@ def test_supervised_needs_labels(tmp_path):
         Image.new("L", (16, 16), 40 * i).save(tmp_path / f"{i}.png")
     flat = ImageFolderDataModule(str(tmp_path), img_size=16, in_chans=1, batch_size=2, num_workers=0,
                                  views=SingleView(size=16))
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     with pytest.raises(ValueError, match="needs labels, but 4 training images of ImageFolderDataModule have none"):
         trainer.fit(Supervised(**TINY_BACKBONE, num_classes=4), datamodule=flat)
     # ... and any other data when a batch holds unlabelled samples (label -1).

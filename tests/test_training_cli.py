@@ -598,7 +598,7 @@ def test_a_recipe_fine_tunes_and_probes_its_final_backbone_on_images_and_resumes
     from ssl_vit.eval.evaluate import Evaluation
 
     scales, splits = [], Evaluation._splits
-    monkeypatch.setattr(Evaluation, "_splits", lambda self, dm, views=None: scales.append(getattr(views, "scale", None)) or splits(self, dm, views))
+    monkeypatch.setattr(Evaluation, "_splits", lambda self, dm, views=None, **kw: scales.append(getattr(views, "scale", None)) or splits(self, dm, views, **kw))
     assert cli_main(args) == 0
     # each image protocol trains on its own augmented crops (fine-tuning MAE's default scale, the
     # probe the recipe's); the frozen protocols read the evaluation images

@@ -52,7 +52,7 @@ def fit(recipe: Path, run_dir: Path, steps: int, args: argparse.Namespace, *extr
     quiet = args.no_progress or not sys.stderr.isatty()
     argv = ["--config", str(recipe), "--trainer.default_root_dir", str(run_dir), "--trainer.max_steps", str(steps),
             "--seed_everything", str(args.seed), "--data.init_args.num_workers", str(args.num_workers),
-            "--trainer.enable_progress_bar", str(not quiet).lower(), *(["--trainer.accelerator", "gpu"] if args.device == "cuda" else []), *extra]
+            "--trainer.enable_progress_bar", str(not quiet).lower(), *(["--trainer.accelerator", "gpu"] if args.device.startswith("cuda") else []), *extra]
     if (code := fit_main(argv)) != 0:
         raise RuntimeError(f"ssl-vit fit {' '.join(argv)} ended with status {code}")
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", type=Path, default=RECIPES, help="the folder of the recipes (default: the shipped recipes/fashion_mnist)")
     p.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder (report.md, results.json, runs/)")
     p.add_argument("--num-workers", type=_within(int, 0, 1024, "0 or more"), default=0, help="data-loading worker processes (0: in the main process, best on 2 cores)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide progress bars (hidden anyway when the output is not a terminal)")
     return p
@@ -96,9 +96,9 @@ def main(argv: list[str]) -> int:
     recipes = {m: args.recipes / f"{m}.yaml" for m in args.methods}
     if missing := [str(p) for p in recipes.values() if not p.is_file()]:
         raise FileNotFoundError(f"no recipe {', '.join(missing)}; name the folder of the Fashion-MNIST recipes with --recipes")
-    import torch
+    from ssl_vit.runtime import resolve_device
 
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = resolve_device(args.device)
     quick = QUICK if args.quick else {}
     images = args.subset or quick.get("subset") or TRAIN_IMAGES
     labels = sorted({max(2 * BATCH, round(f * images)) for f in args.label_fractions})  # (a batch or two at least)
