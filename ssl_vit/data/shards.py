@@ -1,0 +1,233 @@
+"""Images in shards: an image folder written once into chunk files (``write_shards``,
+``tools/folder_to_shards.py``) and streamed from local disk or object storage by many nodes.
+
+Reading and writing are litdata's (Lightning's streaming library), not our own: ``litdata.optimize``
+packs the encoded image files (not decoded pixels) and their labels into chunks; ``StreamingDataset``
+hands each process, and each worker of it, its own chunks of a shuffled order, so that every image
+is read once an epoch on any number of nodes, and ``StreamingDataLoader.state_dict`` says how far the
+epoch got, which Lightning keeps in its checkpoints (as for ``ResumableLoader``).
+
+What is ours is what the image folders do too: an image's augmentations are drawn from its own seed
+(``sampler.sample_seeds``: run seed, epoch, index), so a run resumed mid-epoch continues with the
+batches the uninterrupted run had; a corrupt image is logged, counted (``skipped_paths``) and replaced
+by another image of its chunk (a seeded draw), which keeps every process's batch count.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import multiprocessing
+import os
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # older litdata asks PyPI from every process otherwise
+
+import fsspec  # (Lightning's dependency: reads classes.json on local disk or object storage)
+import torch
+from litdata import StreamingDataLoader, StreamingDataset, optimize
+from litdata.streaming.sampler import ChunkedIndex
+from litdata.utilities.env import _DistributedEnv
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ssl_vit.data.augment import to_pil
+from ssl_vit.data.base import ImageDataModule
+from ssl_vit.data.datasets import TransformedDataset
+from ssl_vit.data.image_folder import scan_image_dir
+from ssl_vit.data.sampler import SeededIndex, sample_seeds
+from ssl_vit.runtime import global_seed
+
+log = logging.getLogger(__name__)
+
+META = "classes.json"  # beside litdata's index.json: {"classes": [names] | null, "images": N}
+_MAX_CONSECUTIVE_FAILURES = 100
+
+
+def _record(item: tuple[str, int, str]) -> dict[str, Any]:
+    path, label, name = item
+    # The name as bytes: litdata would read a str that names an existing image file as that image.
+    return {"image": Path(path).read_bytes(), "label": label, "name": name.encode()}
+
+
+def write_shards(image_dir: str | Path, out_dir: str | Path, chunk_bytes: str | int = "64MB", chunk_size: int | None = None,
+                 num_workers: int = 1, classes_from: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Write the images of ``image_dir`` (``<class>/<image>`` or a flat, unlabelled folder) into
+    shards in ``out_dir`` as their files' bytes, label (-1: none) and relative path, in a seeded
+    random order; litdata shows a progress bar. ``classes_from``: the training shards whose class indices a validation split
+    takes. Returns the metadata written to ``out_dir/classes.json``."""
+    class_to_idx = None
+    if classes_from is not None:
+        class_to_idx = {name: i for i, name in enumerate(read_meta(classes_from)["classes"] or [])} or None
+    paths, labels, classes = scan_image_dir(image_dir, class_to_idx)
+    root = Path(image_dir).expanduser()
+    inputs = [(p, -1 if labels is None else labels[i], os.path.relpath(p, root)) for i, p in enumerate(paths)]
+    # Shuffled once here: litdata shuffles chunks and images within a few chunks, so chunks written
+    # in folder order (one class each) would make batches of a few classes.
+    random.Random(seed).shuffle(inputs)
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    try:  # (in the platform's start method, not litdata's spawn, which re-imports torch in every worker)
+        optimize(fn=_record, inputs=inputs, output_dir=str(out_dir), chunk_size=chunk_size, chunk_bytes=None if chunk_size else chunk_bytes,
+                 num_workers=num_workers, reorder_files=False, start_method=multiprocessing.get_start_method())
+    finally:  # optimize sets it for the whole process, where DataLoaders would inherit it
+        multiprocessing.set_start_method(start_method, force=True)
+    meta = {"classes": None if classes is None else sorted(classes, key=classes.__getitem__), "images": len(paths)}
+    with fsspec.open(f"{out_dir}/{META}", "w") as f:
+        json.dump(meta, f)
+    return meta
+
+
+def read_meta(shard_dir: str) -> dict[str, Any]:
+    with fsspec.open(f"{shard_dir}/{META}") as f:
+        return json.load(f)
+
+
+def _decode(item: dict[str, Any]) -> Image.Image | None:
+    try:
+        with Image.open(io.BytesIO(item["image"])) as img:
+            img.load()  # (raises on truncated data)
+            return to_pil(img)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        log.warning("skipping unreadable image %s (%s: %s)", bytes(item["name"]).decode(), type(err).__name__, err)
+        return None
+
+
+class ShardImages(Dataset):
+    """Shards read by index, items ``(PIL image, label)``: what setup, the statistics and the
+    evaluations read. An unreadable image comes as a 1x1 black image labelled -1 (dropped, as
+    ``ImageFiles.for_evaluation``'s); its mark is shared with the workers and the training stream."""
+
+    def __init__(self, shard_dir: str, cache_dir: str | None = None) -> None:
+        self.shard_dir, self.cache_dir = shard_dir, cache_dir
+        self.reader = StreamingDataset(shard_dir, cache_dir=cache_dir)
+        self.size = sum(end - start for start, end in self.reader.region_of_interest)
+        self.bad = torch.zeros(self.size, dtype=torch.uint8).share_memory_()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        item = self.reader[int(index)]
+        image = None if self.bad[index] else _decode(item)
+        if image is None:
+            self.bad[index] = 1
+            return Image.new("RGB", (1, 1)), -1
+        return image, int(item["label"])
+
+    @property
+    def skipped_paths(self) -> list[str]:
+        """The images found unreadable so far (here, in the workers and in the training stream)."""
+        return [bytes(self.reader[i]["name"]).decode() for i in self.bad.nonzero().flatten().tolist()]
+
+
+class ShardStream(StreamingDataset):
+    """The training stream of ``images``' shards: items ``(views, label)`` through ``views``
+    (``TransformedDataset`` arguments), each image's augmentations drawn from its own seed."""
+
+    def __init__(self, images: ShardImages, views: Any, mean: Any, std: Any, in_chans: int, seed: int, drop_last: bool,
+                 world_size: int, rank: int, num_nodes: int) -> None:
+        super().__init__(images.shard_dir, cache_dir=images.cache_dir, shuffle=True, seed=seed, drop_last=drop_last)
+        # The Trainer's layout, not litdata's guess (it counts nodes by GPUs and cannot on CPUs).
+        self.distributed_env = _DistributedEnv(world_size, rank, num_nodes)
+        self.bad = images.bad
+        self.transformed = TransformedDataset(_Decoded(self), views, mean, std, in_chans, multi_view=True)
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, ChunkedIndex):
+            return super().__getitem__(index)
+        # litdata's epochs count from 1, Lightning's from 0: the seed of epoch e is the folders' of e.
+        return self.transformed[SeededIndex(index, sample_seeds(self.seed, self.current_epoch - 1, [index.index])[0])]
+
+    def read(self, index: ChunkedIndex) -> tuple[Image.Image, int]:
+        """The image at ``index``; unreadable: another of its chunk (a draw of the sample's seeded ``random``)."""
+        for _ in range(_MAX_CONSECUTIVE_FAILURES):
+            if not self.bad[index.index]:
+                item = StreamingDataset.__getitem__(self, index)
+                if (image := _decode(item)) is not None:
+                    return image, int(item["label"])
+                self.bad[index.index] = 1
+            first, *_, end = self.cache.get_chunk_intervals()[index.chunk_index]
+            index = ChunkedIndex(index=random.randrange(first, end), chunk_index=index.chunk_index)
+        raise RuntimeError(f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row in {self.input_dir.path or self.input_dir.url}")
+
+
+class _Decoded:
+    """The stream's decoded images by ``ChunkedIndex``, the source its ``TransformedDataset`` reads."""
+
+    def __init__(self, stream: ShardStream) -> None:
+        self.stream = stream
+
+    def __getitem__(self, index: ChunkedIndex) -> tuple[Image.Image, int]:
+        return self.stream.read(index)
+
+
+class ShardLoader(StreamingDataLoader):
+    """litdata's loader, whose ``state_dict`` (the images of the epoch handed out on this process)
+    Lightning checkpoints; a resume continues the checkpoint's order under its seed."""
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        self.dataset.seed = obj["dataset"]["seed"]  # (a run seeded at random continues its own order)
+        super().load_state_dict(obj)
+
+    def epochs_done(self) -> float:
+        """Passes over the training set so far, with the part of the current one."""
+        per_epoch = len(self) * (self.batch_size or 1)
+        return max(self.current_epoch - 1, 0) + min(self._num_samples_yielded_streaming / max(per_epoch, 1), 1.0)
+
+
+class ImageShardsDataModule(ImageDataModule):
+    """Images from shards written by ``tools/folder_to_shards.py`` (``write_shards``), on local disk
+    or object storage (``s3://...``, litdata's remote stores), split over nodes, processes and
+    workers so that each image is read once an epoch (litdata drops the few that do not divide).
+
+    Args:
+        train_dir: the training shards (labelled or not: labels -1, ``num_classes`` None).
+        val_dir: the evaluation shards (written with ``--classes-from`` the training shards); None: none.
+        cache_dir: where litdata keeps chunks of remote shards (None: its default).
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: measured on the training
+            images unless given; ``subset`` is not supported: write the subset's shards).
+    """
+
+    dataset_mean = dataset_std = None  # measured on the data (ImageDataModule.measure_statistics)
+
+    def __init__(self, train_dir: str, val_dir: str | None = None, cache_dir: str | None = None, img_size: int = 224,
+                 in_chans: Literal[1, 3] = 3, **kwargs: Any) -> None:
+        super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
+        if self.subset is not None:
+            raise ValueError("subset: shards are streamed whole; write the subset's images into shards of their own")
+        self.train_dir, self.val_dir, self.cache_dir = train_dir, val_dir, cache_dir
+
+    @functools.cached_property
+    def class_names(self) -> list[str] | None:  # type: ignore[override]
+        return read_meta(self.train_dir)["classes"]
+
+    @property
+    def num_classes(self) -> int | None:  # type: ignore[override]
+        return None if self.class_names is None else len(self.class_names)
+
+    def has_labelled_test_split(self) -> bool:
+        return self.val_dir is not None and self.num_classes is not None
+
+    @property
+    def unlabelled_train_images(self) -> int:
+        return 0 if self.class_names is not None else read_meta(self.train_dir)["images"]
+
+    def _load_split(self, train: bool) -> ShardImages | None:
+        if not train and self.val_dir is not None and read_meta(self.val_dir)["classes"] != self.class_names:
+            raise ValueError(f"{self.val_dir} has other classes than {self.train_dir}; write it with "
+                             f"tools/folder_to_shards.py --classes-from {self.train_dir}")
+        shard_dir = self.train_dir if train else self.val_dir
+        return None if shard_dir is None else ShardImages(shard_dir, self.cache_dir)
+
+    def train_dataloader(self) -> ShardLoader:
+        self._ensure_setup()
+        trainer = self.trainer
+        world, rank, nodes = (trainer.world_size, trainer.global_rank, trainer.num_nodes) if trainer is not None else (1, 0, 1)
+        stream = ShardStream(self._train_source, self.views, self.mean, self.std, self.in_chans, global_seed(self.seed),
+                             drop_last=self.drop_last or world > 1, world_size=world, rank=rank, num_nodes=nodes)
+        args = self._loader_args(persistent=False)  # (litdata restarts its workers each epoch)
+        return ShardLoader(stream, batch_size=self.batch_size, **{k: v for k, v in args.items() if k != "persistent_workers"})
