@@ -1,7 +1,8 @@
 """``ssl-vit benchmark``: one training step of each method against the same step composed the way
 lightly's examples compose it around timm's ``VisionTransformer``, the bare backbone against timm's
-ViT, the achieved FLOP/s as a fraction of the machine's dense matmul rate, and DINO's multi-crop
-views per second against lightly's ``DINOTransform``. Figures: ``benchmarks/RESULTS.md``.
+ViT, the achieved FLOP/s as a fraction of the machine's dense matmul rate, DINO's multi-crop
+views per second against lightly's ``DINOTransform``, and a DataLoader worker's CPU time per JPEG
+with the views made on the device against both. Figures: ``benchmarks/RESULTS.md``.
 
 Speed: ours and the peer of a row run in one fresh process, timed interleaved with a dense matmul
 taking its turn in every round, so that the speed ratio and the fraction of the matmul rate are
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import io
 import itertools
 import math
 import multiprocessing as mp
@@ -50,6 +52,9 @@ METHODS = ("supervised", "mpp", "mocov3", "dino")
 # The targets: each method >= 1.0x the peer's speed at <= its peak memory, the bare backbone
 # >= 0.95x timm's, and ViT-S/16 at 224 px training on a CPU at >= 75 % of the matmul rate.
 TARGET_SPEED, TARGET_MEMORY, TARGET_BACKBONE, TARGET_MATMUL = 1.0, 1.0, 0.95, 0.75
+# A worker making DINO's views on the device spends <= a fifth of the CPU time per image of MultiCrop's.
+TARGET_WORKER = 0.2
+JPEG_SIZE = (500, 375)  # the worker row's photos: ImageNet's commonest size
 # ViT shapes: keyword arguments of ``create_backbone("vit", ...)`` and of timm's VisionTransformer alike.
 VIT_S16 = {"embed_dim": 384, "depth": 12, "num_heads": 6, "patch_size": 16, "mlp_ratio": 4.0, "in_chans": 3}
 VIT_TI16 = {**VIT_S16, "embed_dim": 192, "num_heads": 3}
@@ -471,6 +476,46 @@ def views_job(cfg: BenchConfig, impl: Literal["ours", "peer"]) -> dict[str, Any]
     return {"views_per_s": views_per_second(transform, images, cfg.data_seconds), "views_per_image": len(transform(images[0]))}
 
 
+def _jpegs(cfg: BenchConfig, n: int = 8) -> list[bytes]:
+    """Photo-like JPEGs of ``JPEG_SIZE`` (quality 90): smooth colour fields (a 16 x 12 grid, bicubic) with grain."""
+    import numpy as np
+    from PIL import Image
+
+    rng, out = np.random.default_rng(cfg.seed), []
+    for _ in range(n):
+        field = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(JPEG_SIZE, Image.Resampling.BICUBIC)
+        photo = (np.asarray(field, dtype=np.int16) + rng.integers(-20, 21, (JPEG_SIZE[1], JPEG_SIZE[0], 3))).clip(0, 255).astype(np.uint8)
+        Image.fromarray(photo).save(buffer := io.BytesIO(), "JPEG", quality=90)
+        out.append(buffer.getvalue())
+    return out
+
+
+def worker_job(cfg: BenchConfig, impl: Literal["device", "ours", "peer"]) -> dict[str, Any]:
+    """CPU milliseconds per image of a DataLoader worker from JPEG bytes to what it hands the collate
+    (decoding included, one thread): ``MultiCrop(on_device=True)`` (decode, fit the canvas, draw the
+    parameters), our ``MultiCrop`` or lightly's ``DINOTransform``. ``device`` with CUDA available also
+    times the device's half (``make_views``) on a batch of ``method_batch`` images."""
+    from PIL import Image
+    from torch.utils.data import default_collate
+
+    from ssl_vit.data.device_views import make_views
+    from ssl_vit.data.views import MultiCrop
+
+    transform = MultiCrop(**cfg.multicrop, on_device=impl == "device")
+    worker = lightly_dino_transform(transform) if impl == "peer" else transform
+    jpegs = _jpegs(cfg)
+    per_s = views_per_second(lambda data: [worker(Image.open(io.BytesIO(data)).convert("RGB"))], jpegs, cfg.data_seconds)
+    out = {"ms_per_image": 1e3 / per_s}
+    if impl == "device" and torch.cuda.is_available():
+        device = torch.device(cfg.device if cfg.device.startswith("cuda") else "cuda")
+        batch = default_collate([transform(Image.open(io.BytesIO(jpegs[i % len(jpegs)])).convert("RGB")) for i in range(cfg.method_batch)])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        make = lambda: make_views(batch, transform.augmentations(), (0.5,) * 3, (0.25,) * 3)  # noqa: E731
+        walls = time_interleaved({"views": make}, cfg.warmup, max(cfg.steps, 5), device)["views"]
+        out |= {"device_ms_per_batch": 1e3 * statistics.median(walls), "device_batch": cfg.method_batch}
+    return out
+
+
 def _run_job(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> dict[str, Any]:
     try:
         if cfg.threads:
@@ -550,6 +595,14 @@ def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] | None = lam
         if "views_per_s" in data.get("peer", {}) and "views_per_s" in data["ours"]:
             data["throughput_ratio"] = data["ours"]["views_per_s"] / data["peer"]["views_per_s"]
         result["data"].append(data)
+        worker = {"name": "worker", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform" if cfg.peers else None}
+        for impl in ("device", "ours", "peer") if cfg.peers else ("device", "ours"):
+            res = worker[impl] = isolated(cfg, worker_job, impl)
+            say(f"  worker     {impl:<6} " + (res["error"] if "error" in res else f"{res['ms_per_image']:.2f} CPU ms/image"))
+        for impl in ("ours", "peer"):  # device views' CPU time per image over the others'
+            if "ms_per_image" in worker["device"] and "ms_per_image" in worker.get(impl, {}):
+                worker[f"{impl}_ratio"] = worker["device"]["ms_per_image"] / worker[impl]["ms_per_image"]
+        result["data"].append(worker)
     return {**result, "loadavg_end": _loadavg(), "wall_s": time.perf_counter() - start}
 
 
@@ -567,6 +620,8 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
     ours, peer = ((next((r for r in rows if r["name"] == "backbone"), {}).get(impl) or {}).get("matmul_fraction") for impl in ("ours", "peer"))
     if ours is not None and cfg["device"] == "cpu" and vit_label(cfg["backbone_model"]) == "ViT-S/16" and cfg["backbone_img_size"] == 224:
         out.append((f"ViT-S/16 224 px training >= {TARGET_MATMUL:.0%} of the matmul rate: ours {_pct(ours)}, timm {_pct(peer)}", ours >= TARGET_MATMUL))
+    for w in (d for d in result.get("data", []) if d["name"] == "worker" and "ours_ratio" in d):
+        out.append((f"worker CPU time per image with device views <= {TARGET_WORKER:.2f}x MultiCrop's: {w['ours_ratio']:.3f}x", w["ours_ratio"] <= TARGET_WORKER))
     return out
 
 
@@ -615,7 +670,18 @@ def step_table(result: dict[str, Any], markdown: bool = False) -> str:
 def data_table(result: dict[str, Any], markdown: bool = False) -> str:
     header = ["augmentation", "methods", "views/image", "ours views/s/worker", "peer", "peer views/s/worker", "speed"]
     rows = [[d["transform"], d["methods"], _side(d.get("ours"), "views_per_image", ".0f"), _side(d.get("ours"), "views_per_s", ".1f"),
-             d["peer_name"] or "-", _side(d.get("peer"), "views_per_s", ".1f"), _ratio(d.get("throughput_ratio"))] for d in result["data"]]
+             d["peer_name"] or "-", _side(d.get("peer"), "views_per_s", ".1f"), _ratio(d.get("throughput_ratio"))]
+            for d in result["data"] if d["name"] != "worker"]
+    return _table(header, rows, markdown)
+
+
+def worker_table(result: dict[str, Any], markdown: bool = False) -> str:
+    header = ["worker from JPEG", "methods", "device views CPU ms/img", "MultiCrop CPU ms/img", "peer", "peer CPU ms/img",
+              "device/MultiCrop", "device/peer", "device ms/batch"]
+    rows = [[d["transform"], d["methods"], *(_side(d.get(i), "ms_per_image") for i in ("device", "ours")), d["peer_name"] or "-",
+             _side(d.get("peer"), "ms_per_image"), *(_ratio(d.get(f"{i}_ratio")) for i in ("ours", "peer")),
+             f"{_side(d['device'], 'device_ms_per_batch')} (b{d['device']['device_batch']})" if "device_batch" in d["device"] else "-"]
+            for d in result["data"] if d["name"] == "worker"]
     return _table(header, rows, markdown)
 
 
@@ -644,6 +710,10 @@ def format_report(result: dict[str, Any], markdown: bool = False) -> str:
         parts.append("* other load took cores away during most timed steps: rerun on a quiet machine")
     if result["data"]:
         parts += ["", data_table(result, markdown)]
+    if any(d["name"] == "worker" for d in result["data"]):
+        parts += ["", worker_table(result, markdown), f"worker: CPU time per {JPEG_SIZE[0]}x{JPEG_SIZE[1]} JPEG from its bytes to the collate, "
+                  "decoding included, one thread; device views: the worker decodes, fits the canvas and draws the parameters, the device "
+                  "makes the views (device ms/batch: that half, on CUDA only)"]
     if met := targets(result):
         parts += ["", *(f"{text} {'[ok]' if ok else '[MISSED]'}" for text, ok in met)]
     errors = [f"{r['name']} (timing): {r['timing_error']['error']}" for r in result["rows"] if "timing_error" in r]

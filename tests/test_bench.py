@@ -471,6 +471,8 @@ class _FakeJobs:
                     "paired_ratio": {"median": 2.0, "quartiles": [1.9, 2.1]}} if cfg.peers else {}
             return {"ours": {"images_per_s": 10.0, "disturbed": False, "batch": 2, "step_s": [0.2, 0.1, 0.4]}, **peer,
                     "round_matmul": {"dtype": "float32", "flops_per_s": [4e10, 8e10, 1e10]}, "counted": [0, 1]}
+        if fn is bench.worker_job:
+            return {"ms_per_image": {"device": 2.0, "ours": 20.0, "peer": 25.0}[args[0]]}
         assert fn is bench.views_job
         return {"views_per_s": 30.0 if args[0] == "ours" else 10.0, "views_per_image": 4}
 
@@ -489,7 +491,9 @@ def test_run_benchmark_derives_from_its_jobs(monkeypatch) -> None:
         assert ours["matmul_fraction"] == pytest.approx(statistics.median([2e10 / 4e10, 4e10 / 8e10])) == 0.5
         assert peer["matmul_fraction"] == pytest.approx(statistics.median([8e9 / 4e10, 8e9 / 8e10]))
         assert row["throughput_ratio"] == 2.5 and row["memory_ratio"] == 0.5 and row["paired_ratio"]["median"] == 2.0  # ours / peer
-    assert [(d["name"], d["throughput_ratio"]) for d in result["data"]] == [("multicrop", 3.0)]  # ours / peer views/s
+    assert [(d["name"], d["throughput_ratio"]) for d in result["data"][:1]] == [("multicrop", 3.0)]  # ours / peer views/s
+    worker = result["data"][1]  # CPU ms per image with the views made on the device, over MultiCrop's and the peer's
+    assert (worker["name"], worker["ours_ratio"], worker["peer_ratio"]) == ("worker", 0.1, 0.08)
     assert result["format"] == bench.RESULT_FORMAT and tuple(result["config"]["methods"]) == ("mocov3", "dino")
     assert bench.run_benchmark(dataclasses.replace(TINY, methods=("mocov3", "mpp")), progress=None)["data"] == []  # DINO's augmentation only with DINO
 
@@ -662,8 +666,9 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
             assert res["flops_per_s"] > 0 and res["matmul_fraction"] > 0
             assert res["flops_per_image_counted"] == pytest.approx(row["flops_per_image"], rel=1e-3)  # the same work
         assert row["throughput_ratio"] > 0 and row["memory_ratio"] > 0
-    assert [d["name"] for d in result["data"]] == ["multicrop"] and result["data"][0]["throughput_ratio"] > 0
-    assert [text.split(" ")[0] for text, _ in bench.targets(result)] == ["backbone", "dino"]
+    assert [d["name"] for d in result["data"]] == ["multicrop", "worker"] and result["data"][0]["throughput_ratio"] > 0
+    assert result["data"][1]["ours_ratio"] > 0 and result["data"][1]["peer_ratio"] > 0
+    assert [text.split(" ")[0] for text, _ in bench.targets(result)] == ["backbone", "dino", "worker"]
     assert "dino" in bench.format_report(result, markdown=True)  # the report renders from the JSON alone
     assert result["config"]["lean_backward"] is False and "lean_backward=False" in printed
     assert result["config"]["fused_optimizer"] is False and "AdamW: ours torch default, peers torch default" in printed

@@ -289,15 +289,15 @@ def test_crop_scales_jitter_rate_and_local_crop_sizes_are_checked_and_kept():
     import ssl_vit.data.views as views_module
 
     calls = []
-    original = views_module.color_jitter
-    views_module.color_jitter = lambda img, *args: calls.append(1) or original(img, *args)
+    original = views_module.apply_jitter
+    views_module.apply_jitter = lambda img, *args: calls.append(1) or original(img, *args)
     try:
         random.seed(0)
         augmentation = TwoViews(size=8).augmentations()[0]
         for _ in range(2000):
             augmentation(_rgb_image(8))
     finally:
-        views_module.color_jitter = original
+        views_module.apply_jitter = original
     assert len(calls) / 2000 == pytest.approx(0.8, abs=0.03)
     # MoCo v3's crops resize bilinearly (torchvision's default), DINO's bicubically
     assert TwoViews(size=8).augmentations()[0].interpolation == "bilinear"

@@ -115,21 +115,33 @@ def adjust_hue(img: Image.Image, shift: float) -> Image.Image:
     return img.filter(_hue_lut(level))
 
 
+def draw_jitter(brightness: float, contrast: float, saturation: float, hue: float) -> list[tuple[int, float]]:
+    """torchvision ColorJitter's draws from ``random``: the ops with a strength (0 brightness, 1 contrast,
+    2 saturation, 3 hue) in a random order, each with its factor, uniform in [1 - s, 1 + s] (the hue
+    shift in [-hue, hue])."""
+    order, strengths = [0, 1, 2, 3], (brightness, contrast, saturation, hue)
+    random.shuffle(order)
+    return [(op, random.uniform(-s, s) if op == 3 else random.uniform(max(0.0, 1 - s), 1 + s)) for op in order if (s := strengths[op]) > 0]
+
+
+def apply_jitter(img: Image.Image, ops: list[tuple[int, float]]) -> Image.Image:
+    """The ops :func:`draw_jitter` drew, in their order."""
+    for op, factor in ops:
+        if op == 0:
+            img = adjust_brightness(img, factor)
+        elif op == 1:
+            img = adjust_contrast(img, factor)
+        elif op == 2:
+            img = adjust_saturation(img, factor)
+        else:
+            img = adjust_hue(img, factor)
+    return img
+
+
 def color_jitter(img: Image.Image, brightness: float, contrast: float, saturation: float, hue: float) -> Image.Image:
     """torchvision ColorJitter(brightness, contrast, saturation, hue): factors drawn uniformly
     from [1 - s, 1 + s] (hue shift from [-hue, hue]) and applied in a random order."""
-    order = [0, 1, 2, 3]
-    random.shuffle(order)
-    for op in order:
-        if op == 0 and brightness > 0:
-            img = adjust_brightness(img, random.uniform(max(0.0, 1 - brightness), 1 + brightness))
-        elif op == 1 and contrast > 0:
-            img = adjust_contrast(img, random.uniform(max(0.0, 1 - contrast), 1 + contrast))
-        elif op == 2 and saturation > 0:
-            img = adjust_saturation(img, random.uniform(max(0.0, 1 - saturation), 1 + saturation))
-        elif op == 3 and hue > 0:
-            img = adjust_hue(img, random.uniform(-hue, hue))
-    return img
+    return apply_jitter(img, draw_jitter(brightness, contrast, saturation, hue))
 
 
 def gaussian_blur(img: Image.Image, sigma: float) -> Image.Image:

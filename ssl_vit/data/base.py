@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.data.augment import to_pil
 from ssl_vit.data.datasets import EvenShares, TransformedDataset
+from ssl_vit.data.device_views import make_views
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
 from ssl_vit.data.views import EvalTransform, SingleView, ViewTransform
 from ssl_vit.io import atomic_write_json
@@ -269,6 +270,13 @@ class ImageDataModule(L.LightningDataModule):
             raise ValueError(f"the training set has {len(dataset)} images{share}, fewer than batch_size={self.batch_size} per "
                              "process, so drop_last=True leaves no batch; lower batch_size or set drop_last=False")
         return ResumableLoader(dataset, sampler=sampler, batch_size=self.batch_size, drop_last=self.drop_last, **self._loader_args(True))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A training batch of views made on the device (``views`` with ``on_device``): the canvases
+        and drawn parameters become the list of normalised views, here, after the transfer."""
+        if isinstance(batch, list | tuple) and len(batch) == 2 and isinstance(batch[0], dict) and "canvas" in batch[0]:
+            return make_views(batch[0], self.views.augmentations(), self.mean, self.std), batch[1]
+        return batch
 
     def val_dataloader(self) -> DataLoader | list:
         """The test split (the online probe's accuracy); none: an empty list, which Lightning skips."""

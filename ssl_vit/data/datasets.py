@@ -141,6 +141,9 @@ class TransformedDataset(Dataset):
         if self.in_chans == 1 and img.mode != "L":
             img = img.convert("L")
         out = self.transform(img)
+        if isinstance(out, dict):  # views made on the training device (device_views.py): normalised there
+            out["canvas"] = out["canvas"].expand(-1, -1, self.in_chans)  # [S, S, C]
+            return out, label
         views = [(x.expand(self.in_chans, -1, -1) - self.mean) * self.inv_std for x in (out if isinstance(out, list) else [out])]
         if self.multi_view:
             return views, label

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from PIL import Image
@@ -17,13 +18,15 @@ from ssl_vit.data.augment import (
     RESAMPLE,
     ImageLike,
     Interpolation,
-    color_jitter,
+    apply_jitter,
+    draw_jitter,
     gaussian_blur,
     random_resized_crop_box,
     resize_center_crop,
     to_float_tensor,
     to_pil,
 )
+from ssl_vit.data.device_views import pack
 
 # DINO and MoCo v3 draw the blur sigma from U(0.1, 2.0) pixels on 224-px images.
 _REF_SIZE, _REF_SIGMA = 224, (0.1, 2.0)
@@ -33,6 +36,18 @@ def _blur_sigma(sigma: tuple[float, float] | None, size: int) -> tuple[float, fl
     # The reference range scaled with the resolution: a 28-px image is blurred as much as the same
     # picture at 224 px would be (sigma <= 0.25 px: almost none, as SimCLR did on CIFAR).
     return tuple(sigma) if sigma is not None else (_REF_SIGMA[0] * size / _REF_SIZE, _REF_SIGMA[1] * size / _REF_SIZE)
+
+
+class ViewParams(NamedTuple):
+    """One view's random draws: what :class:`Augmentation` applies on the CPU, or ships with the image
+    to the training device (``device_views.py``)."""
+
+    box: tuple[int, int, int, int]  # the crop: left, top, right, bottom in the image's pixels
+    flip: bool
+    jitter: list[tuple[int, float]] | None  # (op, factor) in the order applied (augment.draw_jitter); None: none
+    grey: bool
+    sigma: float  # the blur's sigma in pixels of the view; 0: no blur
+    solarize: bool
 
 
 @dataclass
@@ -66,22 +81,32 @@ class Augmentation:
                 raise ValueError(f"rand_augment must be (ops, magnitude) with ops >= 1 and magnitude in 0..30, got {list(self.rand_augment)}")
             self._rand_augment = RandAugment(num_ops=self.rand_augment[0], magnitude=self.rand_augment[1], fill=128)
 
+    def draw(self, width: int, height: int, mode: str) -> ViewParams:
+        """The view's random parameters for a ``width`` x ``height`` image of PIL ``mode``, drawn from
+        ``random`` (seeded per sample by the dataset): the same draws on the CPU and device paths."""
+        box = random_resized_crop_box(width, height, self.scale)
+        flip = random.random() < self.flip_p
+        jitter = draw_jitter(*self.jitter) if self.jitter_p > 0 and random.random() < self.jitter_p else None
+        grey = self.grayscale_p > 0 and mode == "RGB" and random.random() < self.grayscale_p
+        sigma = random.uniform(*self.blur_sigma) if self.blur_p > 0 and random.random() < self.blur_p else 0.0
+        return ViewParams(box, flip, jitter, grey, sigma, self.solarize_p > 0 and random.random() < self.solarize_p)
+
     def __call__(self, img: Image.Image) -> tuple[Image.Image, bool]:
-        box = random_resized_crop_box(img.width, img.height, self.scale)
+        p = self.draw(img.width, img.height, img.mode)
         # Cropped, then resized, as torchvision's resized_crop: a resize of a box of the whole
         # image would filter the pixels just outside it into the crop's border.
-        img = img.crop(box).resize((self.size, self.size), RESAMPLE[self.interpolation])
-        if random.random() < self.flip_p:
+        img = img.crop(p.box).resize((self.size, self.size), RESAMPLE[self.interpolation])
+        if p.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if self._rand_augment is not None:  # (its draws come from torch's generator)
             img = self._rand_augment(img)
-        if self.jitter_p > 0 and random.random() < self.jitter_p:
-            img = color_jitter(img, *self.jitter)
-        if self.grayscale_p > 0 and img.mode == "RGB" and random.random() < self.grayscale_p:
+        if p.jitter is not None:
+            img = apply_jitter(img, p.jitter)
+        if p.grey:
             img = img.convert("L").convert("RGB")
-        if self.blur_p > 0 and random.random() < self.blur_p:
-            img = gaussian_blur(img, random.uniform(*self.blur_sigma))
-        return img, self.solarize_p > 0 and random.random() < self.solarize_p
+        if p.sigma > 0:
+            img = gaussian_blur(img, p.sigma)
+        return img, p.solarize
 
 
 class ViewTransform:
@@ -134,8 +159,10 @@ class ViewTransform:
             raise ValueError(f"{type(self).__name__}.{self.size_arg} is not set: pass it, or let a datamodule fill it from its img_size")
         return size
 
-    def __call__(self, image: ImageLike) -> list[torch.Tensor]:
+    def __call__(self, image: ImageLike) -> list[torch.Tensor] | dict[str, torch.Tensor]:
         img = to_pil(image)
+        if getattr(self, "on_device", False):  # the worker's half: the image and the draws (device_views.py)
+            return pack(img, self.augmentations(), self.canvas or self._size() * 16 // 7)
         return [to_float_tensor(*augment(img)) for augment in self.augmentations()]
 
 
@@ -184,6 +211,10 @@ class TwoViews(ViewTransform):
         blur_p, solarize_p: the blur's and the solarisation's probability in (view 1, view 2).
         blur_sigma: range of the blur's sigma in pixels (None: (0.1, 2.0) scaled by size / 224).
         interpolation: resampling filter of the crop (MoCo v3: torchvision's default).
+        on_device, canvas: make the views on the training device (``device_views.py``): workers only
+            decode, fit the image into a ``canvas`` x ``canvas`` uint8 square (None: size * 16 / 7,
+            512 at 224 px, which keeps ImageNet's images of at most 500 px a side as they are) and
+            draw the parameters; crops, jitter, blur and solarisation run batched after the transfer.
     """
 
     n_global_crops = 2
@@ -201,6 +232,8 @@ class TwoViews(ViewTransform):
     blur_sigma: tuple[float, float] | None = None
     solarize_p: tuple[float, float] = (0.0, 0.2)
     interpolation: Interpolation = "bilinear"
+    on_device: bool = False
+    canvas: int | None = None
 
     def augmentations(self) -> list[Augmentation]:
         size, jitter = self._size(), (self.brightness, self.contrast, self.saturation, self.hue)
@@ -226,6 +259,7 @@ class MultiCrop(ViewTransform):
         blur_sigma: as in TwoViews, scaled by global_size (the same range for every crop, as DINO's).
         solarize_p: solarisation probability of the second global crop.
         interpolation: resampling filter of the crops.
+        on_device, canvas: as in TwoViews (the canvas from global_size).
     """
 
     n_global_crops = 2
@@ -246,6 +280,8 @@ class MultiCrop(ViewTransform):
     blur_sigma: tuple[float, float] | None = None
     solarize_p: float = 0.2
     interpolation: Interpolation = "bicubic"
+    on_device: bool = False
+    canvas: int | None = None
 
     @property
     def resolved_local_size(self) -> int:
