@@ -75,6 +75,14 @@ def test_the_tool_writes_each_image_its_label_and_its_name_labelled_or_not(tmp_p
             assert label == (int(name[1]) if classes else -1)
         order = [bytes(source.reader[i]["name"]).decode() for i in range(9)]
         assert order != sorted(order)  # written shuffled: a chunk mixes classes
+    # A validation split takes the training split's class indices.
+    _folder(tmp_path / "val", 5, 2)
+    assert _tool("folder_to_shards").main([str(tmp_path / "val"), str(tmp_path / "val3"), "--classes-from", str(tmp_path / "out3")]) == 0
+    _, test = ImageShardsDataModule(str(tmp_path / "out3"), val_dir=str(tmp_path / "val3"), img_size=16, num_workers=0).eval_datasets()
+    assert sorted(test[i][1] for i in range(len(test))) == [0, 0, 0, 1, 1]
+    assert _tool("folder_to_shards").main([str(tmp_path / "val"), str(tmp_path / "val2")]) == 0  # its own: c0, c1
+    with pytest.raises(ValueError, match="--classes-from"):
+        ImageShardsDataModule(str(tmp_path / "out3"), val_dir=str(tmp_path / "val2"), img_size=16, num_workers=0).setup()
 
 
 class Indices(ShardStream):
@@ -104,6 +112,29 @@ def test_a_corrupt_image_is_replaced_logged_and_counted(shards):
     assert dm.skipped_paths == [BAD]
     train, _ = dm.eval_datasets()  # evaluation: not replaced but labelled -1, to be dropped
     assert sum(train[i][1] == -1 for i in range(len(train))) == 1
+
+
+@pytest.mark.parametrize("taken", [3, 8], ids=["mid-epoch", "epoch-end"])
+def test_a_loader_restored_from_its_state_continues_the_uninterrupted_order(shards, taken):
+    def loader() -> ShardLoader:
+        dm = ImageShardsDataModule(str(shards), **DATA)
+        return dm.train_dataloader()
+
+    def same(a, b) -> bool:  # the same images, augmented alike
+        return torch.equal(a[1], b[1]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+
+    uninterrupted = loader()
+    want = [batch for _ in range(2) for batch in uninterrupted]  # two epochs of 8 batches
+    first = loader()
+    batches = iter(first)
+    got = [next(batches) for _ in range(taken)]
+    state = first.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    got += list(resumed)  # the rest of the epoch (none after its end) ...
+    got += list(resumed) if taken < 8 else []  # ... and the next
+    assert len(got) == 16 and all(same(g, w) for g, w in zip(got, want))
+    assert resumed.epochs_done() == 2.0
 
 
 class RecordBatches(L.Callback):

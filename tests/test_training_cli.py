@@ -262,7 +262,7 @@ def test_resume_takes_a_slurm_requeue_checkpoint_that_is_further_and_warns_of_no
         (["--model.init_args.backbone_kwargs.embed_dim", "abc"], "backbone 'vit': embed_dim must be an integer, got 'abc'"),
         (["--model.init_args.backbone_kwargs.img_size", "8"], "the backbone was built for 8x8 images (model backbone_kwargs.img_size) but the data gives 16x16 crops"),
         (["--model", "Dino"], "(methods: MPP, MoCoV3, DINO, Supervised, or the dotted path of a BaseMethod of your own)"),
-        (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR10DataModule, CIFAR100DataModule, FashionMNISTDataModule, ImageFolderDataModule, "
+        (["--data", "FashionMnistDataModule"], "(datamodules: CIFAR10DataModule, CIFAR100DataModule, FashionMNISTDataModule, ImageFolderDataModule, ImageShardsDataModule, "
                                                "STL10DataModule, SyntheticDataModule, or the dotted path of a LightningDataModule of your own)"),
         (["--trainer.accumulate_grad_batches", "0"], 'Parser key "trainer.accumulate_grad_batches": Not of type PositiveInt: 0 does not conform'),
         (["--trainer.max_steps", "0"], "trainer.max_steps 0 trains nothing"),

@@ -33,7 +33,7 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming.sampler import ChunkedIndex
 from litdata.utilities.env import _DistributedEnv
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from ssl_vit.data.augment import to_pil
 from ssl_vit.data.base import ImageDataModule
@@ -57,9 +57,9 @@ def _record(item: tuple[str, int, str]) -> dict[str, Any]:
 def write_shards(image_dir: str | Path, out_dir: str | Path, chunk_bytes: str | int = "64MB", chunk_size: int | None = None,
                  num_workers: int = 1, classes_from: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Write the images of ``image_dir`` (``<class>/<image>`` or a flat, unlabelled folder) into
-    shards in ``out_dir`` as their files' bytes, label (-1: none) and relative path, in a seeded
-    random order; litdata shows a progress bar. ``classes_from``: the training shards whose class indices a validation split
-    takes. Returns the metadata written to ``out_dir/classes.json``."""
+    shards in ``out_dir``: their files' bytes, label (-1: none) and relative path, in a seeded
+    random order; litdata shows a progress bar. ``classes_from``: the training shards whose class
+    indices a validation split takes. Returns the metadata written to ``out_dir/classes.json``."""
     class_to_idx = None
     if classes_from is not None:
         class_to_idx = {name: i for i, name in enumerate(read_meta(classes_from)["classes"] or [])} or None
@@ -216,6 +216,11 @@ class ImageShardsDataModule(ImageDataModule):
     def unlabelled_train_images(self) -> int:
         return 0 if self.class_names is not None else read_meta(self.train_dir)["images"]
 
+    def measure_statistics(self, train: ShardImages) -> None:
+        # The first images: written in a random order, they are a random sample, and they lie in a
+        # few chunks (a random draw of all the images would fetch a chunk of remote shards for each).
+        super().measure_statistics(Subset(train, range(min(self.stats_images, len(train)))))
+
     def _load_split(self, train: bool) -> ShardImages | None:
         if not train and self.val_dir is not None and read_meta(self.val_dir)["classes"] != self.class_names:
             raise ValueError(f"{self.val_dir} has other classes than {self.train_dir}; write it with "
@@ -229,5 +234,5 @@ class ImageShardsDataModule(ImageDataModule):
         world, rank, nodes = (trainer.world_size, trainer.global_rank, trainer.num_nodes) if trainer is not None else (1, 0, 1)
         stream = ShardStream(self._train_source, self.views, self.mean, self.std, self.in_chans, global_seed(self.seed),
                              drop_last=self.drop_last or world > 1, world_size=world, rank=rank, num_nodes=nodes)
-        args = self._loader_args(persistent=False)  # (litdata restarts its workers each epoch)
-        return ShardLoader(stream, batch_size=self.batch_size, **{k: v for k, v in args.items() if k != "persistent_workers"})
+        # Workers not persistent: each epoch's take the stream's epoch (and a resume's position) from this process.
+        return ShardLoader(stream, batch_size=self.batch_size, **self._loader_args(persistent=False))
