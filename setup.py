@@ -37,8 +37,8 @@ setup(
         "timm>=1.0",
         # figures of `ssl-vit visualize` and the demo's bar chart
         "matplotlib>=3.7",
-        # streamed image shards (ImageShardsDataModule, tools/folder_to_shards.py)
-        "litdata>=0.2.50",
+        # streamed image shards (ImageShardsDataModule, tools/folder_to_shards.py); the version tested
+        "litdata>=0.2.76",
     ],
     extras_require={
         # ONNX packages let the suite check exported graphs against the eager model.
