@@ -496,9 +496,7 @@ def worker_job(cfg: BenchConfig, impl: Literal["device", "ours", "peer"]) -> dic
     parameters), our ``MultiCrop`` or lightly's ``DINOTransform``. ``device`` with CUDA available also
     times the device's half (``make_views``) on a batch of ``method_batch`` images."""
     from PIL import Image
-    from torch.utils.data import default_collate
 
-    from ssl_vit.data.device_views import make_views
     from ssl_vit.data.views import MultiCrop
 
     transform = MultiCrop(**cfg.multicrop, on_device=impl == "device")
@@ -507,13 +505,22 @@ def worker_job(cfg: BenchConfig, impl: Literal["device", "ours", "peer"]) -> dic
     per_s = views_per_second(lambda data: [worker(Image.open(io.BytesIO(data)).convert("RGB"))], jpegs, cfg.data_seconds)
     out = {"ms_per_image": 1e3 / per_s}
     if impl == "device" and torch.cuda.is_available():
-        device = torch.device(cfg.device if cfg.device.startswith("cuda") else "cuda")
-        batch = default_collate([transform(Image.open(io.BytesIO(jpegs[i % len(jpegs)])).convert("RGB")) for i in range(cfg.method_batch)])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        make = lambda: make_views(batch, transform.augmentations(), (0.5,) * 3, (0.25,) * 3)  # noqa: E731
-        walls = time_interleaved({"views": make}, cfg.warmup, max(cfg.steps, 5), device)["views"]
-        out |= {"device_ms_per_batch": 1e3 * statistics.median(walls), "device_batch": cfg.method_batch}
+        out |= device_views_time(cfg, transform, jpegs, torch.device(cfg.device if cfg.device.startswith("cuda") else "cuda"))
     return out
+
+
+def device_views_time(cfg: BenchConfig, transform: Any, jpegs: Sequence[bytes], device: torch.device) -> dict[str, Any]:
+    """Milliseconds of the device's half (``make_views``) on a batch of ``method_batch`` images packed by ``transform``."""
+    from PIL import Image
+    from torch.utils.data import default_collate
+
+    from ssl_vit.data.device_views import make_views
+
+    batch = default_collate([transform(Image.open(io.BytesIO(jpegs[i % len(jpegs)])).convert("RGB")) for i in range(cfg.method_batch)])
+    batch = {k: v.to(device) for k, v in batch.items()}
+    walls = time_interleaved({"views": lambda: make_views(batch, transform.augmentations(), (0.5,) * 3, (0.25,) * 3)}, cfg.warmup,
+                             max(cfg.steps, 5), device)["views"]
+    return {"device_ms_per_batch": 1e3 * statistics.median(walls), "device_batch": cfg.method_batch}
 
 
 def _run_job(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> dict[str, Any]:

@@ -183,6 +183,9 @@ def test_the_benchmarks_worker_row_times_each_worker():
     cfg = dataclasses.replace(bench.PRESETS["tiny"], data_seconds=0.02)
     out = {impl: bench.worker_job(cfg, impl) for impl in ("device", "ours", "peer")}
     assert all(o["ms_per_image"] > 0 for o in out.values())
+    # the device's half (timed on CUDA only; here on the CPU): a batch of method_batch images
+    timed = bench.device_views_time(cfg, MultiCrop(**cfg.multicrop, on_device=True), bench._jpegs(cfg, 2), torch.device("cpu"))
+    assert timed["device_ms_per_batch"] > 0 and timed["device_batch"] == cfg.method_batch
     jpeg = Image.open(io.BytesIO(bench._jpegs(cfg, 1)[0]))
     assert (jpeg.format, jpeg.size) == ("JPEG", bench.JPEG_SIZE)
     row = {"name": "worker", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform", **out, "ours_ratio": 0.1, "peer_ratio": 0.05}

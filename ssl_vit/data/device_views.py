@@ -53,18 +53,18 @@ def pack(img: Image.Image, augmentations: Sequence[Augmentation], canvas: int) -
     for v, p in enumerate(params):
         for k, (op, factor) in enumerate(p.jitter or []):
             order[v, k], factors[v, op] = op, factor
-    return {"canvas": torch.from_numpy(out), "boxes": torch.tensor([[x0 * sx, y0 * sy, x1 * sx, y1 * sy] for x0, y0, x1, y1 in (p.box for p in params)]),  # [V, 4]
-            "flip": torch.tensor([p.flip for p in params]), "order": order, "factors": factors, "grey": torch.tensor([p.grey for p in params]),
-            "sigma": torch.tensor([p.sigma for p in params]), "solarize": torch.tensor([p.solarize for p in params])}
+    boxes = torch.tensor([[x0 * sx, y0 * sy, x1 * sx, y1 * sy] for x0, y0, x1, y1 in (p.box for p in params)])  # [V, 4] on the canvas
+    return {"canvas": torch.from_numpy(out), "boxes": boxes, "order": order, "factors": factors,
+            **{k: torch.tensor([getattr(p, k) for p in params]) for k in ("flip", "grey", "sigma", "solarize")}}
 
 
 def make_views(packed: dict[str, Tensor], augmentations: Sequence[Augmentation], mean: Sequence[float], std: Sequence[float]) -> list[Tensor]:
-    """The device's half: a collated batch of :func:`pack` outputs (``canvas [B, C, S, S]``, the
+    """The device's half: a collated batch of :func:`pack` outputs (``canvas [B, S, S, C]``, the
     rest ``[B, V, ...]``) -> the V normalised views ``[B, C, size, size]`` in the augmentations' order."""
     canvas = packed["canvas"].permute(0, 3, 1, 2).float().div_(255)  # [B, S, S, C] -> [B, C, S, S]
     b, c = canvas.shape[:2]
     mean_, std_ = (torch.tensor(m, device=canvas.device, dtype=canvas.dtype).view(1, -1, 1, 1) for m in (mean, std))
-    views: list[Tensor] = [canvas] * len(augmentations)
+    views: dict[int, Tensor] = {}
     for size in sorted({a.size for a in augmentations}):  # one roi_align per resolution
         idx = [v for v, a in enumerate(augmentations) if a.size == size]
         # The group's parameters, view-major: row v * B + i is view idx[v] of image i.
@@ -78,12 +78,12 @@ def make_views(packed: dict[str, Tensor], augmentations: Sequence[Augmentation],
         if c == 3:
             x = torch.where(take["grey"].view(-1, 1, 1, 1), _luma(x).expand_as(x), x)
         if (blurred := take["sigma"] > 0).any():
-            radius = int(torch.ceil(3 * take["sigma"].max()))  # (truncated at 3 sigma, where Pillow's box blurs end too)
+            radius = int(torch.ceil(3 * take["sigma"].max()))  # (truncated at 3 sigma: Pillow's three box blurs reach as far)
             x[blurred] = gaussian_blur(x[blurred], take["sigma"][blurred], radius)
         x = torch.where(take["solarize"].view(-1, 1, 1, 1) & (x >= 127.5 / 255), 1 - x, x)  # Pillow's solarize: v >= 128 -> 255 - v
         for v, view in zip(idx, ((x - mean_) / std_).chunk(len(idx))):
             views[v] = view
-    return views
+    return [views[v] for v in range(len(augmentations))]
 
 
 def _luma(x: Tensor) -> Tensor:

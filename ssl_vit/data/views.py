@@ -1,7 +1,9 @@
 """View transforms: one image -> the augmented views a method trains on, float tensors ``[C, H, W]``
 in [0, 1] that the datamodule normalises: ``SingleView`` (supervised, MPP, fine-tuning), ``TwoViews``
 (MoCo v3), ``MultiCrop`` (DINO); and ``EvalTransform``, evaluation's one image -> one tensor. A size
-left None is the datamodule's ``img_size`` (``with_img_size``), so a recipe states it once."""
+left None is the datamodule's ``img_size`` (``with_img_size``), so a recipe states it once. With
+``on_device`` the two- and multi-view transforms give the image and the drawn parameters instead,
+and the views are made on the training device (``device_views.py``)."""
 
 from __future__ import annotations
 
