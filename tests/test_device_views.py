@@ -89,11 +89,15 @@ def test_draw_rates_and_ranges_are_dinos():
     assert (p["factors"][~jittered] == torch.tensor([1.0, 1.0, 1.0, 0.0])).all() and (p["order"][~jittered] == -1).all()
 
 
-@pytest.mark.parametrize("mode", ["RGB", "L"])
-@pytest.mark.parametrize("views", [TwoViews(size=48), MultiCrop(global_size=48, local_size=24, n_local_crops=3)], ids=["two", "multicrop"])
-def test_pixels_agree_with_the_cpu_views_for_the_same_draws(views, mode):
+TWO, MULTI = TwoViews(size=48), MultiCrop(global_size=48, local_size=24, n_local_crops=3)
+
+
+@pytest.mark.parametrize(("views", "mode", "canvas"), [(TWO, "RGB", None), (TWO, "L", None), (MULTI, "RGB", None), (MULTI, "L", None), (TWO, "RGB", 80)],
+                         ids=["two", "two-grey", "multicrop", "multicrop-grey", "two-downscaled"])
+def test_pixels_agree_with_the_cpu_views_for_the_same_draws(views, mode, canvas):
+    # (the 120 x 90 image fits the default canvas of 109 px as it is; one of 80 px downscales it 1.5x)
     img, seeds = _photo(120, 90, mode), range(12)
-    on_device = dataclasses.replace(views, on_device=True)
+    on_device = dataclasses.replace(views, on_device=True, canvas=canvas)
     channels = 3 if mode == "RGB" else 1
     made = make_views(_pack(on_device, img, seeds), on_device.augmentations(), (0.0,) * channels, (1.0,) * channels)
     errors, shifted = [], []
@@ -107,7 +111,7 @@ def test_pixels_agree_with_the_cpu_views_for_the_same_draws(views, mode):
     errors, shifted = torch.cat(errors), torch.cat(shifted)
     # bilinear / box-averaged vs Pillow's filters, float vs 8 bits between operations, exact vs
     # box-approximated blur: within 2/255 on average (other draws: 20 times that)
-    assert errors.mean() < 0.012 and errors.quantile(0.99) < 0.05 and errors.max() < 0.15
+    assert errors.mean() < 0.012 and errors.quantile(0.99) < 0.05 and errors.max() < 0.2
     assert shifted.mean() > 0.1
 
 
@@ -150,6 +154,9 @@ def test_the_datamodules_batch_is_the_cpu_views_batch():
                                  std=(0.2, 0.25, 0.3), views=TwoViews(on_device=on_device, jitter_p=0.0, blur_p=(0.0, 0.0)))
         dm.setup()
         batch = next(iter(dm.train_dataloader()))
+        if on_device:  # drawn from the samples' seeds: the same again
+            again = next(iter(dm.train_dataloader()))[0]
+            assert all(torch.equal(batch[0][k], again[k]) for k in batch[0])
         batches.append(dm.on_after_batch_transfer(batch, 0))
     (cpu, labels), (device, device_labels) = batches
     assert torch.equal(labels, device_labels) and [v.shape for v in cpu] == [v.shape for v in device] == [(8, 3, 32, 32)] * 2
