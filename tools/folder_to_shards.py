@@ -6,7 +6,7 @@ read, as the folder's are), their labels and relative paths, in chunks of about 
     python tools/folder_to_shards.py /data/imagenet/val /data/shards/imagenet/val \\
         --classes-from /data/shards/imagenet/train
 
-Then ``recipes/imagenet/dino_vit_small16_shards.yaml`` trains from them (README, "Shards").
+Then ``recipes/imagenet/dino_vit_small16_shards.yaml`` trains from them (README, "Feeding many GPUs").
 """
 
 from __future__ import annotations
