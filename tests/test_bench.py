@@ -638,15 +638,6 @@ def test_a_json_path_is_tried_before_measuring(captured, tmp_path) -> None:
     assert sorted(p.name for p in out.parent.iterdir()) == ["bench.json"]  # the folders made, no stray file
 
 
-def test_without_timm_the_benchmark_says_what_to_install(monkeypatch) -> None:
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else find_spec(name, *a))
-    with pytest.raises(RuntimeError, match=re.escape("timm is not installed: pip install 'ssl_vit[bench]'")):
-        main(["--preset", "tiny", "--no-peers"])
-
-
 def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     # Every measurement in a process of its own; one method keeps it short (all four run
