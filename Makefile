@@ -10,7 +10,7 @@ demo: setup
 	$(VENV)/bin/ssl-vit demo $(ARGS)
 
 test: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -n 2 --durations=15 $(ARGS)
 
 bench: setup
 	$(VENV)/bin/ssl-vit benchmark $(ARGS)

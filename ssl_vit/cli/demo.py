@@ -122,8 +122,11 @@ def main(argv: list[str]) -> int:
                 print(f"[demo] supervised on {n} labelled images (draw {seed})", flush=True)
                 # as many epochs of its images as its recipe's images (at least a tenth of the recipe's steps)
                 n_steps = max(1, steps(recipe) // 10, round(steps(recipe) * n / images))
+                # a warm-up of 20 steps (the recipe's 0.2 epochs is a step or two of a few hundred images); no
+                # validation each of the many short epochs: the evaluation follows
                 fit(recipes["supervised"], out / "runs" / f"supervised_{n}_labels_draw{seed}", n_steps, args, "--data.init_args.subset", str(n),
-                    "--data.init_args.seed", str(seed), *_flags("evaluate", quick.get("evaluate", {})))
+                    "--data.init_args.seed", str(seed), "--model.init_args.warmup_steps", str(min(20, n_steps // 2)),
+                    "--trainer.limit_val_batches", "0", *_flags("evaluate", quick.get("evaluate", {})))
     print("[demo] random init", flush=True)
     _evaluate_random(recipes, out, labels, images, args, quick)
 
