@@ -1,8 +1,9 @@
 """``ssl-vit benchmark``: one training step of each method against the same step composed the way
 lightly's examples compose it around timm's ``VisionTransformer``, the bare backbone against timm's
 ViT, the achieved FLOP/s as a fraction of the machine's dense matmul rate, DINO's multi-crop
-views per second against lightly's ``DINOTransform``, and a DataLoader worker's CPU time per JPEG
-with the views made on the device against both. Figures: ``benchmarks/RESULTS.md``.
+views per second against lightly's ``DINOTransform``, a DataLoader worker's CPU time per JPEG
+with the views made on the device against both, and (``feed``) DINO's training images/s fed by the
+real loader from JPEGs against the same steps on ready-made input. Figures: ``benchmarks/RESULTS.md``.
 
 Speed: ours and the peer of a row run in one fresh process, timed interleaved with a dense matmul
 taking its turn in every round, so that the speed ratio and the fraction of the matmul rate are
@@ -27,6 +28,7 @@ import platform
 import resource
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -54,6 +56,8 @@ METHODS = ("supervised", "mpp", "mocov3", "dino")
 TARGET_SPEED, TARGET_MEMORY, TARGET_BACKBONE, TARGET_MATMUL = 1.0, 1.0, 0.95, 0.75
 # A worker making DINO's views on the device spends <= a fifth of the CPU time per image of MultiCrop's.
 TARGET_WORKER = 0.2
+# DINO fed by the real loader (views on the device) trains at >= 0.9x its speed on ready-made input.
+TARGET_FEED = 0.9
 JPEG_SIZE = (500, 375)  # the worker row's photos: ImageNet's commonest size
 # ViT shapes: keyword arguments of ``create_backbone("vit", ...)`` and of timm's VisionTransformer alike.
 VIT_S16 = {"embed_dim": 384, "depth": 12, "num_heads": 6, "patch_size": 16, "mlp_ratio": 4.0, "in_chans": 3}
@@ -108,6 +112,8 @@ class BenchConfig:
     lean_backward: bool = True  # our ViT's norm_linear + gelu_linear; False: the plain modules
     fused_optimizer: bool = True  # ours on torch's fused AdamW; False: torch's default, as the peers
     compile: bool = False  # every ViT's blocks through torch.compile (inductor) in the timing jobs
+    feed: bool = False  # DINO at the multicrop sizes fed by the loader vs ready-made input (a GPU's measurement)
+    feed_workers: int = 8  # the loader's worker processes in the feed row
 
 
 PRESETS = {
@@ -523,6 +529,33 @@ def device_views_time(cfg: BenchConfig, transform: Any, jpegs: Sequence[bytes], 
     return {"device_ms_per_batch": 1e3 * statistics.median(walls), "device_batch": cfg.method_batch}
 
 
+def feed_job(cfg: BenchConfig, source: Literal["loader", "synthetic"]) -> dict[str, Any]:
+    """Images/s of DINO's training step at ``cfg.multicrop``'s sizes (``method_model``, ``method_batch``)
+    fed by ``ImageFolderDataModule`` over photo-like JPEGs with the views made on the device
+    (``feed_workers`` workers, the wait for each batch timed), or on the same views made once."""
+    from ssl_vit.data import ImageFolderDataModule
+    from ssl_vit.data.views import MultiCrop
+
+    mc, device = cfg.multicrop, torch.device(cfg.device)
+    cfg = dataclasses.replace(cfg, method_img_size=mc["global_size"], local_size=mc["local_size"], n_local_crops=mc["n_local_crops"])
+    work = workload("dino", "ours", cfg, device, cfg.compile)
+    with tempfile.TemporaryDirectory() as root:
+        for i, data in enumerate(itertools.islice(itertools.cycle(_jpegs(cfg)), cfg.method_batch * (cfg.warmup + cfg.steps))):
+            Path(root, f"{i:06d}.jpg").write_bytes(data)
+        dm = ImageFolderDataModule(train_dir=root, img_size=mc["global_size"], batch_size=cfg.method_batch, num_workers=cfg.feed_workers,
+                                   mean=NORM_MEAN, std=NORM_STD, views=MultiCrop(**mc, on_device=True))
+        batches = iter(dm.train_dataloader())
+
+        def step() -> None:
+            if source == "loader":
+                packed, _ = next(batches)
+                work.views[:] = dm.on_after_batch_transfer(({k: v.to(device, non_blocking=True) for k, v in packed.items()}, None), 0)[0]
+            work.step()
+
+        walls = time_interleaved({source: step}, cfg.warmup, cfg.steps, device)[source]
+    return {"images_per_s": cfg.method_batch * len(walls) / sum(walls), "label": row_label("dino", cfg), "workers": cfg.feed_workers}
+
+
 def _run_job(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> dict[str, Any]:
     try:
         if cfg.threads:
@@ -610,6 +643,11 @@ def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] | None = lam
             if "ms_per_image" in worker["device"] and "ms_per_image" in worker.get(impl, {}):
                 worker[f"{impl}_ratio"] = worker["device"]["ms_per_image"] / worker[impl]["ms_per_image"]
         result["data"].append(worker)
+    if cfg.feed:
+        feed = result["feed"] = {source: isolated(cfg, feed_job, source) for source in ("loader", "synthetic")}
+        say("  feed       " + ", ".join(f"{k} " + (r["error"] if "error" in r else f"{r['images_per_s']:.1f} img/s") for k, r in feed.items()))
+        if all("images_per_s" in r for r in feed.values()):
+            feed["ratio"] = feed["loader"]["images_per_s"] / feed["synthetic"]["images_per_s"]
     return {**result, "loadavg_end": _loadavg(), "wall_s": time.perf_counter() - start}
 
 
@@ -629,6 +667,8 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
         out.append((f"ViT-S/16 224 px training >= {TARGET_MATMUL:.0%} of the matmul rate: ours {_pct(ours)}, timm {_pct(peer)}", ours >= TARGET_MATMUL))
     for w in (d for d in result.get("data", []) if d["name"] == "worker" and "ours_ratio" in d):
         out.append((f"worker CPU time per image with device views <= {TARGET_WORKER:.2f}x MultiCrop's: {w['ours_ratio']:.3f}x", w["ours_ratio"] <= TARGET_WORKER))
+    if "ratio" in (feed := result.get("feed") or {}):
+        out.append((f"DINO fed by the loader >= {TARGET_FEED:.2f}x its speed on ready-made input: {feed['ratio']:.3f}x", feed["ratio"] >= TARGET_FEED))
     return out
 
 
@@ -721,10 +761,15 @@ def format_report(result: dict[str, Any], markdown: bool = False) -> str:
         parts += ["", worker_table(result, markdown), f"worker: CPU time per {JPEG_SIZE[0]}x{JPEG_SIZE[1]} JPEG from its bytes to the collate, "
                   "decoding included, one thread; device views: the worker decodes, fits the canvas and draws the parameters, the device "
                   "makes the views (device ms/batch: that half, on CUDA only)"]
+    if (feed := result.get("feed")) and "images_per_s" in feed["loader"]:
+        parts += ["", f"feed: DINO {feed['loader']['label']} from {JPEG_SIZE[0]}x{JPEG_SIZE[1]} JPEGs, views on the device, "
+                  f"{feed['loader']['workers']} workers: {_side(feed['loader'], 'images_per_s', '.1f')} img/s; on ready-made input "
+                  f"{_side(feed['synthetic'], 'images_per_s', '.1f')} img/s: {_ratio(feed.get('ratio'))}"]
     if met := targets(result):
         parts += ["", *(f"{text} {'[ok]' if ok else '[MISSED]'}" for text, ok in met)]
     errors = [f"{r['name']} (timing): {r['timing_error']['error']}" for r in result["rows"] if "timing_error" in r]
     errors += [f"{r['name']} ({i}): {r[i]['error']}" for r in [*result["rows"], *result["data"]] for i in ("ours", "peer") if "error" in (r.get(i) or {})]
+    errors += [f"feed ({k}): {r['error']}" for k, r in (result.get("feed") or {}).items() if isinstance(r, dict) and "error" in r]
     return "\n".join(parts + (["", "errors:", *errors] if errors else []))
 
 

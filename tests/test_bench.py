@@ -251,13 +251,14 @@ def test_presets_are_what_the_help_says() -> None:
 
 def test_full_preset_is_the_shipped_results_configuration() -> None:
     # benchmarks/results_cpu.json (RESULTS.md's numbers) was measured with the full preset and default options.
-    # Settings renamed or regrouped since (the multi-crop row's), or added (--compile), or gone (the separate matmul measurements' sizes) aside.
+    # Settings renamed or regrouped since (the multi-crop row's), or added (--compile, --feed), or gone (the separate matmul measurements' sizes) aside.
     result = json.loads((SHIPPED[0].parent / "results_cpu.json").read_text())
     stored, full = result["config"], dataclasses.asdict(bench.PRESETS["full"])
     renamed = {"n_local": "n_local_crops", "matmul_probe_size": "round_matmul_size"}
     stored = {renamed.get(k, k): tuple(v) if k == "methods" else v for k, v in stored.items()}
     stored["multicrop"] = {"global_size": stored["data_global_size"], "local_size": stored["data_local_size"], "n_local_crops": stored["data_n_local"]}
-    assert {k: stored[k] for k in full if k != "compile"} == {k: v for k, v in full.items() if k != "compile"}
+    added = ("compile", "feed", "feed_workers")
+    assert {k: stored[k] for k in full if k not in added} == {k: v for k, v in full.items() if k not in added}
     assert {r["name"]: r["label"] for r in result["rows"]} == {r: bench.row_label(r, bench.PRESETS["full"]) for r in ROWS}
 
 
@@ -663,3 +664,16 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
     assert "dino" in bench.format_report(result, markdown=True)  # the report renders from the JSON alone
     assert result["config"]["lean_backward"] is False and "lean_backward=False" in printed
     assert result["config"]["fused_optimizer"] is False and "AdamW: ours torch default, peers torch default" in printed
+
+
+def test_the_feed_row_times_dino_fed_by_the_loader_against_ready_made_input() -> None:
+    cfg = dataclasses.replace(TINY, feed_workers=0)
+    loader, ready = bench.feed_job(cfg, "loader"), bench.feed_job(cfg, "synthetic")
+    assert loader["images_per_s"] > 0 and ready["images_per_s"] > 0
+    assert loader["label"] == ready["label"] == "ViT(D=32,L=2,H=2)/8 2x32+2x16px b4"  # the multicrop's sizes, not the method rows'
+    result = {**_report_result(), "feed": {"loader": {**loader, "images_per_s": 9.0}, "synthetic": {**ready, "images_per_s": 10.0}, "ratio": 0.9}}
+    text = bench.format_report(result)
+    assert "0 workers: 9.0 img/s; on ready-made input 10.0 img/s: 0.90x" in text
+    assert "DINO fed by the loader >= 0.90x its speed on ready-made input: 0.900x [ok]" in text
+    result["feed"] = {"loader": {"error": "RuntimeError: no GPU"}, "synthetic": ready}
+    assert "feed (loader): RuntimeError: no GPU" in bench.format_report(result)

@@ -28,12 +28,14 @@ def main(argv: list[str]) -> int:
     for option, dest, text in (("--no-data", "data", "skip the augmentation row"), ("--no-peers", "peers", "measure ours only"), ("--no-lean-backward",
                                "lean_backward", "our ViT's plain LayerNorm / GELU"), ("--no-fused-optimizer", "fused_optimizer", "ours on torch's default AdamW")):
         p.add_argument(option, dest=dest, action="store_false", default=None, help=text)
+    p.add_argument("--feed", action="store_true", default=None, help="also DINO at the multi-crop sizes fed by the real loader (views on the device) vs ready-made input")
+    p.add_argument("--feed-workers", type=int, help="the feed row's loader workers (default 8)")
     p.add_argument("--compile", action="store_true", default=None, help="time every ViT's blocks compiled (inductor, in the warm-up), ours and the peers'")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--json", "--out", type=Path, help="also write the full result as JSON here")
     p.add_argument("--render", type=Path, metavar="JSON", help="print the report of an earlier --json result instead of measuring")
     args = p.parse_args(argv)
-    if low := [o for o in ("steps", "backbone_batch", "method_batch", "threads") if getattr(args, o) is not None and getattr(args, o) < 1]:
+    if low := [o for o in ("steps", "backbone_batch", "method_batch", "threads", "feed_workers") if getattr(args, o) is not None and getattr(args, o) < 1]:
         p.error(f"--{low[0].replace('_', '-')} must be >= 1")
     if args.render is not None:
         print(bench.render(args.render, args.markdown))
