@@ -586,7 +586,7 @@ def test_an_image_size_the_patch_does_not_divide_in_either_side_is_refused():
     from ssl_vit.errors import ConfigError
 
     for img in ((16, 18), (18, 16)):
-        with pytest.raises(ConfigError, match=rf"^data.img_size \({img[0]}, {img[1]}\) is not divisible by the backbone's patch size 4$"):
+        with pytest.raises(ConfigError, match=rf"^data.img_size \({img[0]}, {img[1]}\) is not divisible by the backbone's patch size 4; set model backbone_kwargs img_size and patch_size to fit the data$"):
             validate_run(_vit_model(), SimpleNamespace(img_size=img, in_chans=3), _trainer(), None)
 
 

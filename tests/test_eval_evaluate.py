@@ -47,8 +47,8 @@ def test_a_recipe_pretrains_on_an_unlabelled_folder_and_evaluates_on_a_labelled_
     seen = []
     run = Evaluation.run
     monkeypatch.setattr(Evaluation, "run", lambda self, backbone, info, dm, *a, **k: seen.append(dm) or run(self, backbone, info, dm, *a, **k))
-    assert cli_main(["fit", "--config", _recipe(tmp_path, {"train_dir": str(train), "val_dir": str(val), "num_workers": 0, "std": [0.5]})]) == 0
-    # the pretraining's resolution and mean follow, the std the recipe set wins
+    assert cli_main(["fit", "--config", _recipe(tmp_path, {"train_dir": str(train), "val_dir": str(val), "std": [0.5]})]) == 0
+    # the pretraining's resolution, mean and loader workers follow, the std the recipe set wins
     (dm,) = seen
     assert (dm.img_size, dm.in_chans, dm.mean, dm.std, dm.num_workers) == (16, 3, (0.4, 0.4, 0.4), (0.5, 0.5, 0.5), 0)
     (path,) = (tmp_path / "run" / "results").glob("*.json")

@@ -244,7 +244,7 @@ def test_resume_takes_a_slurm_requeue_checkpoint_that_is_further_and_warns_of_no
         (["--model.init_args.backbone", "vit_gigantic"], "unknown backbone 'vit_gigantic'; known backbones:"),
         (["--model", "ssl_vit.methods.NoSuchMethod"], "has no attribute 'NoSuchMethod'"),
         (["--model.init_args.backbone_kwargs.patch_size", "5"], "image size 16x16 is not divisible by the patch size 5"),
-        (["--data.init_args.img_size", "18", "--data.init_args.views.init_args.global_size", "18"], "data.img_size 18 is not divisible by the backbone's patch size 4"),
+        (["--data.init_args.img_size", "18", "--data.init_args.views.init_args.global_size", "18"], "data.img_size 18 is not divisible by the backbone's patch size 4; set model backbone_kwargs img_size and patch_size"),
         (["--data.init_args.in_chans", "1"], "the data gives 1-channel images but the backbone was built with in_chans=3"),
         (["--data.init_args.views.init_args.local_size", "10"], "data.views MultiCrop makes 10x10 crops, which the backbone's patch size 4 does not divide"),
         (["--global_batch_size", "7", "--trainer.accumulate_grad_batches", "2"], "global_batch_size 7 is not divisible by devices x nodes x accumulate_grad_batches = 2"),

@@ -90,6 +90,7 @@ def _fit(argv: list[str]) -> int:
     # (The dispatcher strips "fit"; the checkpoint folder's files are this run's, or refused in _checkpoint_to_resume.)
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero")  # data without a test split: no validation
     try:
         cli = SSLViTCLI(BaseMethod, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, auto_configure_optimizers=False,
                         run=False, args=argv, save_config_kwargs={"overwrite": True},

@@ -150,7 +150,8 @@ def validate_run(model: BaseMethod, datamodule: L.LightningDataModule, trainer: 
     backbone, img, views = model.backbone, getattr(datamodule, "img_size", None), getattr(datamodule, "views", None)
     patch = getattr(backbone, "patch_size", None)  # (a ResNet has none)
     if patch and img is not None and any(side % patch for side in _hw(img)):
-        raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {patch}")
+        raise ConfigError(f"data.img_size {img} is not divisible by the backbone's patch size {patch}; set model backbone_kwargs "
+                          "img_size and patch_size to fit the data")
     crops = [_hw(aug.size) for aug in views.augmentations()] if isinstance(views, ViewTransform) else []  # (fitted to data.img_size)
     if crops:
         try:

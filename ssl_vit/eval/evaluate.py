@@ -214,8 +214,9 @@ class Evaluation:
         from ssl_vit.export import load_any_backbone
 
         backbone, info = load_any_backbone(checkpoint, which=self.which)
-        if self.data is not None:  # (its training views have no use here)
-            datamodule = type(self.data)(**{**backbone_data_args(backbone, info), **{k: v for k, v in self.data_args.items() if k != "views"}})
+        if self.data is not None:  # unset, its loader workers are the run's (its training views have no use here)
+            datamodule = type(self.data)(**{**backbone_data_args(backbone, info), "num_workers": datamodule.num_workers,
+                                            **{k: v for k, v in self.data_args.items() if k != "views"}})
         root, device = Path(trainer.default_root_dir), trainer.strategy.root_device
         image_run = ImageRun("gpu" if device.type == "cuda" else "cpu", trainer.num_devices, trainer.num_nodes, str(trainer.precision),
                              datamodule.num_workers, self.seed, resume=resuming)
