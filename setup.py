@@ -44,7 +44,7 @@ setup(
         # ONNX packages let the suite check exported graphs against the eager model.
         "test": [
             "pytest>=7.4",
-            "pytest-xdist>=3.5",  # make test: one worker per core
+            "pytest-xdist>=3.5",  # make test runs the suite in two worker processes
             "ruff>=0.4",
             "onnx>=1.15",
             "onnxscript>=0.1",

@@ -532,27 +532,29 @@ def device_views_time(cfg: BenchConfig, transform: Any, jpegs: Sequence[bytes], 
 def feed_job(cfg: BenchConfig, source: Literal["loader", "synthetic"]) -> dict[str, Any]:
     """Images/s of DINO's training step at ``cfg.multicrop``'s sizes (``method_model``, ``method_batch``)
     fed by ``ImageFolderDataModule`` over photo-like JPEGs with the views made on the device
-    (``feed_workers`` workers, the wait for each batch timed), or on the same views made once."""
+    (``feed_workers`` workers, the wait for each batch timed), or on one ready-made batch of views of the same shapes."""
     from ssl_vit.data import ImageFolderDataModule
     from ssl_vit.data.views import MultiCrop
 
     mc, device = cfg.multicrop, torch.device(cfg.device)
     cfg = dataclasses.replace(cfg, method_img_size=mc["global_size"], local_size=mc["local_size"], n_local_crops=mc["n_local_crops"])
     work = workload("dino", "ours", cfg, device, cfg.compile)
-    with tempfile.TemporaryDirectory() as root:
-        for i, data in enumerate(itertools.islice(itertools.cycle(_jpegs(cfg)), cfg.method_batch * (cfg.warmup + cfg.steps))):
-            Path(root, f"{i:06d}.jpg").write_bytes(data)
-        dm = ImageFolderDataModule(train_dir=root, img_size=mc["global_size"], batch_size=cfg.method_batch, num_workers=cfg.feed_workers,
-                                   mean=NORM_MEAN, std=NORM_STD, views=MultiCrop(**mc, on_device=True))
-        batches = iter(dm.train_dataloader())
+    if source == "synthetic":
+        walls = time_interleaved({source: work.step}, cfg.warmup, cfg.steps, device)[source]
+    else:
+        with tempfile.TemporaryDirectory() as root:
+            for i, data in enumerate(itertools.islice(itertools.cycle(_jpegs(cfg)), cfg.method_batch * (cfg.warmup + cfg.steps))):
+                Path(root, f"{i:06d}.jpg").write_bytes(data)
+            dm = ImageFolderDataModule(train_dir=root, img_size=mc["global_size"], batch_size=cfg.method_batch, num_workers=cfg.feed_workers,
+                                       mean=NORM_MEAN, std=NORM_STD, views=MultiCrop(**mc, on_device=True))
+            batches = iter(dm.train_dataloader())
 
-        def step() -> None:
-            if source == "loader":
+            def step() -> None:
                 packed, _ = next(batches)
                 work.views[:] = dm.on_after_batch_transfer(({k: v.to(device, non_blocking=True) for k, v in packed.items()}, None), 0)[0]
-            work.step()
+                work.step()
 
-        walls = time_interleaved({source: step}, cfg.warmup, cfg.steps, device)[source]
+            walls = time_interleaved({source: step}, cfg.warmup, cfg.steps, device)[source]
     return {"images_per_s": cfg.method_batch * len(walls) / sum(walls), "label": row_label("dino", cfg), "workers": cfg.feed_workers}
 
 
