@@ -6,6 +6,7 @@ batches the uninterrupted order has."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,23 @@ def test_the_tool_writes_each_image_its_label_and_its_name_labelled_or_not(tmp_p
     assert _tool("folder_to_shards").main([str(tmp_path / "val"), str(tmp_path / "val2")]) == 0  # its own: c0, c1
     with pytest.raises(ValueError, match="--classes-from"):
         ImageShardsDataModule(str(tmp_path / "out3"), val_dir=str(tmp_path / "val2"), img_size=16, num_workers=0).setup()
+
+
+def test_each_conversion_stages_in_folders_of_its_own(tmp_path, monkeypatch):
+    # litdata's optimize empties its one staging folder per machine when it starts: two conversions
+    # at once (train and val side by side) would garble each other's index
+    from ssl_vit.data import shards as module
+
+    seen, optimize = [], module.optimize
+    names = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
+    monkeypatch.setattr(module, "optimize", lambda **kw: seen.append(tuple(os.environ[n] for n in names)) or optimize(**kw))
+    before = {n: os.environ.get(n) for n in names}
+    _folder(tmp_path / "in", 4, None)
+    for out in ("a", "b"):
+        module.write_shards(tmp_path / "in", tmp_path / out, chunk_size=2)
+        assert len(module.ShardImages(str(tmp_path / out))) == 4
+    assert len({folder for call in seen for folder in call}) == 4 and not any(os.path.exists(f) for call in seen for f in call)
+    assert {n: os.environ.get(n) for n in names} == before
 
 
 class Indices(ShardStream):

@@ -22,8 +22,10 @@ import logging
 import multiprocessing
 import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
+from unittest import mock
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # older litdata asks PyPI from every process otherwise
 
@@ -70,11 +72,15 @@ def write_shards(image_dir: str | Path, out_dir: str | Path, chunk_bytes: str | 
     # in folder order (one class each) would make batches of a few classes.
     random.Random(seed).shuffle(inputs)
     start_method = multiprocessing.get_start_method(allow_none=True)
-    try:  # (in the platform's start method, not litdata's spawn, which re-imports torch in every worker)
-        optimize(fn=_record, inputs=inputs, output_dir=str(out_dir), chunk_size=chunk_size, chunk_bytes=None if chunk_size else chunk_bytes,
-                 num_workers=num_workers, reorder_files=False, start_method=multiprocessing.get_start_method())
-    finally:  # optimize sets it for the whole process, where DataLoaders would inherit it
-        multiprocessing.set_start_method(start_method, force=True)
+    # optimize stages its index files in one folder per machine (<tmp>/chunks), which it empties when it
+    # starts: two conversions at once (train and val, or parallel tests) would garble each other's index
+    with tempfile.TemporaryDirectory(prefix="ssl_vit_shards_") as scratch, mock.patch.dict(os.environ, {
+            "DATA_OPTIMIZER_CACHE_FOLDER": os.path.join(scratch, "chunks"), "DATA_OPTIMIZER_DATA_CACHE_FOLDER": os.path.join(scratch, "data")}):
+        try:  # (in the platform's start method, not litdata's spawn, which re-imports torch in every worker)
+            optimize(fn=_record, inputs=inputs, output_dir=str(out_dir), chunk_size=chunk_size, chunk_bytes=None if chunk_size else chunk_bytes,
+                     num_workers=num_workers, reorder_files=False, start_method=multiprocessing.get_start_method())
+        finally:  # optimize sets it for the whole process, where DataLoaders would inherit it
+            multiprocessing.set_start_method(start_method, force=True)
     meta = {"classes": None if classes is None else sorted(classes, key=classes.__getitem__), "images": len(paths)}
     with fsspec.open(f"{out_dir}/{META}", "w") as f:
         json.dump(meta, f)
