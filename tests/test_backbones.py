@@ -199,7 +199,7 @@ def test_timm_weights_load_into_ours_with_grey_input():
 
 
 def test_parameter_count_matches_the_paper_table():
-    # specs §1: ViT-Ti/S/B at 224 px have 5.7 M / 22.1 M / 86.6 M parameters with a 1000-way head.
+    # DeiT Table 1 (and timm's model cards): ViT-Ti/S/B at 224 px have 5.7 M / 22.1 M / 86.6 M parameters with a 1000-way head.
     for name, expected in [("vit_tiny", 5.7e6), ("vit_small", 22.1e6), ("vit_base", 86.6e6)]:
         with torch.device("meta"):
             m = create_backbone(name)

@@ -144,7 +144,7 @@ def test_two_steps_change_weights_and_lr_groups_follow_the_decay():
 
 def test_a_sincos_position_embedding_trains_in_fine_tuning_from_the_table():
     # MAE / MoCo v3 fine-tune timm's ViT, whose pos_embed is a learnable parameter loaded with
-    # the pretraining's table: every weight trains (specs §5).
+    # the pretraining's table: every weight trains (MAE `main_finetune.py`, `interpolate_pos_embed`).
     vit = create_backbone("vit", img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=1, num_heads=2, pos_embed="sincos")
     table = vit.pos_embed.detach().clone()
     module = FineTuneModule(vit, 3, FineTuneSettings(base_lr=1e-2, batch_size=8, warmup_epochs=0), img_size=24)
