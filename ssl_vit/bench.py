@@ -1,17 +1,7 @@
-"""``ssl-vit benchmark``: one training step of each method against the same step composed the way
-lightly's examples compose it around timm's ``VisionTransformer``, the bare backbone against timm's
-ViT, the achieved FLOP/s as a fraction of the machine's dense matmul rate, DINO's multi-crop
-views per second against lightly's ``DINOTransform``, a DataLoader worker's CPU time per JPEG
-with the views made on the device against both, and (``feed``) DINO's training images/s fed by the
-real loader from JPEGs against the same steps on ready-made input. Figures: ``benchmarks/RESULTS.md``.
-
-Speed: ours and the peer of a row run in one fresh process, timed interleaved with a dense matmul
-taking its turn in every round, so that the speed ratio and the fraction of the matmul rate are
-taken on one machine state. Memory: each side alone in a fresh process. FLOPs: one step of each
-side under torch's ``FlopCounterMode``. Our step is what training runs (the method's ``step``,
-backward, its AdamW, the EMA update) without the Trainer's logging and callbacks; the peers'
-likewise (:func:`_peer`). Neither clips gradients nor freezes DINO's last layer in the first epoch
-(lightly's examples do not either).
+"""``ssl-vit benchmark``: each method's training step against the same step composed as lightly's
+examples compose it around timm's ViT (speed, peak memory, saved activations, FLOP/s against a dense
+matmul timed in the same rounds), the bare backbone against timm's, a DataLoader worker's CPU time per
+JPEG, and DINO fed by the real loader. Each measurement runs in a fresh process. Figures: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -51,34 +41,35 @@ from ssl_vit.runtime import allocator_note, keep_freed_memory
 
 RESULT_FORMAT = "ssl-vit-benchmark/3"
 METHODS = ("supervised", "mpp", "mocov3", "dino")
-# The targets: each method >= 1.0x the peer's speed at <= its peak memory, the bare backbone
-# >= 0.95x timm's, and ViT-S/16 at 224 px training on a CPU at >= 75 % of the matmul rate.
-TARGET_SPEED, TARGET_MEMORY, TARGET_BACKBONE, TARGET_MATMUL = 1.0, 1.0, 0.95, 0.75
-# A worker making DINO's views on the device spends <= a fifth of the CPU time per image of MultiCrop's.
-TARGET_WORKER = 0.2
-# DINO fed by the real loader (views on the device) trains at >= 0.9x its speed on ready-made input.
-TARGET_FEED = 0.9
-JPEG_SIZE = (500, 375)  # the worker row's photos: ImageNet's commonest size
+TARGET_SPEED = 1.0  # each method's step: at least the peer's speed ...
+TARGET_MEMORY = 1.0  # ... at no more than its peak memory
+TARGET_BACKBONE = 0.95  # the bare backbone: of timm's speed
+TARGET_MATMUL = 0.75  # ViT-S/16 at 224 px training on a CPU: of the dense matmul rate
+TARGET_WORKER = 0.2  # a worker making DINO's views on the device: at most this of MultiCrop's CPU time per image
+TARGET_FEED = 0.9  # DINO fed by the real loader: of its speed on ready-made input
+JPEG_SIZE = (500, 375)  # the worker and feed rows' photos: ImageNet's commonest size
 # ViT shapes: keyword arguments of ``create_backbone("vit", ...)`` and of timm's VisionTransformer alike.
 VIT_S16 = {"embed_dim": 384, "depth": 12, "num_heads": 6, "patch_size": 16, "mlp_ratio": 4.0, "in_chans": 3}
 VIT_TI16 = {**VIT_S16, "embed_dim": 192, "num_heads": 3}
-_VIT_NAMES = {(192, 12, 3): "Ti", (384, 12, 6): "S", (768, 12, 12): "B", (1024, 24, 16): "L", (1280, 32, 16): "H"}  # DeiT Table 1, ViT Table 1
+_TINY_VIT = {**VIT_S16, "embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8}
+_VIT_NAMES = {(192, 12, 3): "Ti", (384, 12, 6): "S", (768, 12, 12): "B", (1024, 24, 16): "L", (1280, 32, 16): "H"}  # DeiT, ViT Table 1
 MIN_RATE = 0.75  # of the best in-round matmul rate: a round below it lost cores to other load
-_SCHEDULE_STEPS = 100_000  # a long schedule: the EMA momentum stays in its realistic range while timed
+_SCHEDULE_STEPS = 100_000  # the peers' momentum schedule: long, so the EMA momentum stays realistic while timed
+NORM_MEAN, NORM_STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)  # the views' normalisation, both sides (MPP's target undoes it)
 MiB = 2**20
 
 
 def vit_label(m: dict[str, Any]) -> str:
+    """``ViT-S/16`` for a shape of the papers' tables, else its dimensions."""
     size = _VIT_NAMES.get((m["embed_dim"], m["depth"], m["num_heads"])) if m["mlp_ratio"] == 4.0 else None
-    return f"ViT-{size}/{m['patch_size']}" if size else f"ViT(D={m['embed_dim']},L={m['depth']},H={m['num_heads']})/{m['patch_size']}"
+    name = f"ViT-{size}" if size else f"ViT(D={m['embed_dim']},L={m['depth']},H={m['num_heads']})"
+    return f"{name}/{m['patch_size']}"
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One run. The backbone row trains ``backbone_model`` at ``backbone_img_size`` (ViT-S/16 at
-    224 px: the matmul target's configuration); the method rows ``method_model`` at
-    ``method_img_size``, DINO with ``n_local_crops`` more crops of ``local_size`` px; the heads'
-    widths are the papers'. The augmentation row times ``multicrop`` in one thread for ``data_seconds``."""
+    """One run. The backbone row trains ``backbone_model`` at ``backbone_img_size`` (ViT-S/16 at 224 px: the
+    matmul target's configuration), the method rows ``method_model`` at ``method_img_size`` with the papers' heads."""
 
     backbone_model: dict[str, Any] = field(default_factory=lambda: dict(VIT_S16))
     backbone_img_size: int = 224
@@ -86,7 +77,7 @@ class BenchConfig:
     method_model: dict[str, Any] = field(default_factory=lambda: dict(VIT_S16))
     method_img_size: int = 112
     method_batch: int = 32
-    local_size: int = 48
+    local_size: int = 48  # DINO's row: n_local_crops more crops of local_size px
     n_local_crops: int = 8
     methods: tuple[str, ...] = METHODS
     num_classes: int = 1000
@@ -100,7 +91,7 @@ class BenchConfig:
     memory_steps: int = 2
     memory_repeats: int = 3  # peak RSS differs by ~1 % between processes of one job: the least is its need
     round_matmul_size: int = 2048  # the n x n @ n x n product timed in every round (at least 8192 on GPUs)
-    data: bool = True  # the augmentation row (when DINO is among the methods)
+    data: bool = True  # the worker row (with DINO among the methods): MultiCrop(**multicrop), data_seconds of CPU each
     multicrop: dict[str, int] = field(default_factory=lambda: {"global_size": 224, "local_size": 96, "n_local_crops": 8})
     data_seconds: float = 3.0
     device: str = "cpu"
@@ -118,26 +109,21 @@ class BenchConfig:
 
 PRESETS = {
     "full": BenchConfig(),  # RESULTS.md's numbers (about 14 minutes on 2 cores)
-    "quick": BenchConfig(backbone_batch=8, method_model=VIT_TI16, method_img_size=64, method_batch=16, local_size=32, warmup=1, steps=3,
-                  memory_repeats=1, data_seconds=1.0),  # under 2 minutes on 2 cores
-    "tiny": BenchConfig(backbone_model=(tiny := {**VIT_S16, "embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8}), backbone_img_size=32,
-                 backbone_batch=4, method_model=tiny, method_img_size=32, method_batch=4, local_size=16, n_local_crops=2, num_classes=10,
-                 moco_hidden_dim=64, moco_out_dim=16, dino_out_dim=128, dino_hidden_dim=64, dino_bottleneck_dim=16, warmup=1, steps=2,
-                 memory_repeats=1, round_matmul_size=128, multicrop={"global_size": 32, "local_size": 16, "n_local_crops": 2},
-                 data_seconds=0.05),  # seconds
+    "quick": BenchConfig(backbone_batch=8, method_model=VIT_TI16, method_img_size=64, method_batch=16, local_size=32,
+                         warmup=1, steps=3, memory_repeats=1, data_seconds=1.0),  # under 2 minutes on 2 cores
+    "tiny": BenchConfig(  # seconds
+        backbone_model=_TINY_VIT, backbone_img_size=32, backbone_batch=4, method_model=_TINY_VIT, method_img_size=32,
+        method_batch=4, local_size=16, n_local_crops=2, num_classes=10, moco_hidden_dim=64, moco_out_dim=16,
+        dino_out_dim=128, dino_hidden_dim=64, dino_bottleneck_dim=16, warmup=1, steps=2, memory_repeats=1,
+        round_matmul_size=128, multicrop={"global_size": 32, "local_size": 16, "n_local_crops": 2}, data_seconds=0.05,
+    ),
 }
 
 
 # ---------------------------------------------------------------------------------- instruments
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int, device: torch.device) -> dict[str, list[float]]:
-    """Wall seconds of each step in each of ``rounds`` rounds, after ``warmup`` untimed calls of
-    each; a round calls every step once, in reverse order on odd rounds (ABBA), so that a drift of
-    the machine's speed reaches all alike."""
+    """Wall seconds of each step in each round, after ``warmup`` untimed calls of each; odd rounds run
+    the steps in reverse order (ABBA), so that a drift of the machine's speed reaches all alike."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -146,14 +132,14 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: i
         for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
             start = time.perf_counter()
             steps[name]()
-            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             walls[name].append(time.perf_counter() - start)
     return walls
 
 
 def paired(numerator: Sequence[float], denominator: Sequence[float], counted: Sequence[int]) -> dict[str, Any]:
-    """Median and quartiles of ``numerator[i] / denominator[i]`` over the counted rounds: a ratio
-    taken within each round; its quartiles are the noise of the measurement."""
+    """Median and quartiles (the noise) of the ratio ``numerator[i] / denominator[i]`` within each counted round."""
     xs = sorted(numerator[i] / denominator[i] for i in counted)
     q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0], xs[0], xs[0]]
     return {"median": statistics.median(xs), "quartiles": [q[0], q[2]]}
@@ -168,19 +154,16 @@ def _proc_status() -> dict[str, int]:
 
 @contextlib.contextmanager
 def peak_memory(device: torch.device) -> Iterator[dict[str, int]]:
-    """``peak_mem_bytes`` of the block, in the dict it yields, once the block is done. CUDA:
-    ``max_memory_allocated`` above the start. CPU: the resident high-water mark (``VmHWM``, reset
-    at the start through ``/proc/self/clear_refs``) less the anonymous memory at the start and the
-    file-backed pages at the end: weights, gradients, optimiser state, activations and allocator
-    caches, without the code of the shared libraries the block faulted in (tens of MiB that say
-    nothing about a step)."""
+    """Sets ``peak_mem_bytes`` of the block in the dict it yields. CUDA: ``max_memory_allocated`` above the start.
+    CPU: the resident high-water mark (reset through ``/proc/self/clear_refs``) less the anonymous memory at the
+    start and the file-backed pages at the end (the code of shared libraries says nothing about a step)."""
     out: dict[str, int] = {}
     if device.type == "cuda":
-        _sync(device)
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
         yield out
-        _sync(device)
+        torch.cuda.synchronize(device)
         out["peak_mem_bytes"] = max(torch.cuda.max_memory_allocated(device) - start, 0)
         return
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
@@ -193,8 +176,7 @@ def peak_memory(device: torch.device) -> Iterator[dict[str, int]]:
 
 
 def saved_activation_bytes(step: Callable[[], Any], params: Sequence[Tensor]) -> int:
-    """Bytes of the distinct tensors autograd keeps for the backward pass during ``step``,
-    parameters (and views of them) left out: a step's activation memory, counted exactly."""
+    """Bytes of the distinct tensors autograd keeps for backward during ``step``, parameters (and their views) left out."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     storages: dict[int, int] = {}
 
@@ -208,25 +190,24 @@ def saved_activation_bytes(step: Callable[[], Any], params: Sequence[Tensor]) ->
     return sum(storages.values())
 
 
-def views_per_second(transform: Callable[[Any], Sequence[Any]], images: Sequence[Any], seconds: float) -> float:
-    """Views per CPU second of ``transform`` on one thread, as a DataLoader worker runs it, after one
-    untimed call on each image; CPU time, which other load on the machine does not stretch."""
+def cpu_ms_per_call(fn: Callable[[Any], Any], items: Sequence[Any], seconds: float) -> float:
+    """CPU milliseconds per call of ``fn`` over ``items`` on one thread, as a DataLoader worker runs it, for at least
+    ``seconds`` after one untimed call on each; CPU time, which other load on the machine does not stretch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for image in images:
-            transform(image)
-        n_views, calls, start = 0, 0, time.process_time()
+        for item in items:
+            fn(item)
+        calls, start = 0, time.process_time()
         while (elapsed := time.process_time() - start) < seconds or calls == 0:
-            n_views += len(transform(images[calls % len(images)]))
+            fn(items[calls % len(items)])
             calls += 1
-        return n_views / elapsed
+        return 1e3 * elapsed / calls
     finally:
         torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------- the steps
-NORM_MEAN, NORM_STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)  # the MPP rows' view normalisation, both sides
 LossFn = Callable[[list[Tensor], Tensor], Tensor]
 
 
@@ -243,48 +224,46 @@ def row_views(row: str, cfg: BenchConfig) -> list[tuple[int, int, int, int]]:
     if row == "backbone":
         return [(cfg.backbone_batch, cfg.backbone_model["in_chans"], cfg.backbone_img_size, cfg.backbone_img_size)]
     b, c, s, local = cfg.method_batch, cfg.method_model["in_chans"], cfg.method_img_size, cfg.local_size
-    return [(b, c, s, s)] * (2 if row in ("mocov3", "dino") else 1) + [(b, c, local, local)] * (cfg.n_local_crops if row == "dino" else 0)
+    n_global, n_local = (2 if row in ("mocov3", "dino") else 1), (cfg.n_local_crops if row == "dino" else 0)
+    return [(b, c, s, s)] * n_global + [(b, c, local, local)] * n_local
 
 
 def row_label(row: str, cfg: BenchConfig) -> str:
     """``ViT-S/16 2x112+8x48px b32``: the model, the crops and the batch of a row."""
     views = row_views(row, cfg)
     crops = "+".join(f"{n}x{size}" if n > 1 else str(size) for size, n in Counter(v[-1] for v in views).items())
-    return f"{vit_label(cfg.backbone_model if row == 'backbone' else cfg.method_model)} {crops}px b{views[0][0]}" + (" fwd+bwd" if row == "backbone" else "")
+    model = vit_label(cfg.backbone_model if row == "backbone" else cfg.method_model)
+    return f"{model} {crops}px b{views[0][0]}" + (" fwd+bwd" if row == "backbone" else "")
 
 
 def _ours(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
-    """Our model of ``row``, its loss and what follows its optimiser step."""
+    """Our model of ``row``, its loss and what follows its optimiser step (the EMA of a momentum encoder or
+    teacher at the schedule's first momentum, DINO's centre)."""
     from ssl_vit.methods import DINO, MPP, MoCoV3, Supervised
 
     if row == "backbone":
         vit = create_backbone("vit", img_size=cfg.backbone_img_size, **cfg.backbone_model, lean_backward=cfg.lean_backward)
         return vit, lambda views, labels: vit(views[0]).float().mean(), None
-    common = {"backbone": "vit", "fused_optimizer": cfg.fused_optimizer,
-              "backbone_kwargs": {"img_size": cfg.method_img_size, **cfg.method_model, "lean_backward": cfg.lean_backward}}
+    backbone_kwargs = {"img_size": cfg.method_img_size, **cfg.method_model, "lean_backward": cfg.lean_backward}
+    common = {"backbone": "vit", "backbone_kwargs": backbone_kwargs, "fused_optimizer": cfg.fused_optimizer}
     if row == "supervised":
         module = Supervised(num_classes=cfg.num_classes, label_smoothing=0.1, **common)
         module.probe = None  # the timed step never runs the online probe, and the peer has none
     elif row == "mpp":
         module = MPP(mean=NORM_MEAN, std=NORM_STD, **common)
     elif row == "mocov3":
-        module = MoCoV3(proj_hidden_dim=cfg.moco_hidden_dim, proj_output_dim=cfg.moco_out_dim, pred_hidden_dim=cfg.moco_hidden_dim, **common)
+        hidden, out = cfg.moco_hidden_dim, cfg.moco_out_dim
+        module = MoCoV3(proj_hidden_dim=hidden, proj_output_dim=out, pred_hidden_dim=hidden, **common)
     else:
         module = DINO(out_dim=cfg.dino_out_dim, hidden_dim=cfg.dino_hidden_dim, bottleneck_dim=cfg.dino_bottleneck_dim, **common)
-    # after each optimiser step, as in training: the EMA of a momentum encoder / teacher (at the
-    # schedule's first momentum: there is no Trainer step count here), DINO's centre
     return module, lambda views, labels: module.step(views, labels)["loss"], lambda i: module.after_optimizer_step()
 
 
 def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int], Any] | None]:
-    """The peer of ``row``, its loss and its momentum update, after lightly 1.6's ``examples/pytorch/``.
-    Supervised: timm's ViT with cross-entropy (label smoothing 0.1). MPP, which lightly lacks: its
-    SimMIM example (``MaskedVisionTransformerTIMM``, a linear head on the masked tokens) with our
-    3-bit mean-colour target and 50 % mask ratio, without BERT's 10 % random / 10 % kept split
-    (lightly's masking has none). MoCo v3, whose heads and loss lightly lacks: its MoCo/BYOL
-    examples (one forward per view, ``deepcopy`` momentum copies, ``update_momentum``) with MoCo
-    v3's MLPs from ``ProjectionHead`` blocks, the patch projection frozen (MoCo v3 §4) and ``ctr``
-    of its Algorithm 1. DINO: ``dino.py`` (``DINOProjectionHead``, ``DINOLoss``, one forward per view)."""
+    """The peer of ``row``, its loss and its momentum update, after lightly 1.6's ``examples/pytorch/`` around timm's
+    ViT. Supervised: cross-entropy. MPP, which lightly lacks: its SimMIM example with our target (:func:`_mpp_loss`).
+    MoCo v3, whose heads and loss lightly lacks: its MoCo/BYOL examples with MoCo v3's MLPs and loss (:func:`_ctr`).
+    DINO: ``dino.py``."""
     from lightly.loss import DINOLoss
     from lightly.models import utils
     from lightly.models.modules import MaskedVisionTransformerTIMM, heads
@@ -300,11 +279,13 @@ def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int]
     if row == "supervised":
         return vit, lambda views, labels: F.cross_entropy(vit(views[0]), labels, label_smoothing=0.1), None
     if row == "mpp":
-        m = nn.ModuleDict({"backbone": MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="learn"), "head": nn.Linear(d, 8 ** shape["in_chans"])})
+        backbone = MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="learn")
+        m = nn.ModuleDict({"backbone": backbone, "head": nn.Linear(d, 8 ** shape["in_chans"])})
         return m, lambda views, labels: _mpp_loss(m, shape["patch_size"], views[0]), None
     if row == "mocov3":
         vit.patch_embed.proj.requires_grad_(False)  # a random patch projection (MoCo v3 §4)
-        proj = heads.ProjectionHead([(d, h, nn.BatchNorm1d(h), nn.ReLU()), (h, h, nn.BatchNorm1d(h), nn.ReLU()), (h, o, nn.BatchNorm1d(o, affine=False), None)])
+        proj = heads.ProjectionHead([(d, h, nn.BatchNorm1d(h), nn.ReLU()), (h, h, nn.BatchNorm1d(h), nn.ReLU()),
+                                     (h, o, nn.BatchNorm1d(o, affine=False), None)])
         pred = heads.ProjectionHead([(o, h, nn.BatchNorm1d(h), nn.ReLU()), (h, o, nn.BatchNorm1d(o, affine=False), None)])
         m = nn.ModuleDict({"backbone": vit, "projection_head": proj, "prediction_head": pred,
                            "backbone_momentum": copy.deepcopy(vit), "projection_head_momentum": copy.deepcopy(proj)})
@@ -316,13 +297,15 @@ def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int]
 
         pairs = [(m.backbone, m.backbone_momentum), (m.projection_head, m.projection_head_momentum)]
     else:
+        # two heads, the teacher's loaded from the student's: deepcopy fails on weight_norm's non-leaf weight
         with warnings.catch_warnings():  # lightly's head still uses the deprecated nn.utils.weight_norm
             warnings.simplefilter("ignore", FutureWarning)
-            # two heads, the teacher's loaded from the student's: deepcopy fails on weight_norm's non-leaf weight
-            student, teacher = (heads.DINOProjectionHead(d, cfg.dino_hidden_dim, cfg.dino_bottleneck_dim, cfg.dino_out_dim, batch_norm=False) for _ in range(2))
+            student, teacher = (heads.DINOProjectionHead(d, cfg.dino_hidden_dim, cfg.dino_bottleneck_dim, cfg.dino_out_dim,
+                                                         batch_norm=False) for _ in range(2))
         teacher.load_state_dict(student.state_dict())
-        m = nn.ModuleDict({"student_backbone": vit, "student_head": student, "teacher_backbone": copy.deepcopy(vit), "teacher_head": teacher,
-                           "criterion": DINOLoss(output_dim=cfg.dino_out_dim, warmup_teacher_temp=0.04, teacher_temp=0.04)})
+        criterion = DINOLoss(output_dim=cfg.dino_out_dim, warmup_teacher_temp=0.04, teacher_temp=0.04)
+        m = nn.ModuleDict({"student_backbone": vit, "student_head": student, "teacher_backbone": copy.deepcopy(vit),
+                           "teacher_head": teacher, "criterion": criterion})
 
         def loss(views: list[Tensor], labels: Tensor) -> Tensor:
             teacher = [m.teacher_head(m.teacher_backbone(v)) for v in views[:2]]
@@ -336,7 +319,8 @@ def _peer(row: str, cfg: BenchConfig) -> tuple[nn.Module, LossFn, Callable[[int]
 
 
 def _mpp_loss(m: nn.ModuleDict, patch_size: int, images: Tensor, mask_ratio: float = 0.5) -> Tensor:
-    """lightly's SimMIM example with MPP's target: the masked patches' mean colour, 3 bits a channel."""
+    """lightly's SimMIM example with MPP's target, the masked patches' mean colour at 3 bits a channel, and no
+    BERT-style 10 % random / 10 % kept split (lightly's masking has none)."""
     from lightly.models import utils
 
     b, c = images.shape[:2]
@@ -359,10 +343,9 @@ def _ctr(q: Tensor, k: Tensor, temperature: float = 0.2) -> Tensor:
 
 
 def workload(row: str, impl: Literal["ours", "peer"], cfg: BenchConfig, device: torch.device, compile: bool = False) -> Workload:
-    """One training step of ``row`` by ``impl`` on a seeded batch (the same for both sides). The
-    peers' AdamW is created as lightly's examples create it (torch's default implementation; the
-    LR and weight decay do not change a step's cost). ``compile``: every ViT's blocks through
-    ``torch.compile`` (inductor), as ``compile_backbone: true`` trains them."""
+    """One training step of ``row`` by ``impl`` on a seeded batch (the same for both sides): the step, backward, AdamW
+    (the peers' as lightly's examples create it) and the momentum update; neither side clips gradients or freezes
+    DINO's last layer (lightly's examples do not). ``compile``: every ViT's blocks through ``torch.compile``."""
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -394,9 +377,9 @@ def workload(row: str, impl: Literal["ours", "peer"], cfg: BenchConfig, device: 
 
 
 def lightly_dino_transform(multicrop: Any) -> Any:
-    """lightly's ``DINOTransform`` with the settings of our ``MultiCrop``, unnormalised (as ours: the
-    datamodule normalises). lightly scales the jitter by ``cj_strength`` but does not pass it to its
-    second global view (which keeps its default 0.5): at 0.5 and doubled strengths every view gets ours."""
+    """lightly's ``DINOTransform`` with the settings of our ``MultiCrop``, unnormalised as ours. lightly scales the
+    jitter by ``cj_strength`` but not on its second global view (which keeps 0.5): at 0.5 and doubled strengths every
+    view gets ours."""
     from lightly.transforms import DINOTransform
 
     return DINOTransform(
@@ -409,12 +392,6 @@ def lightly_dino_transform(multicrop: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------- jobs
-def _loadavg() -> list[float] | None:
-    with contextlib.suppress(OSError):
-        return [round(x, 2) for x in os.getloadavg()]
-    return None
-
-
 def environment(cfg: BenchConfig) -> dict[str, Any]:
     """The machine and software the numbers were measured on."""
     import lightly
@@ -427,13 +404,13 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
             "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "gpu": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else None, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "timm": timm.__version__, "lightly": lightly.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "allocator": allocator_note(), "loadavg": _loadavg()}
+            "python": platform.python_version(), "platform": platform.platform(), "allocator": allocator_note(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def memory_job(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> dict[str, Any]:
-    """Peak memory of one side alone: its model, the optimiser state (made by the first step), the
-    activations of ``memory_steps`` steps. Then one step whose saved tensors are counted and one
-    under FlopCounterMode."""
+    """Peak memory of one side alone (model, optimiser state, ``memory_steps`` steps), then one step's saved tensors
+    and one step's FLOPs per image under FlopCounterMode."""
     device = torch.device(cfg.device)
     with peak_memory(device) as out:
         work = workload(row, impl, cfg, device)
@@ -445,13 +422,15 @@ def memory_job(cfg: BenchConfig, row: str, impl: Literal["ours", "peer"]) -> dic
 
 
 def timing_job(cfg: BenchConfig, row: str) -> dict[str, Any]:
-    """Ours and the peer of ``row`` timed interleaved, with a dense square matmul taking its turn in
-    each round (fp32, three products on a CPU; bf16, whose rate GPUs are quoted in, ten of at least
-    8192 on a GPU). A round counts when its matmul ran at ``MIN_RATE`` of the best: no other job took
-    cores away. With fewer than half counting, all count and the result says ``disturbed``."""
+    """Ours and the peer of ``row`` timed interleaved with a dense square matmul (fp32 on a CPU; bf16, the rate GPUs
+    are quoted in, on a GPU). A round counts when its matmul ran at ``MIN_RATE`` of the best; with fewer than half
+    counting, all count and the result says ``disturbed``."""
     device = torch.device(cfg.device)
     works = {impl: workload(row, impl, cfg, device, cfg.compile) for impl in (("ours", "peer") if cfg.peers else ("ours",))}
-    n, reps, dtype = (cfg.round_matmul_size, 3, torch.float32) if device.type == "cpu" else (max(cfg.round_matmul_size, 8192), 10, torch.bfloat16)
+    if device.type == "cpu":
+        n, reps, dtype = cfg.round_matmul_size, 3, torch.float32
+    else:
+        n, reps, dtype = max(cfg.round_matmul_size, 8192), 10, torch.bfloat16
     a = torch.randn(n, n, device=device, dtype=dtype)
     product = torch.empty_like(a)
     steps = {**{impl: w.step for impl, w in works.items()}, "matmul": lambda: [torch.mm(a, a, out=product) for _ in range(reps)]}
@@ -463,23 +442,11 @@ def timing_job(cfg: BenchConfig, row: str) -> dict[str, Any]:
     out: dict[str, Any] = {"round_matmul": {"dtype": str(dtype).removeprefix("torch."), "flops_per_s": rates}, "counted": counted}
     for impl, work in works.items():
         batch = work.views[0].shape[0]
-        out[impl] = {"step_s": walls[impl], "batch": batch, "images_per_s": batch / statistics.median(walls[impl][i] for i in counted), "disturbed": disturbed}
+        images_per_s = batch / statistics.median(walls[impl][i] for i in counted)
+        out[impl] = {"step_s": walls[impl], "batch": batch, "images_per_s": images_per_s, "disturbed": disturbed}
     if cfg.peers:  # > 1: ours is faster, in the same round
         out["paired_ratio"] = paired(walls["peer"], walls["ours"], counted)
     return out
-
-
-def views_job(cfg: BenchConfig, impl: Literal["ours", "peer"]) -> dict[str, Any]:
-    """Views per second of our ``MultiCrop`` or lightly's ``DINOTransform`` on random 256-px RGB images (decoding is not timed)."""
-    from PIL import Image
-
-    from ssl_vit.data.views import MultiCrop
-
-    gen = torch.Generator().manual_seed(cfg.seed)
-    images = [Image.fromarray(torch.randint(0, 256, (256, 256, 3), generator=gen, dtype=torch.uint8).numpy()) for _ in range(8)]
-    transform = MultiCrop(**cfg.multicrop)
-    transform = transform if impl == "ours" else lightly_dino_transform(transform)
-    return {"views_per_s": views_per_second(transform, images, cfg.data_seconds), "views_per_image": len(transform(images[0]))}
 
 
 def _jpegs(cfg: BenchConfig, n: int = 8) -> list[bytes]:
@@ -497,10 +464,9 @@ def _jpegs(cfg: BenchConfig, n: int = 8) -> list[bytes]:
 
 
 def worker_job(cfg: BenchConfig, impl: Literal["device", "ours", "peer"]) -> dict[str, Any]:
-    """CPU milliseconds per image of a DataLoader worker from JPEG bytes to what it hands the collate
-    (decoding included, one thread): ``MultiCrop(on_device=True)`` (decode, fit the canvas, draw the
-    parameters), our ``MultiCrop`` or lightly's ``DINOTransform``. ``device`` with CUDA available also
-    times the device's half (``make_views``) on a batch of ``method_batch`` images."""
+    """CPU milliseconds per image of a DataLoader worker from JPEG bytes to what it hands the collate:
+    ``MultiCrop(on_device=True)`` (decode, fit the canvas, draw the parameters), our ``MultiCrop`` or lightly's
+    ``DINOTransform``. ``device`` with CUDA available also times the device's half (:func:`device_views_time`)."""
     from PIL import Image
 
     from ssl_vit.data.views import MultiCrop
@@ -508,8 +474,7 @@ def worker_job(cfg: BenchConfig, impl: Literal["device", "ours", "peer"]) -> dic
     transform = MultiCrop(**cfg.multicrop, on_device=impl == "device")
     worker = lightly_dino_transform(transform) if impl == "peer" else transform
     jpegs = _jpegs(cfg)
-    per_s = views_per_second(lambda data: [worker(Image.open(io.BytesIO(data)).convert("RGB"))], jpegs, cfg.data_seconds)
-    out = {"ms_per_image": 1e3 / per_s}
+    out = {"ms_per_image": cpu_ms_per_call(lambda data: worker(Image.open(io.BytesIO(data)).convert("RGB")), jpegs, cfg.data_seconds)}
     if impl == "device" and torch.cuda.is_available():
         out |= device_views_time(cfg, transform, jpegs, torch.device(cfg.device if cfg.device.startswith("cuda") else "cuda"))
     return out
@@ -524,15 +489,14 @@ def device_views_time(cfg: BenchConfig, transform: Any, jpegs: Sequence[bytes], 
 
     batch = default_collate([transform(Image.open(io.BytesIO(jpegs[i % len(jpegs)])).convert("RGB")) for i in range(cfg.method_batch)])
     batch = {k: v.to(device) for k, v in batch.items()}
-    walls = time_interleaved({"views": lambda: make_views(batch, transform.augmentations(), (0.5,) * 3, (0.25,) * 3)}, cfg.warmup,
-                             max(cfg.steps, 5), device)["views"]
+    make = {"views": lambda: make_views(batch, transform.augmentations(), NORM_MEAN, NORM_STD)}
+    walls = time_interleaved(make, cfg.warmup, max(cfg.steps, 5), device)["views"]
     return {"device_ms_per_batch": 1e3 * statistics.median(walls), "device_batch": cfg.method_batch}
 
 
 def feed_job(cfg: BenchConfig, source: Literal["loader", "synthetic"]) -> dict[str, Any]:
-    """Images/s of DINO's training step at ``cfg.multicrop``'s sizes (``method_model``, ``method_batch``)
-    fed by ``ImageFolderDataModule`` over photo-like JPEGs with the views made on the device
-    (``feed_workers`` workers, the wait for each batch timed), or on one ready-made batch of views of the same shapes."""
+    """Images/s of DINO's step at ``cfg.multicrop``'s sizes fed by ``ImageFolderDataModule`` from photo-like JPEGs
+    with the views made on the device (the wait for each batch timed), or on one ready-made batch of the same shapes."""
     from ssl_vit.data import ImageFolderDataModule
     from ssl_vit.data.views import MultiCrop
 
@@ -545,8 +509,8 @@ def feed_job(cfg: BenchConfig, source: Literal["loader", "synthetic"]) -> dict[s
         with tempfile.TemporaryDirectory() as root:
             for i, data in enumerate(itertools.islice(itertools.cycle(_jpegs(cfg)), cfg.method_batch * (cfg.warmup + cfg.steps))):
                 Path(root, f"{i:06d}.jpg").write_bytes(data)
-            dm = ImageFolderDataModule(train_dir=root, img_size=mc["global_size"], batch_size=cfg.method_batch, num_workers=cfg.feed_workers,
-                                       mean=NORM_MEAN, std=NORM_STD, views=MultiCrop(**mc, on_device=True))
+            dm = ImageFolderDataModule(train_dir=root, img_size=mc["global_size"], batch_size=cfg.method_batch,
+                                       num_workers=cfg.feed_workers, mean=NORM_MEAN, std=NORM_STD, views=MultiCrop(**mc, on_device=True))
             batches = iter(dm.train_dataloader())
 
             def step() -> None:
@@ -569,12 +533,9 @@ def _run_job(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], args: tuple[An
 
 
 def isolated(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """``fn(cfg, *args)`` in a process of its own, so that its peak memory is its own and nothing
-    (allocator caches, thread pools, compiled kernels) carries over; an error comes back as
-    ``{"error": ...}``. On a CPU forked from a forkserver that imported torch, timm, lightly and
-    ssl_vit once but never computed (a process that ran OpenMP work cannot be forked safely); on
-    CUDA a fresh ``spawn``; ``isolation="none"`` runs it here (debugging: memory then mixes jobs).
-    Forkserver and spawn import the caller's main module again: call from under ``__main__``."""
+    """``fn(cfg, *args)`` in a process of its own, so that its peak memory is its own and nothing carries over; an
+    error comes back as ``{"error": ...}``. CPU: forked from a forkserver that imported the libraries but never
+    computed (a process that ran OpenMP work cannot be forked safely); CUDA: spawned; ``isolation="none"``: here."""
     how = cfg.isolation if cfg.isolation != "auto" else ("spawn" if cfg.device.startswith("cuda") else "forkserver")
     if how == "none":
         return _run_job(cfg, fn, args)
@@ -591,9 +552,8 @@ def isolated(cfg: BenchConfig, fn: Callable[..., dict[str, Any]], *args: Any) ->
 
 # ---------------------------------------------------------------------------------- the run
 def _train_row(cfg: BenchConfig, row: str, say: Callable[[str], None]) -> dict[str, Any]:
-    """A row's memory jobs (each side alone; on a CPU the least of ``memory_repeats`` processes)
-    and its timing job; then each side's FLOP/s (ours' FLOPs per image: the same work for the peer)
-    and its fraction of the matmul rate in the same rounds, and the ratios ours / peer."""
+    """A row's memory jobs (on a CPU the least of ``memory_repeats`` processes) and timing job; then each side's
+    FLOP/s (ours' FLOPs per image: the same work) and fraction of the in-round matmul rate, and ours / peer."""
     impls = ("ours", "peer") if cfg.peers else ("ours",)
     out: dict[str, Any] = {"name": row, "label": row_label(row, cfg)}
     for impl in impls:
@@ -605,13 +565,14 @@ def _train_row(cfg: BenchConfig, row: str, say: Callable[[str], None]) -> dict[s
         say(f"  {row:<10} timing: {timing['error']}")
         return {**out, "timing_error": timing}
     out.update({**timing, **{impl: {**timing[impl], **out[impl]} for impl in impls}})  # a memory error stays visible
-    say(f"  {row:<10} " + ", ".join(f"{impl} {timing[impl]['images_per_s']:.2f} img/s" for impl in impls)
-        + (" (disturbed by other load)" if timing["ours"]["disturbed"] else ""))
-    flops = out["flops_per_image"] = out["ours"].get("flops_per_image_counted")
-    for res in (out[impl] for impl in impls) if flops else ():
-        res["flops_per_s"] = flops * res["images_per_s"]
-        achieved = [flops * res["batch"] / t for t in res["step_s"]]
-        res["matmul_fraction"] = paired(achieved, out["round_matmul"]["flops_per_s"], out["counted"])["median"]
+    disturbed = " (disturbed by other load)" if timing["ours"]["disturbed"] else ""
+    say(f"  {row:<10} " + ", ".join(f"{impl} {timing[impl]['images_per_s']:.2f} img/s" for impl in impls) + disturbed)
+    if flops := out["ours"].get("flops_per_image_counted"):
+        for res in (out[impl] for impl in impls):
+            res["flops_per_s"] = flops * res["images_per_s"]
+            achieved = [flops * res["batch"] / t for t in res["step_s"]]
+            res["matmul_fraction"] = paired(achieved, out["round_matmul"]["flops_per_s"], out["counted"])["median"]
+    out["flops_per_image"] = flops
     if cfg.peers:
         ours, peer = out["ours"], out["peer"]
         out["throughput_ratio"] = ours["images_per_s"] / peer["images_per_s"]
@@ -620,77 +581,69 @@ def _train_row(cfg: BenchConfig, row: str, say: Callable[[str], None]) -> dict[s
     return out
 
 
-def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] | None = lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict[str, Any]:
-    """Every measurement ``cfg`` asks for, each in its own process (:func:`isolated`), and what
-    follows from them; returns the JSON-ready result that :func:`format_report` prints."""
+def run_benchmark(cfg: BenchConfig,
+                  progress: Callable[[str], None] | None = lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Every measurement ``cfg`` asks for, each in its own process (:func:`isolated`), and what follows from them:
+    the JSON-ready result that :func:`format_report` prints."""
     say = progress or (lambda msg: None)
     start = time.perf_counter()
-    result: dict[str, Any] = {"format": RESULT_FORMAT, "config": dataclasses.asdict(cfg), "environment": isolated(cfg, environment), "rows": [], "data": []}
+    result: dict[str, Any] = {"format": RESULT_FORMAT, "config": dataclasses.asdict(cfg), "environment": isolated(cfg, environment),
+                              "rows": [], "data": []}
     for row in ("backbone", *cfg.methods):
         say(f"{row} ...")
         result["rows"].append(_train_row(cfg, row, say))
     if cfg.data and "dino" in cfg.methods:
-        data = {"name": "multicrop", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform" if cfg.peers else None}
-        for impl in ("ours", "peer") if cfg.peers else ("ours",):
-            res = data[impl] = isolated(cfg, views_job, impl)
-            say(f"  MultiCrop  {impl:<4} " + (res["error"] if "error" in res else f"{res['views_per_s']:.1f} views/s"))
-        if "views_per_s" in data.get("peer", {}) and "views_per_s" in data["ours"]:
-            data["throughput_ratio"] = data["ours"]["views_per_s"] / data["peer"]["views_per_s"]
-        result["data"].append(data)
         worker = {"name": "worker", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform" if cfg.peers else None}
         for impl in ("device", "ours", "peer") if cfg.peers else ("device", "ours"):
             res = worker[impl] = isolated(cfg, worker_job, impl)
             say(f"  worker     {impl:<6} " + (res["error"] if "error" in res else f"{res['ms_per_image']:.2f} CPU ms/image"))
-        for impl in ("ours", "peer"):  # device views' CPU time per image over the others'
+        for impl in ("ours", "peer"):  # the device views' CPU time per image over the others'
             if "ms_per_image" in worker["device"] and "ms_per_image" in worker.get(impl, {}):
                 worker[f"{impl}_ratio"] = worker["device"]["ms_per_image"] / worker[impl]["ms_per_image"]
         result["data"].append(worker)
     if cfg.feed:
         feed = result["feed"] = {source: isolated(cfg, feed_job, source) for source in ("loader", "synthetic")}
-        say("  feed       " + ", ".join(f"{k} " + (r["error"] if "error" in r else f"{r['images_per_s']:.1f} img/s") for k, r in feed.items()))
+        say("  feed       " + ", ".join(f"{k} " + (r["error"] if "error" in r else f"{r['images_per_s']:.1f} img/s")
+                                        for k, r in feed.items()))
         if all("images_per_s" in r for r in feed.values()):
             feed["ratio"] = feed["loader"]["images_per_s"] / feed["synthetic"]["images_per_s"]
-    return {**result, "loadavg_end": _loadavg(), "wall_s": time.perf_counter() - start}
+    return {**result, "loadavg_end": [round(x, 2) for x in os.getloadavg()], "wall_s": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------------------------- the report
+def _cell(d: dict[str, Any] | None, key: str, spec: str = ".2f", scale: float = 1.0, unit: str = "") -> str:
+    """``d[key] / scale`` in ``spec``, then ``unit``; ``-`` if absent, ``error`` for a failed job; a value that would
+    print as 0 (a tiny model's GFLOPs) keeps two significant digits."""
+    if d is not None and "error" in d:
+        return "error"
+    if (x := (d or {}).get(key)) is None:
+        return "-"
+    text = format(x / scale, spec)
+    return (format(x / scale, ".2g") if x and spec.endswith("f") and not text.strip("0.") else text) + unit
+
+
 def targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
-    """Each target of the benchmark (the constants ``TARGET_*``) with what was measured, and whether it was met."""
+    """Each target of the benchmark (``TARGET_*``) with what was measured, and whether it was met."""
     out, cfg, rows = [], result["config"], result["rows"]
     for r in rows:
         speed, memory = r.get("throughput_ratio"), r.get("memory_ratio")
         if r["name"] == "backbone" and speed is not None:
             out.append((f"backbone >= {TARGET_BACKBONE:.2f}x timm: {speed:.3f}x", speed >= TARGET_BACKBONE))
         elif speed is not None and memory is not None:
-            out.append((f"{r['name']} >= {TARGET_SPEED:.2f}x peer speed at <= its memory: {speed:.3f}x speed, {memory:.3f}x memory",
-                        speed >= TARGET_SPEED and memory <= TARGET_MEMORY))
-    ours, peer = ((next((r for r in rows if r["name"] == "backbone"), {}).get(impl) or {}).get("matmul_fraction") for impl in ("ours", "peer"))
-    if ours is not None and cfg["device"] == "cpu" and vit_label(cfg["backbone_model"]) == "ViT-S/16" and cfg["backbone_img_size"] == 224:
-        out.append((f"ViT-S/16 224 px training >= {TARGET_MATMUL:.0%} of the matmul rate: ours {_pct(ours)}, timm {_pct(peer)}", ours >= TARGET_MATMUL))
-    for w in (d for d in result.get("data", []) if d["name"] == "worker" and "ours_ratio" in d):
-        out.append((f"worker CPU time per image with device views <= {TARGET_WORKER:.2f}x MultiCrop's: {w['ours_ratio']:.3f}x", w["ours_ratio"] <= TARGET_WORKER))
+            text = f"{r['name']} >= {TARGET_SPEED:.2f}x peer speed at <= its memory: {speed:.3f}x speed, {memory:.3f}x memory"
+            out.append((text, speed >= TARGET_SPEED and memory <= TARGET_MEMORY))
+    backbone = next((r for r in rows if r["name"] == "backbone"), {})
+    frac = (backbone.get("ours") or {}).get("matmul_fraction")
+    if frac is not None and cfg["device"] == "cpu" and vit_label(cfg["backbone_model"]) == "ViT-S/16" and cfg["backbone_img_size"] == 224:
+        ours, timm = (_cell(backbone.get(impl), "matmul_fraction", ".0%") for impl in ("ours", "peer"))
+        out.append((f"ViT-S/16 224 px training >= {TARGET_MATMUL:.0%} of the matmul rate: ours {ours}, timm {timm}", frac >= TARGET_MATMUL))
+    for w in (d for d in result.get("data", []) if "ours_ratio" in d):
+        text = f"worker CPU time per image with device views <= {TARGET_WORKER:.2f}x MultiCrop's: {w['ours_ratio']:.3f}x"
+        out.append((text, w["ours_ratio"] <= TARGET_WORKER))
     if "ratio" in (feed := result.get("feed") or {}):
-        out.append((f"DINO fed by the loader >= {TARGET_FEED:.2f}x its speed on ready-made input: {feed['ratio']:.3f}x", feed["ratio"] >= TARGET_FEED))
+        text = f"DINO fed by the loader >= {TARGET_FEED:.2f}x its speed on ready-made input: {feed['ratio']:.3f}x"
+        out.append((text, feed["ratio"] >= TARGET_FEED))
     return out
-
-
-def _num(x: float | None, fmt: str = ".2f", scale: float = 1.0) -> str:
-    """``x / scale`` in ``fmt``; a value ``fmt`` would print as 0 (a tiny model's GFLOPs) keeps two digits."""
-    if x is None:
-        return "-"
-    return format(x / scale, ".2g") if x and fmt.endswith("f") and not format(abs(x / scale), fmt).strip("0.") else format(x / scale, fmt)
-
-
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def _side(res: dict[str, Any] | None, key: str, fmt: str = ".2f", scale: float = 1.0) -> str:
-    return "-" if res is None else "error" if "error" in res else _num(res.get(key), fmt, scale)
 
 
 def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
@@ -701,77 +654,73 @@ def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
 
 
 def step_table(result: dict[str, Any], markdown: bool = False) -> str:
-    header = ["step", "config", "ours img/s", "peer img/s", "speed", "per-round speed", "ours MiB", "peer MiB", "memory", "saved MiB ours/peer",
-              "GFLOP/img", "ours GFLOP/s", "ours/peer of matmul", "FLOPs ours/peer"]
+    header = ["step", "config", "ours img/s", "peer img/s", "speed", "per-round speed", "ours MiB", "peer MiB", "memory",
+              "saved MiB ours/peer", "GFLOP/img", "ours GFLOP/s", "ours/peer of matmul", "FLOPs ours/peer"]
     rows = []
     for r in result["rows"]:
         sides, flops, spread = (r.get("ours"), r.get("peer")), r.get("flops_per_image"), (r.get("paired_ratio") or {}).get("quartiles")
-        counted = [(x or {}).get("flops_per_image_counted") for x in sides]
-        rows.append([r["name"], r["label"], *(_side(x, "images_per_s") + ("*" if x and x.get("disturbed") else "") for x in sides),
-                     _ratio(r.get("throughput_ratio")), f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
-                     *(_side(x, "peak_mem_bytes", ".0f", MiB) for x in sides), _ratio(r.get("memory_ratio")),
-                     "/".join(_side(x, "saved_activation_bytes", ".0f", MiB) for x in sides), _num(flops, ".2f", 1e9),
-                     _side(sides[0], "flops_per_s", ".1f", 1e9), "/".join(_pct((x or {}).get("matmul_fraction")) for x in sides),
-                     "/".join(_num(c / flops if c is not None and flops else None, ".3f") for c in counted)])
-    return _table(header, rows, markdown)
-
-
-def data_table(result: dict[str, Any], markdown: bool = False) -> str:
-    header = ["augmentation", "methods", "views/image", "ours views/s/worker", "peer", "peer views/s/worker", "speed"]
-    rows = [[d["transform"], d["methods"], _side(d.get("ours"), "views_per_image", ".0f"), _side(d.get("ours"), "views_per_s", ".1f"),
-             d["peer_name"] or "-", _side(d.get("peer"), "views_per_s", ".1f"), _ratio(d.get("throughput_ratio"))]
-            for d in result["data"] if d["name"] != "worker"]
+        rows.append([
+            r["name"], r["label"], *(_cell(x, "images_per_s") + ("*" if x and x.get("disturbed") else "") for x in sides),
+            _cell(r, "throughput_ratio", unit="x"), f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
+            *(_cell(x, "peak_mem_bytes", ".0f", MiB) for x in sides), _cell(r, "memory_ratio", unit="x"),
+            "/".join(_cell(x, "saved_activation_bytes", ".0f", MiB) for x in sides), _cell(r, "flops_per_image", scale=1e9),
+            _cell(sides[0], "flops_per_s", ".1f", 1e9), "/".join(_cell(x, "matmul_fraction", ".0%") for x in sides),
+            "/".join(_cell(x, "flops_per_image_counted", ".3f", flops) if flops else "-" for x in sides),
+        ])
     return _table(header, rows, markdown)
 
 
 def worker_table(result: dict[str, Any], markdown: bool = False) -> str:
     header = ["worker from JPEG", "methods", "device views CPU ms/img", "MultiCrop CPU ms/img", "peer", "peer CPU ms/img",
               "device/MultiCrop", "device/peer", "device ms/batch"]
-    rows = [[d["transform"], d["methods"], *(_side(d.get(i), "ms_per_image") for i in ("device", "ours")), d["peer_name"] or "-",
-             _side(d.get("peer"), "ms_per_image"), *(_ratio(d.get(f"{i}_ratio")) for i in ("ours", "peer")),
-             f"{_side(d['device'], 'device_ms_per_batch')} (b{d['device']['device_batch']})" if "device_batch" in d["device"] else "-"]
-            for d in result["data"] if d["name"] == "worker"]
+    rows = []
+    for d in (d for d in result["data"] if d["name"] == "worker"):
+        device = d["device"]
+        batch = f"{_cell(device, 'device_ms_per_batch')} (b{device['device_batch']})" if "device_batch" in device else "-"
+        rows.append([d["transform"], d["methods"], *(_cell(d.get(i), "ms_per_image") for i in ("device", "ours")), d["peer_name"] or "-",
+                     _cell(d.get("peer"), "ms_per_image"), _cell(d, "ours_ratio", unit="x"), _cell(d, "peer_ratio", unit="x"), batch])
     return _table(header, rows, markdown)
 
 
 def format_report(result: dict[str, Any], markdown: bool = False) -> str:
-    """The report of a result: the machine, the step and augmentation tables, the targets, the errors."""
-    env, cfg = result["environment"], result["config"]
-    timed = [r for r in result["rows"] if "round_matmul" in r]
+    """The report of a result: the machine, the tables, the targets, the errors."""
+    env, cfg, rows, feed = result["environment"], result["config"], result["rows"], result.get("feed") or {}
+    timed = [r for r in rows if "round_matmul" in r]
     rates = [statistics.median(r["round_matmul"]["flops_per_s"][i] for i in r["counted"]) / 1e9 for r in timed]
+    gpu = f", {env['gpu']}" if env.get("gpu") else ""
+    adamw = "fused" if cfg.get("fused_optimizer") else "torch default"
+    compiled = "; timed with every ViT's blocks compiled (torch.compile, inductor), ours and the peers'" if cfg.get("compile") else ""
     parts = [
-        f"machine: {env['cpu']}, {env['cpus_usable']} usable cores, {env['mem_total_gib']} GiB" + (f", {env['gpu']}" if env.get("gpu") else ""),
-        f"software: torch {env['torch']} ({env['torch_threads']} threads), timm {env['timm']}, lightly {env['lightly']}, Python {env['python']}; "
-        f"C heap: {env.get('allocator', '?')}; our ViT: lean_backward={cfg.get('lean_backward', True)}; AdamW: ours "
-        f"{'fused' if cfg.get('fused_optimizer') else 'torch default'}, peers torch default"
-        + ("; timed with every ViT's blocks compiled (torch.compile, inductor), ours and the peers'" if cfg.get("compile") else ""),
-        f"device {cfg['device']}, precision {cfg['precision']}, {cfg['warmup']} warm-up steps + {cfg['steps']} timed rounds (ours and peer "
-        f"interleaved; medians), load average at start {env['loadavg']} / end {result['loadavg_end']}",
-        *([f"dense {timed[0]['round_matmul']['dtype']} matmul in the timed rounds: {min(rates):.1f}-{max(rates):.1f} GFLOP/s (the rows' medians)"] if timed else []),
+        f"machine: {env['cpu']}, {env['cpus_usable']} usable cores, {env['mem_total_gib']} GiB{gpu}",
+        f"software: torch {env['torch']} ({env['torch_threads']} threads), timm {env['timm']}, lightly {env['lightly']}, "
+        f"Python {env['python']}; C heap: {env.get('allocator', '?')}; our ViT: lean_backward={cfg.get('lean_backward', True)}; "
+        f"AdamW: ours {adamw}, peers torch default{compiled}",
+        f"device {cfg['device']}, precision {cfg['precision']}, {cfg['warmup']} warm-up steps + {cfg['steps']} timed rounds (ours and "
+        f"peer interleaved; medians), load average at start {env['loadavg']} / end {result['loadavg_end']}",
+        *([f"dense {timed[0]['round_matmul']['dtype']} matmul in the timed rounds: {min(rates):.1f}-{max(rates):.1f} GFLOP/s "
+           "(the rows' medians)"] if timed else []),
         "", step_table(result, markdown), "",
-        "speed, memory: ours / peer (speed from the median step times; per-round speed: quartiles of the ratio within each interleaved "
-        "round, i.e. the noise). GFLOP/img: FLOPs of one training step per image (a multiply-add is 2); FLOPs ours/peer: each side's, "
-        "counted by torch's FlopCounterMode, over GFLOP/img (1.000: the same work). of matmul: achieved FLOP/s / the dense matmul rate "
-        "measured in the same rounds. saved MiB: the tensors autograd keeps for backward in one step, counted exactly (peak RSS on a "
-        "CPU also carries the allocator's noise, about 1-3 %).",
+        "speed, memory: ours / peer (per-round speed: quartiles of the ratio within each interleaved round, i.e. the noise). "
+        "GFLOP/img: one training step's FLOPs per image (a multiply-add is 2); FLOPs ours/peer: each side's count by torch's "
+        "FlopCounterMode over it (1.000: the same work). of matmul: achieved FLOP/s over the dense matmul rate in the same rounds. "
+        "saved MiB: the tensors autograd keeps for backward in one step (peak RSS on a CPU also carries allocator noise, 1-3 %).",
     ]
-    if any((r.get(i) or {}).get("disturbed") for r in result["rows"] for i in ("ours", "peer")):
+    if any((r.get(i) or {}).get("disturbed") for r in rows for i in ("ours", "peer")):
         parts.append("* other load took cores away during most timed steps: rerun on a quiet machine")
-    if result["data"]:
-        parts += ["", data_table(result, markdown)]
     if any(d["name"] == "worker" for d in result["data"]):
-        parts += ["", worker_table(result, markdown), f"worker: CPU time per {JPEG_SIZE[0]}x{JPEG_SIZE[1]} JPEG from its bytes to the collate, "
-                  "decoding included, one thread; device views: the worker decodes, fits the canvas and draws the parameters, the device "
-                  "makes the views (device ms/batch: that half, on CUDA only)"]
-    if (feed := result.get("feed")) and "images_per_s" in feed["loader"]:
+        parts += ["", worker_table(result, markdown), f"worker: CPU time per {JPEG_SIZE[0]}x{JPEG_SIZE[1]} JPEG from its bytes to "
+                  "the collate, decoding included, one thread; device views: the worker decodes, fits the canvas and draws the "
+                  "parameters, the device makes the views (device ms/batch: that half, on CUDA only)"]
+    if "images_per_s" in feed.get("loader", {}):
         parts += ["", f"feed: DINO {feed['loader']['label']} from {JPEG_SIZE[0]}x{JPEG_SIZE[1]} JPEGs, views on the device, "
-                  f"{feed['loader']['workers']} workers: {_side(feed['loader'], 'images_per_s', '.1f')} img/s; on ready-made input "
-                  f"{_side(feed['synthetic'], 'images_per_s', '.1f')} img/s: {_ratio(feed.get('ratio'))}"]
+                  f"{feed['loader']['workers']} workers: {_cell(feed['loader'], 'images_per_s', '.1f')} img/s; on ready-made input "
+                  f"{_cell(feed['synthetic'], 'images_per_s', '.1f')} img/s: {_cell(feed, 'ratio', unit='x')}"]
     if met := targets(result):
         parts += ["", *(f"{text} {'[ok]' if ok else '[MISSED]'}" for text, ok in met)]
-    errors = [f"{r['name']} (timing): {r['timing_error']['error']}" for r in result["rows"] if "timing_error" in r]
-    errors += [f"{r['name']} ({i}): {r[i]['error']}" for r in [*result["rows"], *result["data"]] for i in ("ours", "peer") if "error" in (r.get(i) or {})]
-    errors += [f"feed ({k}): {r['error']}" for k, r in (result.get("feed") or {}).items() if isinstance(r, dict) and "error" in r]
+    errors = [f"{r['name']} (timing): {r['timing_error']['error']}" for r in rows if "timing_error" in r]
+    errors += [f"{r['name']} ({i}): {r[i]['error']}" for r in [*rows, *result["data"]] for i in ("device", "ours", "peer")
+               if "error" in (r.get(i) or {})]
+    errors += [f"feed ({k}): {feed[k]['error']}" for k in ("loader", "synthetic") if "error" in feed.get(k, {})]
     return "\n".join(parts + (["", "errors:", *errors] if errors else []))
 
 

@@ -2,7 +2,7 @@
 ours and each peer do the same work (FLOPs, parameters, seeded batch), the peers are timm's ViTs
 and lightly's heads, losses, transforms and momentum rule (MoCo v3's loss and MPP's 3-bit colour
 target written out); the instruments (interleaved timing, the rounds that count, paired ratios,
-peak memory, saved tensors, views per second) fed from scripted clocks and ``/proc`` values; the
+peak memory, saved tensors, a worker's CPU time per call) fed from scripted clocks and ``/proc`` values; the
 derived numbers and the report worked out by hand; the command line. Nothing asserts a
 wall-clock time."""
 
@@ -262,13 +262,7 @@ def test_full_preset_is_the_shipped_results_configuration() -> None:
     assert {r["name"]: r["label"] for r in result["rows"]} == {r: bench.row_label(r, bench.PRESETS["full"]) for r in ROWS}
 
 
-# ------------------------------------------------------------------------------- augmentations
-def test_augmentation_row_compares_like_with_like() -> None:
-    ours, peer = bench.views_job(TINY, "ours"), bench.views_job(TINY, "peer")
-    assert ours["views_per_image"] == peer["views_per_image"] == 2 + TINY.multicrop["n_local_crops"]
-    assert ours["views_per_s"] > 0 and peer["views_per_s"] > 0
-
-
+# ------------------------------------------------------------------------------- the worker row
 def test_dino_peer_transform_gives_every_view_our_jitter_crops_and_blur() -> None:
     views = bench.lightly_dino_transform(MultiCrop(global_size=32, local_size=16, n_local_crops=2)).transforms
     assert len(views) == 4
@@ -285,25 +279,24 @@ def test_dino_peer_transform_gives_every_view_our_jitter_crops_and_blur() -> Non
     assert [tuple(v.shape[-2:]) for v in bench.lightly_dino_transform(MultiCrop(global_size=32, n_local_crops=2))(image)] == [(32, 32)] * 2 + [(12, 12)] * 2
 
 
-def test_views_per_second_counts_views_per_cpu_second_on_one_thread(monkeypatch) -> None:
-    costs = iter([1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.5, 1.5])  # CPU seconds of each call (one untimed per image)
+def test_cpu_ms_per_call_times_cpu_seconds_on_one_thread(monkeypatch) -> None:
+    costs = iter([1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.5, 1.5])  # CPU seconds of each call (one untimed per item)
     clock = {"cpu": 0.0}
     threads_seen = []
 
-    def transform(image):
+    def fn(item):
         threads_seen.append(torch.get_num_threads())
         clock["cpu"] += next(costs)
-        return ["v1", "v2", "v3"]
 
     monkeypatch.setattr(bench, "time", SimpleNamespace(process_time=lambda: clock["cpu"]))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        rate = bench.views_per_second(transform, ["img1", "img2"], 1.8)
+        ms = bench.cpu_ms_per_call(fn, ["img1", "img2"], 1.8)
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(threads)
-    assert rate == 3 * 4 / 2.0  # 4 calls of 3 views in 2 CPU seconds (>= 1.8)
+    assert ms == 1e3 * 2.0 / 4  # 4 timed calls in 2 CPU seconds (>= 1.8), the 2 untimed left out
     assert threads_seen == [1] * 6  # one thread, as a DataLoader worker
 
 
@@ -472,10 +465,8 @@ class _FakeJobs:
                     "paired_ratio": {"median": 2.0, "quartiles": [1.9, 2.1]}} if cfg.peers else {}
             return {"ours": {"images_per_s": 10.0, "disturbed": False, "batch": 2, "step_s": [0.2, 0.1, 0.4]}, **peer,
                     "round_matmul": {"dtype": "float32", "flops_per_s": [4e10, 8e10, 1e10]}, "counted": [0, 1]}
-        if fn is bench.worker_job:
-            return {"ms_per_image": {"device": 2.0, "ours": 20.0, "peer": 25.0}[args[0]]}
-        assert fn is bench.views_job
-        return {"views_per_s": 30.0 if args[0] == "ours" else 10.0, "views_per_image": 4}
+        assert fn is bench.worker_job
+        return {"ms_per_image": {"device": 2.0, "ours": 20.0, "peer": 25.0}[args[0]]}
 
 
 def test_run_benchmark_derives_from_its_jobs(monkeypatch) -> None:
@@ -492,19 +483,21 @@ def test_run_benchmark_derives_from_its_jobs(monkeypatch) -> None:
         assert ours["matmul_fraction"] == pytest.approx(statistics.median([2e10 / 4e10, 4e10 / 8e10])) == 0.5
         assert peer["matmul_fraction"] == pytest.approx(statistics.median([8e9 / 4e10, 8e9 / 8e10]))
         assert row["throughput_ratio"] == 2.5 and row["memory_ratio"] == 0.5 and row["paired_ratio"]["median"] == 2.0  # ours / peer
-    assert [(d["name"], d["throughput_ratio"]) for d in result["data"][:1]] == [("multicrop", 3.0)]  # ours / peer views/s
-    worker = result["data"][1]  # CPU ms per image with the views made on the device, over MultiCrop's and the peer's
+    [worker] = result["data"]  # CPU ms per image with the views made on the device, over MultiCrop's and the peer's
     assert (worker["name"], worker["ours_ratio"], worker["peer_ratio"]) == ("worker", 0.1, 0.08)
+    assert [j[1] for j in jobs.jobs if j[0] == "worker_job"] == ["device", "ours", "peer"]
     assert result["format"] == bench.RESULT_FORMAT and tuple(result["config"]["methods"]) == ("mocov3", "dino")
-    assert bench.run_benchmark(dataclasses.replace(TINY, methods=("mocov3", "mpp")), progress=None)["data"] == []  # DINO's augmentation only with DINO
+    assert bench.run_benchmark(dataclasses.replace(TINY, methods=("mocov3", "mpp")), progress=None)["data"] == []  # the worker row only with DINO
+    assert bench.run_benchmark(dataclasses.replace(TINY, methods=("dino",), data=False), progress=None)["data"] == []  # --no-data
 
 
 def test_no_peers_runs_no_peer_job(monkeypatch) -> None:
     jobs = _FakeJobs()
     monkeypatch.setattr(bench, "isolated", jobs)
     result = bench.run_benchmark(dataclasses.replace(TINY, methods=("dino",), peers=False), progress=None)
-    assert all(j[-1] == "ours" for j in jobs.jobs if j[0] in ("memory_job", "views_job"))
-    assert "peer" not in result["data"][0] and "throughput_ratio" not in result["data"][0]
+    assert all(j[-1] == "ours" for j in jobs.jobs if j[0] == "memory_job")
+    assert [j[1] for j in jobs.jobs if j[0] == "worker_job"] == ["device", "ours"]
+    assert "peer" not in result["data"][0] and "peer_ratio" not in result["data"][0] and result["data"][0]["ours_ratio"] == 0.1
     assert all("peer" not in r and "throughput_ratio" not in r and r["ours"]["matmul_fraction"] == 0.5 for r in result["rows"])
     assert "dino (peer)" not in bench.format_report({**result, "environment": _report_result()["environment"]})  # the report has no peer to show
 
@@ -520,8 +513,8 @@ def _report_result() -> dict:
     backbone = {"name": "backbone", "label": "B", "ours": {"matmul_fraction": 0.8}, "peer": {"matmul_fraction": 0.6}, "throughput_ratio": 0.9,
                 "round_matmul": {"dtype": "float32", "flops_per_s": [4e11]}, "counted": [0]}
     bad = {"name": "mpp", "label": "M", "ours": {"error": "RuntimeError: boom"}, "peer": peer}
-    data = [{"name": "multicrop", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform",
-             "ours": {"views_per_s": 123.0, "views_per_image": 10}, "peer": {"views_per_s": 41.0, "views_per_image": 10}, "throughput_ratio": 3.0}]
+    data = [{"name": "worker", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform", "device": {"ms_per_image": 2.5},
+             "ours": {"ms_per_image": 20.0}, "peer": {"error": "OSError: no JPEG"}, "ours_ratio": 0.125}]
     cfg = {**dataclasses.asdict(bench.PRESETS["full"]), "warmup": 1, "steps": 2}
     env = {"cpu": "C", "cpus_usable": 2, "mem_total_gib": 8, "torch": "T", "torch_threads": 2, "timm": "t", "lightly": "l", "python": "P", "loadavg": None}
     return {"format": bench.RESULT_FORMAT, "config": cfg, "environment": env, "rows": [backbone, row, bad], "data": data, "loadavg_end": None}
@@ -540,8 +533,20 @@ def test_step_table_columns_by_hand() -> None:
     assert (row["ours MiB"], row["peer MiB"], row["memory"], row["saved MiB ours/peer"]) == ("100", "200", "0.50x", "10/30")
     assert (row["GFLOP/img"], row["ours GFLOP/s"], row["ours/peer of matmul"], row["FLOPs ours/peer"]) == ("2.00", "40.0", "50%/25%", "1.000/1.050")
     assert _cells(bench.step_table(_report_result(), markdown=True), "mpp")["ours img/s"] == "error"
-    # a tiny model's sub-0.005 GFLOPs and sub-MiB saved tensors keep two significant digits, not 0
-    assert (bench._num(1.2e6, ".2f", 1e9), bench._num(0.3 * MiB, ".0f", MiB), bench._num(0.0, ".2f"), bench._ratio(1.0712), bench._ratio(None)) == ("0.0012", "0.3", "0.00", "1.07x", "-")
+
+
+@pytest.mark.parametrize("d, args, text", [
+    ({"x": 1.2e6}, (".2f", 1e9), "0.0012"),  # a tiny model's sub-0.005 GFLOPs keep two significant digits, not 0
+    ({"x": 0.3 * MiB}, (".0f", MiB), "0.3"),  # and its sub-MiB saved tensors
+    ({"x": 0.0}, (".2f",), "0.00"),
+    ({"x": 1.0712}, (".2f", 1.0, "x"), "1.07x"),
+    ({"x": 0.684}, (".0%",), "68%"),
+    ({}, (".2f", 1.0, "x"), "-"),
+    (None, (), "-"),
+    ({"error": "boom", "x": 1.0}, (), "error"),
+])
+def test_cells_format_by_hand(d, args, text) -> None:
+    assert bench._cell(d, "x", *args) == text
 
 
 def test_report_text_by_hand() -> None:
@@ -556,8 +561,10 @@ def test_report_text_by_hand() -> None:
     assert "mpp (ours): RuntimeError: boom" in text
     assert "dino >= 1.00x peer speed at <= its memory: 2.000x speed, 0.500x memory [ok]" in text and "backbone >= 0.95x timm: 0.900x [MISSED]" in text
     assert "of the matmul rate: ours 80%, timm 60% [ok]" in text and "AdamW: ours fused, peers torch default" in text
-    data = _cells(bench.data_table(_report_result(), markdown=True), "MultiCrop")
-    assert (data["ours views/s/worker"], data["peer views/s/worker"], data["speed"]) == ("123.0", "41.0", "3.00x")
+    worker = _cells(bench.worker_table(_report_result(), markdown=True), "MultiCrop")
+    assert (worker["device views CPU ms/img"], worker["MultiCrop CPU ms/img"], worker["peer CPU ms/img"]) == ("2.50", "20.00", "error")
+    assert (worker["device/MultiCrop"], worker["device/peer"], worker["device ms/batch"]) == ("0.12x", "-", "-")
+    assert "worker CPU time per image with device views <= 0.20x MultiCrop's: 0.125x [ok]" in text and "worker (peer): OSError: no JPEG" in text
     header = bench.format_report({**_report_result(), "config": {**_report_result()["config"], "compile": True}})
     assert "blocks compiled (torch.compile, inductor), ours and the peers'" in header
 
@@ -658,8 +665,8 @@ def test_tiny_benchmark_end_to_end(tmp_path, capsys) -> None:
             assert res["flops_per_s"] > 0 and res["matmul_fraction"] > 0
             assert res["flops_per_image_counted"] == pytest.approx(row["flops_per_image"], rel=1e-3)  # the same work
         assert row["throughput_ratio"] > 0 and row["memory_ratio"] > 0
-    assert [d["name"] for d in result["data"]] == ["multicrop", "worker"] and result["data"][0]["throughput_ratio"] > 0
-    assert result["data"][1]["ours_ratio"] > 0 and result["data"][1]["peer_ratio"] > 0
+    assert [d["name"] for d in result["data"]] == ["worker"]
+    assert result["data"][0]["ours_ratio"] > 0 and result["data"][0]["peer_ratio"] > 0
     assert [text.split(" ")[0] for text, _ in bench.targets(result)] == ["backbone", "dino", "worker"]
     assert "dino" in bench.format_report(result, markdown=True)  # the report renders from the JSON alone
     assert result["config"]["lean_backward"] is False and "lean_backward=False" in printed

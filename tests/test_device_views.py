@@ -197,5 +197,5 @@ def test_the_benchmarks_worker_row_times_each_worker():
     assert (jpeg.format, jpeg.size) == ("JPEG", bench.JPEG_SIZE)
     row = {"name": "worker", "transform": "MultiCrop", "methods": "dino", "peer_name": "DINOTransform", **out, "ours_ratio": 0.1, "peer_ratio": 0.05}
     result = {"config": dataclasses.asdict(cfg), "rows": [], "data": [row]}
-    assert "device views CPU ms/img" in bench.worker_table(result) and bench.data_table(result).count("\n") == 0  # (a header alone)
+    assert "device views CPU ms/img" in bench.worker_table(result)
     assert bench.targets(result) == [("worker CPU time per image with device views <= 0.20x MultiCrop's: 0.100x", True)]

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
                          ("--method-batch", "batch of the method rows"), ("--threads", "torch threads per job (default: torch's)")):
         p.add_argument(option, type=int, help=text)
     p.add_argument("--isolation", choices=("auto", "forkserver", "spawn", "none"), help="a process per job: auto (forkserver on CPU, spawn on CUDA) or none")
-    for option, dest, text in (("--no-data", "data", "skip the augmentation row"), ("--no-peers", "peers", "measure ours only"), ("--no-lean-backward",
+    for option, dest, text in (("--no-data", "data", "skip the worker row"), ("--no-peers", "peers", "measure ours only"), ("--no-lean-backward",
                                "lean_backward", "our ViT's plain LayerNorm / GELU"), ("--no-fused-optimizer", "fused_optimizer", "ours on torch's default AdamW")):
         p.add_argument(option, dest=dest, action="store_false", default=None, help=text)
     p.add_argument("--feed", action="store_true", default=None, help="also DINO at the multi-crop sizes fed by the real loader (views on the device) vs ready-made input")
