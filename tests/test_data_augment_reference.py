@@ -19,10 +19,8 @@ from PIL import Image, ImageFilter, ImageOps
 from ssl_vit.data import MultiCrop, SingleView, TwoViews, augment
 from ssl_vit.data.augment import (
     CROP_RATIO,
-    adjust_brightness,
-    adjust_contrast,
-    adjust_saturation,
-    color_jitter,
+    apply_jitter,
+    draw_jitter,
     gaussian_blur,
     random_resized_crop_box,
     to_float_tensor,
@@ -161,7 +159,7 @@ def test_jitter_factors_are_two_sided_uniform_as_torchvision(op, recover):
     strengths = {name: (s if name == op else 0.0) for name, s in zip(_FLAT, JITTER)}
     img = Image.fromarray(_FLAT[op], "RGB")
     random.seed(1)
-    factors = np.array([recover(np.asarray(color_jitter(img, **strengths))) for _ in range(1000)])
+    factors = np.array([recover(np.asarray(apply_jitter(img, draw_jitter(**strengths)))) for _ in range(1000)])
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     assert factors.min() >= lo - 0.02 and factors.max() <= hi + 0.02
     assert factors.min() < lo + 0.1 * half and factors.max() > hi - 0.1 * half  # both ends reached
@@ -169,21 +167,18 @@ def test_jitter_factors_are_two_sided_uniform_as_torchvision(op, recover):
     assert _ks_uniform(factors, lo, hi) < 0.08
 
 
-def test_jitter_applies_the_four_ops_in_a_random_order(monkeypatch):
-    """torchvision ColorJitter.get_params: fn_idx = torch.randperm(4), a fresh order every call."""
-    calls: list[str] = []
-    for name in ("adjust_brightness", "adjust_contrast", "adjust_saturation", "adjust_hue"):
-        monkeypatch.setattr(augment, name, lambda img, f, name=name: calls.append(name) or img)
-    img = _rgb(4)
+def test_jitter_applies_the_four_ops_in_a_random_order():
+    """torchvision ColorJitter.get_params: fn_idx = torch.randperm(4), a fresh order every call, applied in that order."""
     random.seed(2)
-    orders = Counter()
-    for _ in range(960):
-        calls.clear()
-        color_jitter(img, *JITTER)
-        assert sorted(calls) == ["adjust_brightness", "adjust_contrast", "adjust_hue", "adjust_saturation"]
-        orders[tuple(calls)] += 1
+    orders = Counter(tuple(op for op, _ in draw_jitter(*JITTER)) for _ in range(960))
+    assert all(sorted(order) == [0, 1, 2, 3] for order in orders)
     assert len(orders) == 24  # every permutation occurs, each about 960 / 24 = 40 times
     assert min(orders.values()) > 15 and max(orders.values()) < 70
+    # saturation, brightness, contrast (which do not commute), one after the other as drawn
+    img, ops = _rgb(16, seed=3), [(2, 1.8), (0, 0.6), (1, 1.4)]
+    want = np.asarray(TF.adjust_contrast(TF.adjust_brightness(TF.adjust_saturation(img, 1.8), 0.6), 1.4))
+    np.testing.assert_array_equal(np.asarray(apply_jitter(img, ops)), want)
+    assert not np.array_equal(np.asarray(apply_jitter(img, ops[::-1])), want)
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.5, 1.0, 1.7])
@@ -191,22 +186,22 @@ def test_jitter_applies_the_four_ops_in_a_random_order(monkeypatch):
 def test_enhance_ops_match_torchvisions_on_pil_images(op, factor):
     """torchvision's adjust_brightness / adjust_contrast / adjust_saturation on a PIL image (the
     path of DINO's and MoCo v3's ColorJitter)."""
-    ours = {"brightness": adjust_brightness, "contrast": adjust_contrast, "saturation": adjust_saturation}[op]
+    index = ("brightness", "contrast", "saturation").index(op)
     reference = getattr(TF, f"adjust_{op}")
     for img in (_rgb(24, 20, seed=4), _rgb(24, 20, seed=4).convert("L")):
-        np.testing.assert_array_equal(np.asarray(ours(img, factor)), np.asarray(reference(img, factor)))
+        np.testing.assert_array_equal(np.asarray(apply_jitter(img, [(index, factor)])), np.asarray(reference(img, factor)))
 
 
 def test_saturation_factor_one_is_identity_and_zero_is_greyscale():
     """ImageEnhance.Color: factor 1 the original, 0 the ITU-R 601 luma L = (299 R + 587 G + 114 B) / 1000."""
     img = _rgb(16, seed=5)
-    np.testing.assert_array_equal(np.asarray(adjust_saturation(img, 1.0)), np.asarray(img))
+    np.testing.assert_array_equal(np.asarray(apply_jitter(img, [(2, 1.0)])), np.asarray(img))
     rgb = np.asarray(img).astype(float)
     luma = rgb @ np.array([0.299, 0.587, 0.114])
-    grey = np.asarray(adjust_saturation(img, 0.0)).astype(float)
+    grey = np.asarray(apply_jitter(img, [(2, 0.0)])).astype(float)
     assert np.abs(grey - luma[..., None]).max() <= 1.0
     # and 2 pushes away from grey: the chroma doubles
-    more = np.asarray(adjust_saturation(img, 2.0)).astype(float)
+    more = np.asarray(apply_jitter(img, [(2, 2.0)])).astype(float)
     ok = (2 * rgb - grey > 0).all(-1) & (2 * rgb - grey < 255).all(-1)
     assert np.abs(more - (2 * rgb - grey))[ok].max() <= 1.0
 

@@ -1,13 +1,7 @@
-"""``ImageDataModule``, the shared base of the image datamodules. A subclass says where its images
-come from (``_load_split``), their native statistics (``dataset_mean`` / ``dataset_std``; None:
-measured on the data, see :meth:`ImageDataModule.measure_statistics`) and, for labelled data,
-``num_classes``.
-
-Batches: training ``(views, labels)``, a list of ``[B, C, H, W]`` in the view transform's order
-(DINO: the global crops first) and int64 labels ``[B]`` (-1: none); validation, test and
-``eval_datasets()`` ``(images [B, C, H, W], labels [B])`` through the evaluation transform; both
-normalised with ``mean`` / ``std``. The training loader resumes mid-epoch exactly (``sampler.py``).
-"""
+"""``ImageDataModule``, the base of the image datamodules: a subclass says where its images come from
+(``_load_split``), their native statistics (``dataset_mean`` / ``dataset_std``; None: measured) and,
+for labelled data, ``num_classes``. Batches are normalised: training ``(views, labels)`` (a list of
+``[B, C, H, W]``, int64 labels ``[B]``, -1: none), evaluation ``(images [B, C, H, W], labels [B])``."""
 
 from __future__ import annotations
 
@@ -24,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from ssl_vit.data.augment import to_pil
+from ssl_vit.data.augment import LUMA, to_pil
 from ssl_vit.data.datasets import EvenShares, TransformedDataset
 from ssl_vit.data.device_views import make_views
 from ssl_vit.data.sampler import ResumableLoader, ResumableSampler
@@ -36,12 +30,10 @@ log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2 luma: Pillow's convert("L")
 
 
 def ignore_sigint(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the worker ignores the Ctrl-C a terminal sends to the whole
-    process group; the main process decides what it means (``ssl_vit.training.preemption``)."""
+    """DataLoader ``worker_init_fn``: the terminal's Ctrl-C is the main process's to handle (``training.preemption``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -56,8 +48,7 @@ def download_advice(download: bool) -> str:
 
 
 def data_root(root: str | None) -> Path:
-    """A dataset's ``root`` argument as a path; None: where downloads go, ``$XDG_CACHE_HOME/ssl_vit``
-    or ``~/.cache/ssl_vit``."""
+    """A dataset's ``root`` argument as a path; None: ``$XDG_CACHE_HOME/ssl_vit`` or ``~/.cache/ssl_vit``."""
     if root is None:
         return Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "ssl_vit"
     return Path(root).expanduser()
@@ -68,9 +59,8 @@ def _channel_stats(name: str, values: Sequence[float] | None, native: Sequence[f
     if values is None and native is None:
         return None
     if values is None and len(native) == 3 and in_chans == 1:
-        # RGB data converted to grey: luma is linear, so its mean is exact; the std is the
-        # luma-weighted one, exact when the channels are fully correlated (nearly so in photos).
-        values = (sum(w * v for w, v in zip(_LUMA, native)),)
+        # RGB to grey: the luma of the means (exact) and of the stds (exact for fully correlated channels).
+        values = (sum(w * v for w, v in zip(LUMA, native)),)
     values = tuple(float(v) for v in (native if values is None else values))
     values = values * in_chans if len(values) == 1 else values  # grey statistics: the same in every channel
     if len(values) != in_chans:
@@ -90,23 +80,20 @@ class ImageDataModule(L.LightningDataModule):
 
     Args:
         views: the view transform of training batches (SingleView / TwoViews / MultiCrop); sizes
-            left unset are ``img_size``. None: ``SingleView()`` (the supervised recipe's).
+            left unset are ``img_size``. None: ``SingleView()``.
         batch_size: per device.
         num_workers: DataLoader worker processes (persistent between epochs when > 0).
         img_size: side of the (square) training and evaluation images; the backbone's img_size.
-        in_chans: 1 or 3: grey data is repeated to 3 channels when 3 are asked for, RGB data
-            converted to grey (ITU-R 601-2 luma) when 1 is.
-        mean, std: per-channel normalisation (1 value or ``in_chans``); None: the dataset's own
-            (an image folder's are measured on its training images when the data is set up).
+        in_chans: 1 or 3: grey data is repeated to 3 channels, RGB data converted to grey (ITU-R 601-2 luma).
+        mean, std: per-channel normalisation (1 value or ``in_chans``); None: the dataset's own (measured for folders).
         subset: train (and evaluate) on a fixed random subset of this many training images; None: all.
         seed: of the subset draw and of generated data; also of the training order and augmentations
             when the run sets no global seed (``seed_everything``).
         pin_memory: pin batches in page-locked memory (only when CUDA is available).
         drop_last: drop the last incomplete training batch.
         eval_batch_size: batch size of the validation / test loaders (None: batch_size).
-        eval_crop_pct: the evaluation transform's centre-crop fraction (``EvalTransform``); None:
-            1 for images already ``img_size`` squares (used whole), else timm's and DeiT's 0.875
-            (224 from 256). Checkpoints and exports record the one the first training image gets.
+        eval_crop_pct: the evaluation transform's centre-crop fraction (``EvalTransform``); None: 1
+            for images already ``img_size`` squares, else timm's 0.875.
     """
 
     #: statistics of the dataset's native channels (1 for grey data, 3 for RGB)
@@ -117,29 +104,15 @@ class ImageDataModule(L.LightningDataModule):
     num_classes: int | None = None
     class_names: list[str] | None = None
 
-    def __init__(
-        self,
-        views: ViewTransform | None = None,
-        batch_size: int = 256,
-        num_workers: int = 4,
-        img_size: int = 224,
-        in_chans: Literal[1, 3] = 3,
-        mean: tuple[float, ...] | None = None,
-        std: tuple[float, ...] | None = None,
-        subset: int | None = None,
-        seed: int = 0,
-        pin_memory: bool = True,
-        drop_last: bool = True,
-        eval_batch_size: int | None = None,
-        eval_crop_pct: float | None = None,
-    ) -> None:
+    def __init__(self, views: ViewTransform | None = None, batch_size: int = 256, num_workers: int = 4, img_size: int = 224,
+                 in_chans: Literal[1, 3] = 3, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
+                 subset: int | None = None, seed: int = 0, pin_memory: bool = True, drop_last: bool = True,
+                 eval_batch_size: int | None = None, eval_crop_pct: float | None = None) -> None:
         super().__init__()
-        views = SingleView() if views is None else views
-        self.views = views.with_img_size(img_size) if hasattr(views, "with_img_size") else views  # (plain callables pass)
+        self.views = (SingleView() if views is None else views).with_img_size(img_size)
         self.batch_size, self.num_workers, self.img_size, self.in_chans = batch_size, num_workers, img_size, in_chans
         self.mean = _channel_stats("mean", mean, self.dataset_mean, in_chans)
         self.std = _channel_stats("std", std, self.dataset_std, in_chans)
-        # Where the normalisation comes from, as checkpoints and exports record it.
         self.stats_source = "given" if mean is not None or std is not None else "dataset" if self.mean is not None else None
         self.subset, self.seed, self.pin_memory, self.drop_last = subset, seed, pin_memory, drop_last
         self.eval_batch_size = eval_batch_size  # None: follow batch_size (which a CLI may reset)
@@ -149,13 +122,11 @@ class ImageDataModule(L.LightningDataModule):
         self._test_source: Any = None
 
     def _load_split(self, train: bool) -> Dataset | None:
-        """The raw split: a dataset of ``(PIL image, label)`` with ``subset(indices)``
-        (``InMemoryImages`` or ``ImageFiles``); None when the split does not exist."""
+        """The raw split: a dataset of ``(PIL image, label)`` with ``subset(indices)``; None: no such split."""
         raise NotImplementedError
 
     def has_labelled_test_split(self) -> bool:
-        """Whether evaluation will find a labelled test split, known without reading the images
-        (a recipe's evaluation is checked before its training)."""
+        """Whether evaluation will find a labelled test split, known without reading the images."""
         return True
 
     def setup(self, stage: str | None = None) -> None:
@@ -175,11 +146,8 @@ class ImageDataModule(L.LightningDataModule):
         self._train_source = train
 
     def measure_statistics(self, train: Any) -> None:
-        """Set ``mean`` / ``std`` left unset to the per-channel statistics of up to ``stats_images``
-        training images (a seeded sample, through the evaluation transform), so that a folder of
-        one's own is normalised as its own pixels are, not as ImageNet's. A run keeps them in
-        ``<default_root_dir>/data_stats.json`` and reads them back on resume; checkpoints and
-        exports record them with their source."""
+        """Set ``mean`` / ``std`` left unset to the per-channel statistics of up to ``stats_images`` training
+        images (a seeded sample, through the evaluation transform), kept in ``<default_root_dir>/data_stats.json``."""
         cache = Path(self.trainer.default_root_dir) / "data_stats.json" if self.trainer is not None else None
         key = {"train_dir": str(getattr(self, "train_dir", "")), "img_size": self.img_size, "in_chans": self.in_chans}
         cached = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
@@ -226,11 +194,9 @@ class ImageDataModule(L.LightningDataModule):
     def eval_datasets(
         self, replace_unreadable: bool = False, train_views: ViewTransform | None = None
     ) -> tuple[TransformedDataset, TransformedDataset | None]:
-        """(train, test) through the evaluation transform, items ``([C, H, W], label)``; test is
-        None when there is no test split. An unreadable image file comes labelled -1, to be dropped
-        (``replace_unreadable``: replaced by another image, for uses that need no labels).
-        ``train_views``: a one-view transform (``SingleView``) of the training split instead, as
-        fine-tuning trains on augmented images."""
+        """(train, test) through the evaluation transform, items ``([C, H, W], label)``; test None: no
+        test split. An unreadable image file comes labelled -1, to be dropped (``replace_unreadable``:
+        replaced by another image). ``train_views``: a one-view transform of the training split instead."""
         self._ensure_setup()
         train, test = self._labelled_train_source(), self._test_source
         if not replace_unreadable:
@@ -244,8 +210,7 @@ class ImageDataModule(L.LightningDataModule):
 
     @property
     def unlabelled_train_images(self) -> int:
-        """How many training images have no label (-1): all of a flat image folder, STL-10's
-        'unlabeled' split; the supervised baseline refuses to train on them."""
+        """How many training images have no label (-1); the supervised baseline refuses to train on them."""
         self._ensure_setup()
         labels = getattr(self._train_source, "labels", None)  # (a split of one's own may not list them)
         return 0 if labels is None else int((torch.as_tensor(labels) < 0).sum())
@@ -272,8 +237,7 @@ class ImageDataModule(L.LightningDataModule):
         return ResumableLoader(dataset, sampler=sampler, batch_size=self.batch_size, drop_last=self.drop_last, **self._loader_args(True))
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """A training batch of views made on the device (``views`` with ``on_device``): the canvases
-        and drawn parameters become the list of normalised views, here, after the transfer."""
+        """A training batch of views made on the device (``on_device``): canvases and draws -> normalised views."""
         if isinstance(batch, list | tuple) and len(batch) == 2 and isinstance(batch[0], dict) and "canvas" in batch[0]:
             return make_views(batch[0], self.views.augmentations(), self.mean, self.std), batch[1]
         return batch

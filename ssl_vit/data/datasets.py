@@ -1,6 +1,5 @@
-"""The datasets under the datamodules: the raw splits (``InMemoryImages``, ``ImageFiles``), a split
-through a transform, normalised (``TransformedDataset``), an evaluation split shared evenly over
-processes (``EvenShares``)."""
+"""The datasets under the datamodules: raw splits (``InMemoryImages``, ``ImageFiles``), a split through
+a transform, normalised (``TransformedDataset``), an evaluation split padded for processes (``EvenShares``)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,18 @@ from ssl_vit.data.sampler import SeededIndex
 
 log = logging.getLogger(__name__)
 
-_MAX_CONSECUTIVE_FAILURES = 100  # unreadable files in a row: not a few bad files but a broken dataset
+MAX_CONSECUTIVE_FAILURES = 100  # unreadable files in a row: not a few bad files but a broken dataset
+
+
+def open_image(file: Any, name: str) -> Image.Image | None:
+    """``file`` (a path or a file object) decoded in full; None, logged with its ``name``, when unreadable."""
+    try:
+        with Image.open(file) as img:
+            img.load()  # (raises on truncated data)
+            return to_pil(img)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        log.warning("skipping unreadable image %s (%s: %s)", name, type(err).__name__, err)
+        return None
 
 
 def _labels(n: int, labels: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
@@ -27,9 +37,8 @@ def _labels(n: int, labels: Sequence[int] | torch.Tensor | None) -> torch.Tensor
 
 
 class InMemoryImages(Dataset):
-    """uint8 images ``[N, H, W]`` (grey; ``[N, H, W, 1]`` too) or ``[N, H, W, 3]`` (RGB) with
-    labels ``[N]`` (None: all -1, unlabelled). Items are ``(PIL image, label)``. One contiguous
-    tensor goes to DataLoader workers as a single buffer instead of N Python objects."""
+    """uint8 images ``[N, H, W]`` (grey; ``[N, H, W, 1]`` too) or ``[N, H, W, 3]`` (RGB) with labels
+    ``[N]`` (None: all -1), items ``(PIL image, label)``: one buffer for the workers, not N objects."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         if images.ndim == 4 and images.shape[-1] == 1:
@@ -49,16 +58,10 @@ class InMemoryImages(Dataset):
 
 
 class ImageFiles(Dataset):
-    """Images read from files, items ``(PIL image, label)`` (label -1 when unlabelled).
-
-    A file that cannot be decoded (corrupt, truncated, not an image) is logged once with its path,
-    marked, and replaced by a random other sample, so a few bad files never stop a run. The marks
-    live in shared memory: ``skipped_paths`` in the main process includes what the workers found.
-
-    For evaluation a stand-in would count some image twice, so :meth:`for_evaluation` returns the
-    same files with ``replace_unreadable=False``: an unreadable file is then a 1x1 black image
-    labelled -1, which the evaluators and the online probe drop.
-    """
+    """Images read from files, items ``(PIL image, label)`` (label -1 when unlabelled). An unreadable file
+    is logged once, marked (in shared memory, so ``skipped_paths`` includes the workers' finds) and
+    replaced by a random other sample; without ``replace_unreadable`` (:meth:`for_evaluation`: a
+    stand-in would count some image twice) it is a 1x1 black image labelled -1, to be dropped."""
 
     def __init__(self, paths: Sequence[str], labels: Sequence[int] | None = None, replace_unreadable: bool = True) -> None:
         self.paths = list(paths)
@@ -70,20 +73,15 @@ class ImageFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        for _ in range(_MAX_CONSECUTIVE_FAILURES):
+        for _ in range(MAX_CONSECUTIVE_FAILURES):
             if not self._bad[index]:
-                try:
-                    # load() raises OSError on truncated data (unless PIL.ImageFile.LOAD_TRUNCATED_IMAGES is on)
-                    with Image.open(self.paths[index]) as img:
-                        img.load()
-                        return to_pil(img), int(self.labels[index])
-                except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-                    self._bad[index] = 1
-                    log.warning("skipping unreadable image %s (%s: %s)", self.paths[index], type(err).__name__, err)
+                if (image := open_image(self.paths[index], self.paths[index])) is not None:
+                    return image, int(self.labels[index])
+                self._bad[index] = 1
             if not self.replace_unreadable:
                 return Image.new("RGB", (1, 1)), -1
             index = random.randrange(len(self.paths))
-        raise RuntimeError(f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row ({len(self.skipped_paths)} of {len(self)} "
+        raise RuntimeError(f"{MAX_CONSECUTIVE_FAILURES} unreadable images in a row ({len(self.skipped_paths)} of {len(self)} "
                            f"marked so far, e.g. {self.skipped_paths[:3]}); the dataset looks broken")
 
     def subset(self, indices: torch.Tensor) -> ImageFiles:
@@ -102,15 +100,9 @@ class ImageFiles(Dataset):
 
 
 class TransformedDataset(Dataset):
-    """``source`` items ``(PIL image, label)`` -> ``(views, label)`` (``multi_view``: a list of
-    ``[C, H, W]``) or ``(image [C, H, W], label)``: what the loaders and evaluators read.
-
-    ``transform`` gives float tensors in [0, 1]: one, or a list of views (of one view where one image
-    is wanted). The image is converted to ``in_chans`` (RGB -> grey by luma before the transform;
-    grey -> RGB by repeating the channel after it: the same, at a third of the cost, since colour
-    jitter does nothing to grey pixels), then normalised. Indexed with a ``SeededIndex`` (the
-    training sampler's items), an item's augmentations are drawn from its own seed.
-    """
+    """``source`` items ``(PIL image, label)`` -> ``(views, label)`` (``multi_view``: a list of ``[C, H, W]``)
+    or ``(image [C, H, W], label)`` through ``transform``, converted to ``in_chans`` (grey -> RGB after the
+    transform: the same, at a third of the cost) and normalised; a ``SeededIndex`` seeds the draws."""
 
     def __init__(self, source: Any, transform: Callable[[Image.Image], Any], mean: Sequence[float], std: Sequence[float],
                  in_chans: int, multi_view: bool) -> None:
@@ -127,8 +119,7 @@ class TransformedDataset(Dataset):
     def __getitem__(self, index: int | SeededIndex) -> tuple[Any, int]:
         if not isinstance(index, SeededIndex):
             return self._item(index)
-        # The augmentations (and the stand-in for an unreadable file) draw from Python's `random`:
-        # seeded for this sample, the caller's stream left as it was.
+        # Python's `random` (augmentations, stand-ins) seeded for this sample, the caller's stream kept.
         state = random.getstate()
         random.seed(index.seed)
         try:
@@ -152,11 +143,9 @@ class TransformedDataset(Dataset):
 
 
 class EvenShares(Dataset):
-    """An evaluation split padded to a multiple of ``num_processes`` with copies of its items from
-    the first on, labelled -1. ``DistributedSampler(shuffle=False)``, which Lightning puts under a
-    validation loader, pads with the first images, which the metrics would count twice. Padded here,
-    every process still runs as many batches (an FSDP forward and the stop-signal check are
-    collectives), and the padding counts nowhere (``BaseMethod`` averages over labelled images)."""
+    """An evaluation split padded to a multiple of ``num_processes`` with copies of its first items
+    labelled -1: every process runs as many batches (collectives), and no image counts twice as
+    under the padding of Lightning's ``DistributedSampler``."""
 
     def __init__(self, source: Dataset, num_processes: int) -> None:
         self.source = source

@@ -1,20 +1,12 @@
-"""Views made on the training device (``TwoViews`` / ``MultiCrop`` with ``on_device: true``).
+"""Views made on the training device (``TwoViews`` / ``MultiCrop`` with ``on_device: true``): a worker
+only fits the image into a ``canvas`` square and draws the views' parameters with the CPU path's
+seeded sampler (``pack``); after the transfer ``make_views`` crops and resizes every view of the
+batch with one ``roi_align`` per resolution and applies BYOL's colour augmentations (Table 6)
+batched, with per-sample parameters and jitter order.
 
-A DataLoader worker then only decodes the image, fits it into a fixed ``canvas`` square (``pack``)
-and draws every view's parameters with the CPU views' own sampler (``Augmentation.draw``: the same
-seeded draws, so a run is as reproducible as on the CPU path). After the transfer the datamodule's
-``on_after_batch_transfer`` makes the views (``make_views``): one ``roi_align`` per resolution crops
-and resizes every view of the batch, then flip, colour jitter, grey, Gaussian blur and solarisation
-run batched with per-sample parameters, and the views are normalised as the CPU path normalises
-them. The augmentations and their parameters are BYOL's (Table 6), as MoCo v3's ``main_moco.py``
-and DINO's ``main_dino.py`` (``DataAugmentationDINO``) use them.
-
-Where the result differs from the CPU path's by design (``tests/test_device_views.py`` bounds it):
-the resize is ``roi_align``'s bilinear, averaged over the box when shrinking, where the CPU path uses
-Pillow's filter (bicubic for DINO); values stay float between the operations (the CPU path rounds to
-8 bits after each); the hue shift is exact rather than rounded to 1/255 turn; the blur is an exact
-Gaussian (edges replicated) where Pillow's is three box blurs; an image larger than the canvas is
-downscaled first. The random order of the jitter's four operations is kept, per sample.
+The pixels differ from the CPU path's by design (``tests/test_device_views.py`` bounds it): a bilinear,
+box-averaging resize, float values between the operations, an exact hue shift and Gaussian blur, and
+an image larger than the canvas downscaled first.
 """
 
 from __future__ import annotations
@@ -29,17 +21,16 @@ from PIL import Image
 from torch import Tensor
 from torchvision.ops import roi_align
 
+from ssl_vit.data.augment import LUMA
+
 if TYPE_CHECKING:
     from ssl_vit.data.views import Augmentation
 
-_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2: Pillow's convert("L"), which the CPU path's jitter and grey use
-
 
 def pack(img: Image.Image, augmentations: Sequence[Augmentation], canvas: int) -> dict[str, Tensor]:
-    """The worker's half for one image (``L`` or ``RGB``): the image in the top-left corner of a
-    zeroed uint8 ``[canvas, canvas, C]`` (channels last: copied by whole rows; downscaled to fit if
-    larger, keeping its aspect) and each of the V views' parameters, drawn for the original image,
-    the boxes mapped onto the canvas."""
+    """The worker's half for one image (``L`` or ``RGB``): the image in the top-left corner of a zeroed
+    uint8 ``[canvas, canvas, C]`` (downscaled to fit if larger) and each of the V views' parameters,
+    drawn for the original image, the boxes mapped onto the canvas."""
     params = [a.draw(img.width, img.height, img.mode) for a in augmentations]
     width, height = img.size
     if (scale := canvas / max(width, height)) < 1:
@@ -88,7 +79,7 @@ def make_views(packed: dict[str, Tensor], augmentations: Sequence[Augmentation],
 
 def _luma(x: Tensor) -> Tensor:
     """``[N, C, H, W]`` -> its grey ``[N, 1, H, W]``."""
-    return x if x.shape[1] == 1 else sum(w * x[:, i : i + 1] for i, w in enumerate(_LUMA))
+    return x if x.shape[1] == 1 else sum(w * x[:, i : i + 1] for i, w in enumerate(LUMA))
 
 
 def _blend(x: Tensor, other: Tensor | float, factor: Tensor) -> Tensor:

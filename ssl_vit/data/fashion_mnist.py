@@ -1,6 +1,5 @@
-"""Fashion-MNIST (Xiao et al., 2017): 60k/10k grey 28x28 images of 10 clothing classes (MIT), read
-from IDX files: the Debian/Ubuntu package ``dataset-fashion-mnist``'s when it is installed,
-otherwise torchvision's download into the user cache directory (or ``root``)."""
+"""Fashion-MNIST (Xiao et al., 2017): 60k/10k grey 28x28 images of 10 clothing classes (MIT), read from
+IDX files: the Debian/Ubuntu package ``dataset-fashion-mnist``'s, else torchvision's download."""
 
 from __future__ import annotations
 
@@ -26,12 +25,9 @@ _IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x
 
 
 def read_idx(path: str | PathLike[str]) -> np.ndarray:
-    """An IDX file (optionally gzipped) as a numpy array of native byte order.
-
-    The format (LeCun's MNIST page): a magic number ``00 00 TT DD`` (TT: element type, 0x08 =
-    unsigned byte; DD: number of dimensions), DD big-endian uint32 sizes, then the elements in C
-    order. A file that is corrupt, truncated or no IDX file is a ValueError naming it.
-    """
+    """An IDX file (optionally gzipped) as a numpy array of native byte order. The format (LeCun's MNIST
+    page): ``00 00 TT DD`` (TT: element type; DD: number of dimensions), DD big-endian uint32 sizes,
+    then the elements in C order. A corrupt, truncated or non-IDX file is a ValueError naming it."""
     path = Path(path)
     data = path.read_bytes()
     if data[:2] == b"\x1f\x8b" or path.suffix.lower() == ".gz":  # gzip's magic, whatever the name
@@ -39,10 +35,10 @@ def read_idx(path: str | PathLike[str]) -> np.ndarray:
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as err:
             raise ValueError(f"{path}: cannot read IDX file ({err}); the file is corrupt or truncated") from err
-    magic = int.from_bytes(data[:4], "big")
-    ndim = data[3] if len(data) >= 4 else 0
-    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] not in _IDX_DTYPES or ndim == 0:
-        raise ValueError(f"{path}: bad magic number 0x{magic:08x}, not an IDX file (expected 0x00000803 for images or 0x00000801 for labels)")
+    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] not in _IDX_DTYPES or data[3] == 0:
+        raise ValueError(f"{path}: bad magic number 0x{int.from_bytes(data[:4], 'big'):08x}, not an IDX file "
+                         "(expected 0x00000803 for images or 0x00000801 for labels)")
+    ndim = data[3]
     header = 4 + 4 * ndim
     shape = struct.unpack(f">{ndim}I", data[4:header]) if len(data) >= header else ()
     dtype = np.dtype(_IDX_DTYPES[data[2]])
@@ -69,15 +65,14 @@ class FashionMNISTDataModule(ImageDataModule):
 
     Args:
         root: a directory holding the four ``*-ubyte(.gz)`` files (directly or in torchvision's
-            ``FashionMNIST/raw`` layout); downloads go there too. None: the Debian package's files
-            if installed, else ``$XDG_CACHE_HOME/ssl_vit`` (``~/.cache/ssl_vit``).
+            ``FashionMNIST/raw``); downloads go there too. None: the Debian package's, else the user cache (``~/.cache/ssl_vit``).
         download: fetch the files with torchvision when they are not found (needs internet).
         img_size, in_chans, **kwargs: ``ImageDataModule``'s (native: 28 px, 1 channel).
     """
 
     num_classes = 10
     class_names = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
-    # Pixel mean / std of the 60k training images in [0, 1] (0.28604, 0.35302).
+    # Pixel mean / std of the 60k training images in [0, 1].
     dataset_mean = (0.2860,)
     dataset_std = (0.3530,)
 
@@ -112,9 +107,8 @@ class FashionMNISTDataModule(ImageDataModule):
             raise FileNotFoundError(f"{advice} (download=False)")
         from torchvision.datasets import FashionMNIST
 
-        try:
-            for train in (True, False):
-                FashionMNIST(str(data_root(self.root)), train=train, download=True)
+        try:  # (either split downloads all four files)
+            FashionMNIST(str(data_root(self.root)), train=False, download=True)
         except Exception as err:  # network errors come in many types (URLError, HTTPError, OSError)
             raise FileNotFoundError(f"{advice} The download failed: {type(err).__name__}: {err}") from err
 
@@ -126,6 +120,6 @@ class FashionMNISTDataModule(ImageDataModule):
         images, labels = read_idx_images_labels(*files)
         if images.shape[1:] != (28, 28):
             raise ValueError(f"{files[0]}: expected 28x28 images, got shape {images.shape}")
-        if labels.min() < 0 or labels.max() >= self.num_classes:
+        if labels.max() >= self.num_classes:
             raise ValueError(f"{files[1]}: labels outside 0..9")
         return InMemoryImages(torch.from_numpy(images.copy()), torch.from_numpy(labels))

@@ -1,5 +1,4 @@
-"""Any folder of images: an ImageFolder tree (one subfolder per class) or a flat folder of
-unlabelled images for pretraining."""
+"""Any folder of images: an ImageFolder tree (one subfolder per class) or a flat folder of unlabelled images."""
 
 from __future__ import annotations
 
@@ -18,13 +17,10 @@ log = logging.getLogger(__name__)
 
 
 def scan_image_dir(directory: str | Path, class_to_idx: dict[str, int] | None = None) -> tuple[list[str], list[int] | None, dict[str, int] | None]:
-    """The images under ``directory``: ``(paths, labels, class_to_idx)``.
-
-    Class subfolders (ImageFolder layout, searched recursively; hidden folders are none) give
-    labels; without any, the images directly in ``directory`` are returned unlabelled (labels and
-    class_to_idx None). ``class_to_idx`` (the training folder's) labels a validation folder alike.
-    Extensions match in any case.
-    """
+    """The images under ``directory``: ``(paths, labels, class_to_idx)``. Class subfolders (searched
+    recursively; hidden folders are none) give labels; without any, the images directly in ``directory``
+    come unlabelled (labels and class_to_idx None). ``class_to_idx`` (the training folder's) labels a
+    validation folder alike. Extensions match in any case."""
     root = Path(directory).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"image directory {root} does not exist or is not a directory")
@@ -47,25 +43,33 @@ def scan_image_dir(directory: str | Path, class_to_idx: dict[str, int] | None = 
     raise FileNotFoundError(f"no images found in {root} (neither directly nor in class subfolders; extensions: {', '.join(IMG_EXTENSIONS)})")
 
 
-class ImageFolderDataModule(ImageDataModule):
-    """Images decoded from files on the fly; unreadable files are skipped, logged and counted
-    (``skipped_paths``).
+class FolderLike(ImageDataModule):
+    """A ``train_dir`` (and a ``val_dir`` or None) of one's own images, image folders or shards: their
+    classes are the training split's ``class_names`` (None: unlabelled), their statistics measured."""
+
+    dataset_mean = dataset_std = None  # measured on the data (ImageDataModule.measure_statistics)
+
+    @property
+    def num_classes(self) -> int | None:  # type: ignore[override]
+        return None if self.class_names is None else len(self.class_names)
+
+    def has_labelled_test_split(self) -> bool:
+        return self.val_dir is not None and self.num_classes is not None
+
+
+class ImageFolderDataModule(FolderLike):
+    """Images decoded from files on the fly; unreadable files are skipped, logged and counted.
 
     Args:
         train_dir: an ImageFolder tree (``train_dir/<class>/<image>``), or a flat folder of images
             for label-free pretraining (labels -1, ``num_classes`` None).
-        val_dir: the evaluation split in the same layout (classes matched by folder name).
-            None: no validation / test split.
-        img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: measured on the
-            training images unless given).
+        val_dir: the evaluation split in the same layout (classes matched by folder name); None: none.
+        img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: measured unless given).
     """
-
-    dataset_mean = dataset_std = None  # measured on the data (ImageDataModule.measure_statistics)
 
     def __init__(self, train_dir: str, val_dir: str | None = None, img_size: int = 224, in_chans: Literal[1, 3] = 3, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
-        self.train_dir = train_dir
-        self.val_dir = val_dir
+        self.train_dir, self.val_dir = train_dir, val_dir
 
     @functools.cached_property
     def _train_files(self) -> tuple[list[str], list[int] | None, dict[str, int] | None]:
@@ -74,14 +78,7 @@ class ImageFolderDataModule(ImageDataModule):
     @property
     def class_names(self) -> list[str] | None:  # type: ignore[override]
         classes = self._train_files[2]
-        return None if classes is None else sorted(classes, key=classes.__getitem__)
-
-    @property
-    def num_classes(self) -> int | None:  # type: ignore[override]
-        return None if self.class_names is None else len(self.class_names)
-
-    def has_labelled_test_split(self) -> bool:
-        return self.val_dir is not None and self.num_classes is not None
+        return None if classes is None else list(classes)  # (in index order)
 
     def _load_split(self, train: bool) -> ImageFiles | None:
         classes = self._train_files[2]

@@ -1,13 +1,7 @@
-"""A training data order that a run resumed mid-epoch continues exactly: the same images,
-augmented the same way, as the run that was never interrupted.
-
-The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s permutation, sharded
-over the processes) and the loader's state says how many images of the epoch the training loop
-consumed, so the resumed epoch skips exactly those. Every sample carries its own augmentation seed,
-a hash of ``(seed, epoch, index)``, so its views depend neither on the worker that decodes it nor
-on where a run was resumed. Lightning saves and restores a training loader's ``state_dict``
-(``CombinedLoader._state_dicts``), and keeps a ``DistributedSampler`` instead of injecting its own.
-"""
+"""A training order that a run resumed mid-epoch continues exactly, with the same augmentations: the
+order is a function of ``(seed, epoch)``, the loader's ``state_dict`` (which Lightning checkpoints)
+counts the images of the epoch consumed, and every sample's augmentation seed is a hash of
+``(seed, epoch, index)``, whichever worker decodes it."""
 
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ class SeededIndex(NamedTuple):
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    # SplitMix64's finaliser (Steele, Lea & Flood 2014): nearby inputs give unrelated 64-bit
-    # outputs. uint64 arrays wrap on overflow, as it needs.
+    # SplitMix64's finaliser (Steele, Lea & Flood 2014); uint64 arrays wrap on overflow, as it needs.
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -46,15 +39,14 @@ def sample_seeds(seed: int, epoch: int, indices: Sequence[int]) -> list[int]:
 
 
 class ResumableSampler(DistributedSampler):
-    """Shuffled per ``(seed, epoch)``, sharded over ``num_replicas`` processes (None: from
-    ``torch.distributed``), resumable, yielding :class:`SeededIndex` items. Lightning sets the epoch
-    (``set_epoch``); a loop that iterates again without it gets the next epoch, not a repeat."""
+    """Shuffled per ``(seed, epoch)``, sharded over ``num_replicas`` processes (None: from ``torch.distributed``),
+    yielding :class:`SeededIndex` items; a ``DistributedSampler``, so Lightning keeps it instead of its own.
+    A loop that iterates again without ``set_epoch`` gets the next epoch, not a repeat."""
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
                  seed: int = 0) -> None:
         default_rank, default_world = world_info()
-        # Padded rather than dropped (drop_last=False), as Lightning's own distributed sampler; the
-        # loader's drop_last still drops an incomplete final batch.
+        # Padded, not dropped, as Lightning's own distributed sampler; the loader drops an incomplete batch.
         super().__init__(dataset, num_replicas=default_world if num_replicas is None else num_replicas,
                          rank=default_rank if rank is None else rank, shuffle=shuffle, seed=seed, drop_last=False)
         self._epoch_set = True
@@ -91,15 +83,13 @@ class ResumableSampler(DistributedSampler):
 
 
 class ResumableLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's
-    position: ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch *returned by the
-    iterator* (not drawn ahead by workers: a checkpoint after step k resumes at batch k + 1) and the
-    images they held over all processes (a resume with another batch size or layout skips those)."""
+    """A ``DataLoader`` over a :class:`ResumableSampler` whose state is the training loop's position:
+    ``{"seed", "epoch", "batches", "samples"}``, the batches of the epoch the iterator returned (not
+    those workers drew ahead) and the images they held over all processes."""
 
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, **kwargs: Any) -> None:
         if isinstance(sampler, SequentialSampler):
-            # Lightning rebuilds the loader with a SequentialSampler to turn shuffling off
-            # (overfit_batches): the same order, kept resumable.
+            # Lightning's overfit_batches rebuilds the loader with a SequentialSampler: kept resumable.
             sampler = ResumableSampler(dataset, shuffle=False)
         super().__init__(dataset, sampler=sampler, **kwargs)
         self.resumable: ResumableSampler = sampler  # (self.sampler, typed)
@@ -115,8 +105,7 @@ class ResumableLoader(DataLoader):
         self._batches, self._samples, self._pass_epoch = 0, 0, sampler.epoch
         batch_size = self.batch_size or 1
         for i, batch in enumerate(batches, start=1):
-            # The sampler has begun its pass by now (eagerly with workers, lazily without), so it
-            # knows where the pass started: 0, or the resumed position.
+            # The sampler has begun its pass by now, so it knows where the pass started.
             self._batches, self._pass_epoch = -(-sampler.start // batch_size) + i, sampler.epoch
             self._samples = min(sampler.start + i * batch_size, sampler.num_samples)
             yield batch
@@ -126,9 +115,8 @@ class ResumableLoader(DataLoader):
         if self._pass_epoch == sampler.epoch and self._batches:
             batches, samples = self._batches, self._samples
         else:
-            # No batch of this epoch handed out yet: a fresh epoch (0), or a resumed one whose
-            # position must survive a checkpoint written before its first batch (Lightning reruns
-            # an interrupted validation pass first, and a requeue can save there).
+            # No batch of this epoch handed out yet: a fresh epoch (0), or a resumed one whose position
+            # must survive a checkpoint written before its first batch.
             samples = sampler.resume_offset()
             batches = -(-samples // (self.batch_size or 1))
         # Process p's share is positions p, p + R, p + 2R ... of the epoch's permutation, so s
@@ -136,9 +124,8 @@ class ResumableLoader(DataLoader):
         return {"seed": sampler.seed, "epoch": sampler.epoch, "batches": batches, "samples": samples * sampler.num_replicas}
 
     def epochs_done(self) -> float:
-        """Passes over the training set so far, with the part of the current one (also across a
-        resume with another batch size or number of processes); an epoch whose last batch is
-        handed out counts whole."""
+        """Passes over the training set so far, with the part of the current one; an epoch whose last
+        batch is handed out counts whole."""
         state = self.state_dict()
         seen = state["samples"] / self.resumable.num_replicas  # this process's share of the epoch
         if self._epoch_ended(seen):

@@ -1,24 +1,14 @@
-"""Images in shards: an image folder written once into chunk files (``write_shards``,
-``tools/folder_to_shards.py``) and streamed from local disk or object storage by many nodes.
-
-Reading and writing are litdata's (Lightning's streaming library), not our own: ``litdata.optimize``
-packs the encoded image files (not decoded pixels) and their labels into chunks; ``StreamingDataset``
-hands each process, and each worker of it, its own chunks of a shuffled order, so that every image
-is read once an epoch on any number of nodes, and ``StreamingDataLoader.state_dict`` says how far the
-epoch got, which Lightning keeps in its checkpoints (as for ``ResumableLoader``).
-
-What is ours is what the image folders do too: an image's augmentations are drawn from its own seed
-(``sampler.sample_seeds``: run seed, epoch, index), so a run resumed mid-epoch continues with the
-batches the uninterrupted run had; a corrupt image is logged, counted (``skipped_paths``) and replaced
-by another image of its chunk (a seeded draw), which keeps every process's batch count.
-"""
+"""Images in shards: an image folder written once into chunk files (``write_shards``) and streamed by
+many nodes with litdata, each process and worker reading its own chunks of a shuffled order. As in
+the image folders, an image's augmentations are drawn from its own seed, so a resumed run continues
+with the uninterrupted run's batches; a corrupt image is logged, counted and replaced by another of
+its chunk, which keeps every process's batch count."""
 
 from __future__ import annotations
 
 import functools
 import io
 import json
-import logging
 import multiprocessing
 import os
 import random
@@ -37,17 +27,12 @@ from litdata.utilities.env import _DistributedEnv
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from ssl_vit.data.augment import to_pil
-from ssl_vit.data.base import ImageDataModule
-from ssl_vit.data.datasets import TransformedDataset
-from ssl_vit.data.image_folder import scan_image_dir
+from ssl_vit.data.datasets import MAX_CONSECUTIVE_FAILURES, TransformedDataset, open_image
+from ssl_vit.data.image_folder import FolderLike, scan_image_dir
 from ssl_vit.data.sampler import SeededIndex, sample_seeds
 from ssl_vit.runtime import global_seed
 
-log = logging.getLogger(__name__)
-
 META = "classes.json"  # beside litdata's index.json: {"classes": [names] | null, "images": N}
-_MAX_CONSECUTIVE_FAILURES = 100
 
 
 def _record(item: tuple[str, int, str]) -> dict[str, Any]:
@@ -58,22 +43,19 @@ def _record(item: tuple[str, int, str]) -> dict[str, Any]:
 
 def write_shards(image_dir: str | Path, out_dir: str | Path, chunk_bytes: str | int = "64MB", chunk_size: int | None = None,
                  num_workers: int = 1, classes_from: str | None = None, seed: int = 0) -> dict[str, Any]:
-    """Write the images of ``image_dir`` (``<class>/<image>`` or a flat, unlabelled folder) into
-    shards in ``out_dir``: their files' bytes, label (-1: none) and relative path, in a seeded
-    random order; litdata shows a progress bar. ``classes_from``: the training shards whose class
-    indices a validation split takes. Returns the metadata written to ``out_dir/classes.json``."""
-    class_to_idx = None
-    if classes_from is not None:
-        class_to_idx = {name: i for i, name in enumerate(read_meta(classes_from)["classes"] or [])} or None
+    """Write the images of ``image_dir`` (``<class>/<image>`` or a flat, unlabelled folder) into shards in
+    ``out_dir``: their files' bytes, label (-1: none) and relative path, in a seeded random order.
+    ``classes_from``: the training shards whose class indices a validation split takes. Returns the
+    metadata written to ``out_dir/classes.json``."""
+    known = read_meta(classes_from)["classes"] if classes_from is not None else None
+    class_to_idx = {name: i for i, name in enumerate(known)} if known else None
     paths, labels, classes = scan_image_dir(image_dir, class_to_idx)
     root = Path(image_dir).expanduser()
     inputs = [(p, -1 if labels is None else labels[i], os.path.relpath(p, root)) for i, p in enumerate(paths)]
-    # Shuffled once here: litdata shuffles chunks and images within a few chunks, so chunks written
-    # in folder order (one class each) would make batches of a few classes.
+    # Shuffled once here: litdata shuffles within a few chunks, and chunks of one class make batches of few classes.
     random.Random(seed).shuffle(inputs)
     start_method = multiprocessing.get_start_method(allow_none=True)
-    # optimize stages its index files in one folder per machine (<tmp>/chunks), which it empties when it
-    # starts: two conversions at once (train and val, or parallel tests) would garble each other's index
+    # optimize stages its index in one folder per machine, emptied when it starts: a folder per conversion.
     with tempfile.TemporaryDirectory(prefix="ssl_vit_shards_") as scratch, mock.patch.dict(os.environ, {
             "DATA_OPTIMIZER_CACHE_FOLDER": os.path.join(scratch, "chunks"), "DATA_OPTIMIZER_DATA_CACHE_FOLDER": os.path.join(scratch, "data")}):
         try:  # (in the platform's start method, not litdata's spawn, which re-imports torch in every worker)
@@ -81,7 +63,7 @@ def write_shards(image_dir: str | Path, out_dir: str | Path, chunk_bytes: str | 
                      num_workers=num_workers, reorder_files=False, start_method=multiprocessing.get_start_method())
         finally:  # optimize sets it for the whole process, where DataLoaders would inherit it
             multiprocessing.set_start_method(start_method, force=True)
-    meta = {"classes": None if classes is None else sorted(classes, key=classes.__getitem__), "images": len(paths)}
+    meta = {"classes": None if classes is None else list(classes), "images": len(paths)}  # (classes in index order)
     with fsspec.open(f"{out_dir}/{META}", "w") as f:
         json.dump(meta, f)
     return meta
@@ -93,19 +75,12 @@ def read_meta(shard_dir: str) -> dict[str, Any]:
 
 
 def _decode(item: dict[str, Any]) -> Image.Image | None:
-    try:
-        with Image.open(io.BytesIO(item["image"])) as img:
-            img.load()  # (raises on truncated data)
-            return to_pil(img)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        log.warning("skipping unreadable image %s (%s: %s)", bytes(item["name"]).decode(), type(err).__name__, err)
-        return None
+    return open_image(io.BytesIO(item["image"]), bytes(item["name"]).decode())
 
 
 class ShardImages(Dataset):
-    """Shards read by index, items ``(PIL image, label)``: what setup, the statistics and the
-    evaluations read. An unreadable image comes as a 1x1 black image labelled -1 (dropped, as
-    ``ImageFiles.for_evaluation``'s); its mark is shared with the workers and the training stream."""
+    """Shards read by index, items ``(PIL image, label)``, for setup, statistics and evaluation. An
+    unreadable image is a 1x1 black image labelled -1 (dropped); its mark is shared with the stream."""
 
     def __init__(self, shard_dir: str, cache_dir: str | None = None) -> None:
         self.shard_dir, self.cache_dir = shard_dir, cache_dir
@@ -131,8 +106,7 @@ class ShardImages(Dataset):
 
 
 class ShardStream(StreamingDataset):
-    """The training stream of ``images``' shards: items ``(views, label)`` through ``views``
-    (``TransformedDataset`` arguments), each image's augmentations drawn from its own seed."""
+    """The training stream of ``images``' shards, items ``(views, label)``, each image augmented from its own seed."""
 
     def __init__(self, images: ShardImages, views: Any, mean: Any, std: Any, in_chans: int, seed: int, drop_last: bool,
                  world_size: int, rank: int, num_nodes: int) -> None:
@@ -148,27 +122,25 @@ class ShardStream(StreamingDataset):
         # litdata's epochs count from 1, Lightning's from 0: the seed of epoch e is the folders' of e.
         return self.transformed[SeededIndex(index, sample_seeds(self.seed, self.current_epoch - 1, [index.index])[0])]
 
-    def read(self, index: ChunkedIndex) -> tuple[Image.Image, int]:
-        """The image at ``index``; unreadable: another of its chunk (a draw of the sample's seeded ``random``)."""
-        for _ in range(_MAX_CONSECUTIVE_FAILURES):
-            if not self.bad[index.index]:
-                item = StreamingDataset.__getitem__(self, index)
-                if (image := _decode(item)) is not None:
-                    return image, int(item["label"])
-                self.bad[index.index] = 1
-            first, *_, end = self.cache.get_chunk_intervals()[index.chunk_index]
-            index = ChunkedIndex(index=random.randrange(first, end), chunk_index=index.chunk_index)
-        raise RuntimeError(f"{_MAX_CONSECUTIVE_FAILURES} unreadable images in a row in {self.input_dir.path or self.input_dir.url}")
-
 
 class _Decoded:
-    """The stream's decoded images by ``ChunkedIndex``, the source its ``TransformedDataset`` reads."""
+    """The stream's decoded images by ``ChunkedIndex``; an unreadable one is replaced by another of its
+    chunk (a draw of the sample's seeded ``random``)."""
 
     def __init__(self, stream: ShardStream) -> None:
         self.stream = stream
 
     def __getitem__(self, index: ChunkedIndex) -> tuple[Image.Image, int]:
-        return self.stream.read(index)
+        stream = self.stream
+        for _ in range(MAX_CONSECUTIVE_FAILURES):
+            if not stream.bad[index.index]:
+                item = StreamingDataset.__getitem__(stream, index)
+                if (image := _decode(item)) is not None:
+                    return image, int(item["label"])
+                stream.bad[index.index] = 1
+            first, *_, end = stream.cache.get_chunk_intervals()[index.chunk_index]
+            index = ChunkedIndex(index=random.randrange(first, end), chunk_index=index.chunk_index)
+        raise RuntimeError(f"{MAX_CONSECUTIVE_FAILURES} unreadable images in a row in {stream.input_dir.path or stream.input_dir.url}")
 
 
 class ShardLoader(StreamingDataLoader):
@@ -185,10 +157,10 @@ class ShardLoader(StreamingDataLoader):
         return max(self.current_epoch - 1, 0) + min(self._num_samples_yielded_streaming / max(per_epoch, 1), 1.0)
 
 
-class ImageShardsDataModule(ImageDataModule):
-    """Images from shards written by ``tools/folder_to_shards.py`` (``write_shards``), on local disk
-    or object storage (``s3://...``, litdata's remote stores), split over nodes, processes and
-    workers so that each image is read once an epoch (litdata drops the few that do not divide).
+class ImageShardsDataModule(FolderLike):
+    """Images from shards written by ``tools/folder_to_shards.py``, on local disk or object storage
+    (``s3://...``), each read once an epoch over nodes, processes and workers (litdata drops the few
+    that do not divide).
 
     Args:
         train_dir: the training shards (labelled or not: labels -1, ``num_classes`` None).
@@ -197,8 +169,6 @@ class ImageShardsDataModule(ImageDataModule):
         img_size, in_chans, **kwargs: ``ImageDataModule``'s (mean / std: measured on the training
             images unless given; ``subset`` is not supported: write the subset's shards).
     """
-
-    dataset_mean = dataset_std = None  # measured on the data (ImageDataModule.measure_statistics)
 
     def __init__(self, train_dir: str, val_dir: str | None = None, cache_dir: str | None = None, img_size: int = 224,
                  in_chans: Literal[1, 3] = 3, **kwargs: Any) -> None:
@@ -212,19 +182,11 @@ class ImageShardsDataModule(ImageDataModule):
         return read_meta(self.train_dir)["classes"]
 
     @property
-    def num_classes(self) -> int | None:  # type: ignore[override]
-        return None if self.class_names is None else len(self.class_names)
-
-    def has_labelled_test_split(self) -> bool:
-        return self.val_dir is not None and self.num_classes is not None
-
-    @property
     def unlabelled_train_images(self) -> int:
         return 0 if self.class_names is not None else read_meta(self.train_dir)["images"]
 
     def measure_statistics(self, train: ShardImages) -> None:
-        # The first images: written in a random order, they are a random sample, and they lie in a
-        # few chunks (a random draw of all the images would fetch a chunk of remote shards for each).
+        # The first images: written in a random order, they are a random sample in a few chunks.
         super().measure_statistics(Subset(train, range(min(self.stats_images, len(train)))))
 
     def _load_split(self, train: bool) -> ShardImages | None:

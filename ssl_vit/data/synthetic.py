@@ -12,13 +12,9 @@ from ssl_vit.data.datasets import InMemoryImages
 
 
 def make_synthetic_images(num_samples: int, img_size: int, in_chans: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class-dependent oriented stripes plus noise: uint8 ``[N, S, S]`` (grey) or ``[N, S, S, 3]``
-    and labels ``[N]`` (balanced, shuffled).
-
-    Class k: stripes at angle pi * k / K with 2 + k % 3 cycles per image, and (RGB) a class tint.
-    The phase only jitters a little, so each class stays close to a fixed template and a linear
-    probe on raw pixels already separates the classes; crops and flips make it a real task.
-    """
+    """Class-dependent oriented stripes plus noise: uint8 ``[N, S, S]`` (grey) or ``[N, S, S, 3]`` and
+    labels ``[N]`` (balanced, shuffled). Class k: stripes at angle pi * k / K with 2 + k % 3 cycles per
+    image and (RGB) a class tint; the phase jitters a little, so raw pixels already separate the classes."""
     gen = torch.Generator().manual_seed(seed)
     labels = (torch.arange(num_samples) % num_classes)[torch.randperm(num_samples, generator=gen)]
     k = labels.double()
@@ -51,7 +47,7 @@ class SyntheticDataModule(ImageDataModule):
         img_size, in_chans, **kwargs: ``ImageDataModule``'s (the images are generated at img_size).
     """
 
-    # Approximate pixel statistics of the generator (mean 0.5; std ~0.2-0.25 depending on tint).
+    # Approximate pixel statistics of the generator.
     dataset_mean = (0.5,)
     dataset_std = (0.25,)
 

@@ -1,6 +1,5 @@
-"""CIFAR-10 / CIFAR-100 (Krizhevsky, 2009: 50k/10k RGB 32x32 images) and STL-10 (Coates et al.,
-2011: 96x96 RGB, 5k labelled train / 8k test images of 10 classes and 100k unlabelled images for
-self-supervised pretraining), read with torchvision and held in memory as uint8."""
+"""CIFAR-10 / CIFAR-100 (Krizhevsky, 2009: 50k/10k RGB 32x32 images) and STL-10 (Coates et al., 2011: 96x96
+RGB, 5k/8k labelled images and 100k unlabelled ones), read with torchvision and held in memory as uint8."""
 
 from __future__ import annotations
 
@@ -16,14 +15,13 @@ class _TorchvisionDataModule(ImageDataModule):
     """A dataset of ``torchvision.datasets``: its ``root`` and ``download``, its missing files explained.
 
     Args:
-        root: directory of torchvision's extracted folder (downloads go there).
-            None: ``$XDG_CACHE_HOME/ssl_vit`` (``~/.cache/ssl_vit``).
+        root: directory of torchvision's extracted folder (downloads go there); None: the user cache (``~/.cache/ssl_vit``).
         download: download with torchvision when missing (needs internet).
         img_size, in_chans, **kwargs: ``ImageDataModule``'s (native: the dataset's size, 3 channels).
     """
 
     _name = _class = _folder = ""  # the dataset's name in messages, its torchvision.datasets class and extracted folder
-    _download_splits: tuple[dict[str, Any], ...] = ({"train": True}, {"train": False})
+    _download_split: dict[str, Any] = {"train": False}  # (any split downloads the whole archive)
 
     def __init__(self, root: str | None = None, download: bool = True, img_size: int = 32, in_chans: Literal[1, 3] = 3, **kwargs) -> None:
         super().__init__(img_size=img_size, in_chans=in_chans, **kwargs)
@@ -40,8 +38,7 @@ class _TorchvisionDataModule(ImageDataModule):
         if not self.download:
             return  # _read explains missing files
         try:
-            for split in self._download_splits:
-                self._read(download=True, **split)
+            self._read(download=True, **self._download_split)
         except Exception as err:  # network errors come in many types (URLError, HTTPError, OSError)
             raise self._not_found(f"the download failed ({type(err).__name__}: {err})") from err
 
@@ -64,18 +61,17 @@ class _TorchvisionDataModule(ImageDataModule):
 
 
 class CIFAR10DataModule(_TorchvisionDataModule):
-    """CIFAR-10: 10 classes (torchvision folder ``cifar-10-batches-py``). Arguments: see
-    ``_TorchvisionDataModule`` (img_size 32)."""
+    """CIFAR-10: 10 classes. Arguments: see ``_TorchvisionDataModule``."""
 
     num_classes = 10
-    # The commonly used per-channel pixel mean / std of the 50k training images.
+    # The commonly used per-channel pixel mean / std of the training images (CIFAR-100's and STL-10's alike).
     dataset_mean = (0.4914, 0.4822, 0.4465)
     dataset_std = (0.2470, 0.2435, 0.2616)
     _name, _class, _folder = "CIFAR-10", "CIFAR10", "cifar-10-batches-py"
 
 
 class CIFAR100DataModule(_TorchvisionDataModule):
-    """CIFAR-100: 100 fine-grained classes (torchvision folder ``cifar-100-python``)."""
+    """CIFAR-100: 100 fine-grained classes."""
 
     num_classes = 100
     dataset_mean = (0.5071, 0.4865, 0.4409)
@@ -87,19 +83,17 @@ class STL10DataModule(_TorchvisionDataModule):
     """STL-10 (the unlabelled split is 2.8 GB in memory; the download 2.6 GB).
 
     Args:
-        train_split: images to pretrain on: 'train' (5k labelled), 'unlabeled' (100k, labels -1)
-            or 'train+unlabeled'. ``eval_datasets()`` always uses the labelled 'train' and 'test'
-            splits, so probes never see label -1.
+        train_split: images to pretrain on: 'train' (5k labelled), 'unlabeled' (100k, labels -1) or
+            'train+unlabeled'; the evaluations read the labelled 'train' and 'test' splits.
         img_size: 96 (native) unless the backbone wants another size.
-        root, download, in_chans, **kwargs: as ``CIFAR10DataModule`` (torchvision folder ``stl10_binary``).
+        root, download, in_chans, **kwargs: as ``CIFAR10DataModule``.
     """
 
     num_classes = 10
-    # The commonly used per-channel pixel mean / std of STL-10.
     dataset_mean = (0.4467, 0.4398, 0.4066)
     dataset_std = (0.2603, 0.2566, 0.2713)
     _name, _class, _folder = "STL-10", "STL10", "stl10_binary"
-    _download_splits = ({"split": "test"},)  # (downloads the whole archive)
+    _download_split = {"split": "test"}
 
     def __init__(self, root: str | None = None, download: bool = True, train_split: Literal["train", "unlabeled", "train+unlabeled"] = "train",
                  img_size: int = 96, in_chans: Literal[1, 3] = 3, **kwargs) -> None:

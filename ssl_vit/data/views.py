@@ -1,9 +1,6 @@
-"""View transforms: one image -> the augmented views a method trains on, float tensors ``[C, H, W]``
-in [0, 1] that the datamodule normalises: ``SingleView`` (supervised, MPP, fine-tuning), ``TwoViews``
-(MoCo v3), ``MultiCrop`` (DINO); and ``EvalTransform``, evaluation's one image -> one tensor. A size
-left None is the datamodule's ``img_size`` (``with_img_size``), so a recipe states it once. With
-``on_device`` the two- and multi-view transforms give the image and the drawn parameters instead,
-and the views are made on the training device (``device_views.py``)."""
+"""View transforms: one image -> a method's augmented views, float tensors ``[C, H, W]`` in [0, 1]:
+``SingleView`` (supervised, MPP, fine-tuning), ``TwoViews`` (MoCo v3), ``MultiCrop`` (DINO); and
+``EvalTransform``, evaluation's one image -> one tensor. A size left None is the datamodule's ``img_size``."""
 
 from __future__ import annotations
 
@@ -35,14 +32,12 @@ _REF_SIZE, _REF_SIGMA = 224, (0.1, 2.0)
 
 
 def _blur_sigma(sigma: tuple[float, float] | None, size: int) -> tuple[float, float]:
-    # The reference range scaled with the resolution: a 28-px image is blurred as much as the same
-    # picture at 224 px would be (sigma <= 0.25 px: almost none, as SimCLR did on CIFAR).
+    # The reference range scaled with the resolution: a 28-px image is blurred as the same picture at 224 px.
     return tuple(sigma) if sigma is not None else (_REF_SIGMA[0] * size / _REF_SIZE, _REF_SIGMA[1] * size / _REF_SIZE)
 
 
 class ViewParams(NamedTuple):
-    """One view's random draws: what :class:`Augmentation` applies on the CPU, or ships with the image
-    to the training device (``device_views.py``)."""
+    """One view's random draws, applied on the CPU or shipped with the image to the device (``device_views.py``)."""
 
     box: tuple[int, int, int, int]  # the crop: left, top, right, bottom in the image's pixels
     flip: bool
@@ -54,10 +49,9 @@ class ViewParams(NamedTuple):
 
 @dataclass
 class Augmentation:
-    """The augmentation chain of one view: random resized crop -> flip -> (RandAugment, filling with
-    mid-grey, as DeiT's / MAE's timm transform) -> colour jitter -> grayscale -> Gaussian blur ->
-    solarise. DINO's order; MoCo v3 flips last, the same distribution since flipping commutes with
-    the per-pixel and isotropic operations. On a PIL image it gives ``(view, solarize)``."""
+    """One view's chain in DINO's order (MoCo v3 flips last: the same distribution): random resized crop ->
+    flip -> (RandAugment, filling with mid-grey as timm's) -> colour jitter -> grayscale -> Gaussian blur
+    -> solarise; a PIL image -> ``(view, solarize)``."""
 
     size: int
     scale: tuple[float, float]
@@ -84,8 +78,7 @@ class Augmentation:
             self._rand_augment = RandAugment(num_ops=self.rand_augment[0], magnitude=self.rand_augment[1], fill=128)
 
     def draw(self, width: int, height: int, mode: str) -> ViewParams:
-        """The view's random parameters for a ``width`` x ``height`` image of PIL ``mode``, drawn from
-        ``random`` (seeded per sample by the dataset): the same draws on the CPU and device paths."""
+        """The view's random parameters for a ``width`` x ``height`` image of PIL ``mode``, drawn from ``random``."""
         box = random_resized_crop_box(width, height, self.scale)
         flip = random.random() < self.flip_p
         jitter = draw_jitter(*self.jitter) if self.jitter_p > 0 and random.random() < self.jitter_p else None
@@ -95,8 +88,7 @@ class Augmentation:
 
     def __call__(self, img: Image.Image) -> tuple[Image.Image, bool]:
         p = self.draw(img.width, img.height, img.mode)
-        # Cropped, then resized, as torchvision's resized_crop: a resize of a box of the whole
-        # image would filter the pixels just outside it into the crop's border.
+        # Cropped, then resized, as torchvision's resized_crop (no pixels from outside the box).
         img = img.crop(p.box).resize((self.size, self.size), RESAMPLE[self.interpolation])
         if p.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -112,11 +104,9 @@ class Augmentation:
 
 
 class ViewTransform:
-    """Base class (and the type datamodules accept) of the training view transforms.
-
-    A transform of one's own implements ``augmentations()``: one :class:`Augmentation` per view,
-    the ``n_global_crops`` full-size ones first. ``size_arg`` names the argument that
-    ``with_img_size`` sets to the datamodule's ``img_size`` when it is None::
+    """Base class of the training view transforms. A transform of one's own implements ``augmentations()``:
+    one :class:`Augmentation` per view, the ``n_global_crops`` full-size ones first. ``size_arg`` names
+    the argument that ``with_img_size`` sets to the datamodule's ``img_size`` when it is None::
 
         class ThreeCrops(ViewTransform):
             n_global_crops = 3
@@ -144,8 +134,7 @@ class ViewTransform:
         return len(self.augmentations())
 
     def with_img_size(self, img_size: int) -> ViewTransform:
-        """A copy whose size argument, if None, is ``img_size``; another size is an error (the
-        backbone is built for ``img_size``)."""
+        """A copy whose size argument, if None, is ``img_size``; another size is an error."""
         if self.size_arg is None:
             return self
         if (current := getattr(self, self.size_arg)) not in (None, img_size):
@@ -174,13 +163,12 @@ class SingleView(ViewTransform):
 
     Args:
         size: output size in pixels (None: the datamodule's img_size).
-        scale: the crop's area range as a fraction of the image: (0.08, 1) for 224-px images; the
-            small-image recipes take e.g. (0.35, 1) (8 % of 28 px is 8x8 pixels).
+        scale: the crop's area range as a fraction of the image (small images want a larger minimum).
         flip_p: probability of a horizontal flip.
         augment: False: the evaluation geometry (resize + centre crop) instead.
         interpolation: resampling filter of the resize.
-        rand_augment: ``(ops, magnitude)`` of RandAugment (Cubuk et al. 2020) after the flip, as
-            DeiT / MAE fine-tune (timm's ``rand-m9-mstd0.5-inc1``: 2 ops, magnitude 9 of 30); None: off.
+        rand_augment: ``(ops, magnitude)`` of RandAugment (Cubuk et al. 2020) after the flip, as DeiT /
+            MAE fine-tune (timm's ``rand-m9-mstd0.5-inc1``: 2 ops, magnitude 9 of 30); None: off.
     """
 
     size_arg = "size"
@@ -202,9 +190,8 @@ class SingleView(ViewTransform):
 
 @dataclass(eq=False)
 class TwoViews(ViewTransform):
-    """MoCo v3's two asymmetric views, BYOL's augmentations (BYOL Table 6; MoCo v3 main_moco.py):
-    random resized crop (0.08, 1), flip, colour jitter (0.4, 0.4, 0.2, 0.1) with p 0.8, grayscale
-    p 0.2; Gaussian blur p 1.0 / 0.1 and solarisation p 0 / 0.2 on view 1 / view 2.
+    """MoCo v3's two asymmetric views with BYOL's augmentations (BYOL Table 6; MoCo v3 main_moco.py):
+    crop, flip, colour jitter, grayscale, then mostly blur on view 1 and sometimes solarisation on view 2.
 
     Args:
         size, scale, flip_p: as in SingleView.
@@ -213,10 +200,8 @@ class TwoViews(ViewTransform):
         blur_p, solarize_p: the blur's and the solarisation's probability in (view 1, view 2).
         blur_sigma: range of the blur's sigma in pixels (None: (0.1, 2.0) scaled by size / 224).
         interpolation: resampling filter of the crop (MoCo v3: torchvision's default).
-        on_device, canvas: make the views on the training device (``device_views.py``): workers only
-            decode, fit the image into a ``canvas`` x ``canvas`` uint8 square (None: size * 16 / 7,
-            512 at 224 px, which keeps ImageNet's images of at most 500 px a side as they are) and
-            draw the parameters; crops, jitter, blur and solarisation run batched after the transfer.
+        on_device, canvas: make the views on the training device (``device_views.py``), workers fitting the image
+            into a ``canvas``-px square (None: size * 16 / 7, 512 at 224 px: ImageNet's images whole).
     """
 
     n_global_crops = 2
@@ -245,15 +230,12 @@ class TwoViews(ViewTransform):
 
 @dataclass(eq=False)
 class MultiCrop(ViewTransform):
-    """DINO's multi-crop (DINO §3.1; main_dino.py DataAugmentationDINO): 2 global crops (scale
-    (0.4, 1)), then ``n_local_crops`` local crops (scale (0.05, 0.4)), all with flip, colour jitter
-    (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, Gaussian blur p 1.0 / 0.1 / 0.5 (global 1, global 2,
-    locals), solarisation p 0.2 on the second global crop, bicubic resizing.
+    """DINO's multi-crop (DINO §3.1; main_dino.py DataAugmentationDINO): 2 global crops, then
+    ``n_local_crops`` smaller local crops, all with TwoViews' colour augmentations at DINO's rates.
 
     Args:
         global_size: size of the global crops (None: the datamodule's img_size).
-        local_size: size of the local crops (None: global_size * 96 / 224 rounded to a multiple
-            of 4: 224 -> 96, 28 -> 12, 96 -> 40).
+        local_size: size of the local crops (None: global_size * 96 / 224 to a multiple of 4).
         n_local_crops: number of local crops (DINO: 8 by default, 10 in its best setting).
         global_scale, local_scale: the crops' area ranges.
         flip_p, jitter_p, brightness, contrast, saturation, hue, grayscale_p: as in TwoViews.
@@ -302,12 +284,11 @@ class MultiCrop(ViewTransform):
 
 
 class EvalTransform:
-    """Evaluation's transform: one image -> one float tensor ``[C, size, size]`` in [0, 1] by
-    :func:`~ssl_vit.data.augment.resize_center_crop`. ``crop_pct`` None: 1 for an image already
-    ``size`` x ``size`` (used whole: 28-px Fashion-MNIST at 28), else timm's and DeiT's 0.875."""
+    """Evaluation's transform: one image -> one float tensor ``[C, size, size]`` in [0, 1] (resize and
+    centre crop). ``crop_pct`` None: 1 for an image already ``size`` x ``size``, else timm's 0.875."""
 
     def __init__(self, size: int, crop_pct: float | None = None, interpolation: Interpolation = "bicubic") -> None:
-        if crop_pct is not None and not 0.0 < crop_pct <= 1.0:  # above 1 the crop would be larger than the resized image
+        if crop_pct is not None and not 0.0 < crop_pct <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
         self.size, self.crop_pct, self.interpolation = size, crop_pct, interpolation
 
