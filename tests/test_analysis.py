@@ -39,10 +39,9 @@ from ssl_vit.analysis.draw import (
     plot_filters,
     plot_position_similarity,
     plot_rollout,
-    save_figure,
 )
 from ssl_vit.analysis.embedding import embedding_filters, filter_weight, position_similarity
-from ssl_vit.analysis.render import applicable_figures, denormalize, write_attention_distance_csv
+from ssl_vit.analysis.render import AnalysisArrays, applicable_figures, denormalize, save_all
 from ssl_vit.backbones import create_backbone
 from ssl_vit.backbones.pos_embed import sincos_2d_pos_embed
 from ssl_vit.backbones.vit import VisionTransformer
@@ -475,8 +474,9 @@ def test_drawings_write_pngs(tmp_path: Path) -> None:
         "rollout_grey": plot_rollout(grey, rollout_map([attn], (2, 2), out_size=(8, 8))),
         "dino_rgb": plot_dino_attention(rgb, dino_attention(attn, (2, 2))),
     }
-    for name, fig in figs.items():
-        assert_png(save_figure(fig, tmp_path / "sub" / f"{name}.png"))
+    paths = save_all(AnalysisArrays(), figs, tmp_path / "sub")
+    for name in figs:
+        assert_png(paths[name])
     pixels = figure_to_array(figs["dist"])
     assert pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[-1] == 3
 
@@ -520,7 +520,7 @@ def test_attention_distance_figure_plots_each_head_against_its_layer_in_distinct
 
 
 def test_distance_csv(tmp_path: Path) -> None:
-    path = write_attention_distance_csv(torch.tensor([[1.0, 2.0], [3.0, 4.5]]), tmp_path / "d.csv")
+    path = save_all(AnalysisArrays(attention_distance=torch.tensor([[1.0, 2.0], [3.0, 4.5]])), {}, tmp_path)["attention_distance_csv"]
     assert path.read_text().splitlines() == ["layer,head,mean_attention_distance_px", "1,1,1", "1,2,2", "2,1,3", "2,2,4.5"]
 
 

@@ -1,10 +1,8 @@
 """Where attention goes: mean attention distance (ViT paper §4.5, Fig. 7 right, Appendix D.7),
 attention rollout (Abnar & Zuidema 2020; ViT paper Fig. 6, Appendix D.8) and DINO's last-layer
 per-head [CLS] attention with its 60 % masks (Caron et al. 2021, Fig. 3; ``visualize_attention.py``).
-
 Attention maps are ``[B, heads, T, T]``, rows are queries, ``T = prefix + h·w``: the
-``num_prefix_tokens`` leading tokens ([CLS]) have no position, the patches are row-major.
-"""
+``num_prefix_tokens`` leading tokens ([CLS]) have no position, the patches are row-major."""
 
 from __future__ import annotations
 
@@ -31,29 +29,23 @@ def batch_images(batch: object) -> Tensor:
         item = todo.pop()
         if isinstance(item, Tensor) and item.ndim == 4:
             return item
-        if isinstance(item, Mapping):
-            item = list(item.values())
-        if isinstance(item, list | tuple):
-            todo.extend(reversed(item))
+        if isinstance(item, Mapping | list | tuple):
+            todo.extend(reversed(list(item.values()) if isinstance(item, Mapping) else item))
     raise ValueError(f"no images [B, C, H, W] in a batch of type {type(batch).__name__}: pass image tensors or (images, labels) batches")
 
 
 def image_grid(backbone: nn.Module, images: Tensor) -> tuple[int, int]:
-    """The token grid ``(h, w)`` of ``images [B, C, H, W]`` (``patch_size``: pixels per token)."""
+    """The token grid ``(h, w)`` of ``images [B, C, H, W]``."""
     return images.shape[-2] // backbone.patch_size, images.shape[-1] // backbone.patch_size
 
 
-def mean_attention_distance(
-    attentions: Sequence[Tensor], grid_size: tuple[int, int], patch_size: float, num_prefix_tokens: int = 1, renormalize: bool = True
-) -> Tensor:
+def mean_attention_distance(attentions: Sequence[Tensor], grid_size: tuple[int, int], patch_size: float, num_prefix_tokens: int = 1,
+                            renormalize: bool = True) -> Tensor:
     """Per layer and head, Σⱼ aᵢⱼ·d(i, j) averaged over query patches i and images, d(i, j) the
-    distance between patch centres in pixels: how far attention reaches, the analogue of a CNN's
-    receptive field (ViT paper Appendix D.7). ``attentions``: ``depth × [B, heads, T, T]``.
-
-    [CLS] has no position: its row and column are dropped. ``renormalize`` rescales each query's
-    patch weights to sum to 1, so that a head parking mass on [CLS] does not look local; without
-    it attention to [CLS] counts as distance 0. Returns ``[depth, heads]`` float32 on the CPU.
-    """
+    distance between patch centres in pixels: the analogue of a CNN's receptive field (ViT paper
+    Appendix D.7). ``attentions``: ``depth × [B, heads, T, T]``; returns ``[depth, heads]`` float32
+    on the CPU. [CLS] has no position: its row and column are dropped; ``renormalize`` rescales each
+    query's patch weights to sum to 1, so that a head parking mass on [CLS] does not look local."""
     rows, cols = torch.meshgrid(*(torch.arange(n, dtype=torch.float64) for n in grid_size), indexing="ij")
     centres = torch.stack([rows.flatten(), cols.flatten()], dim=1) * patch_size  # [N, 2] in pixels
     dist = torch.cdist(centres, centres)  # [N, N]
@@ -68,20 +60,17 @@ def mean_attention_distance(
 
 
 @torch.no_grad()
-def compute_attention_distance(
-    backbone: nn.Module, batches: Tensor | Iterable[object], num_images: int = PAPER_NUM_IMAGES, chunk_size: int = CHUNK_SIZE, renormalize: bool = True
-) -> Tensor:
-    """:func:`mean_attention_distance` of a ViT over the first ``num_images`` images (fewer if the
-    data ends) of an image tensor or of batches (a DataLoader), ``chunk_size`` per forward pass
-    in eval mode. Returns ``[depth, heads]`` float32 on the CPU, in pixels."""
+def compute_attention_distance(backbone: nn.Module, batches: Tensor | Iterable[object], num_images: int = PAPER_NUM_IMAGES,
+                               chunk_size: int = CHUNK_SIZE, renormalize: bool = True) -> Tensor:
+    """:func:`mean_attention_distance` of a ViT over the first ``num_images`` images of an image
+    tensor or of batches (a DataLoader), ``chunk_size`` per forward pass in eval mode."""
     prefix = getattr(backbone, "num_prefix_tokens", 1)
-    total, seen = torch.zeros(()), 0
+    total, seen = 0.0, 0
     with eval_mode(backbone) as device:
         for batch in [batches] if isinstance(batches, Tensor) else batches:
             for chunk in batch_images(batch)[: num_images - seen].split(chunk_size):
                 attns = backbone.get_attention_maps(chunk.to(device))  # depth × [b, heads, T, T]
-                grid = image_grid(backbone, chunk)
-                total = total + len(chunk) * mean_attention_distance(attns, grid, backbone.patch_size, prefix, renormalize)
+                total += len(chunk) * mean_attention_distance(attns, image_grid(backbone, chunk), backbone.patch_size, prefix, renormalize)
                 seen += len(chunk)
             if seen >= num_images:
                 break
@@ -89,19 +78,15 @@ def compute_attention_distance(
     return total / seen
 
 
-def attention_rollout(attentions: Sequence[Tensor], add_residual: bool = True) -> Tensor:
+def attention_rollout(attentions: Sequence[Tensor]) -> Tensor:
     """Attention rollout (Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers") of
     ``depth × [B, heads, T, T]``, first layer first: ``[B, T, T]`` float32, rows summing to 1.
-
-    Per layer the heads are averaged, Āₗ = meanₕ Aₗₕ; the residual connection adds the identity,
-    Ãₗ = (Āₗ + I) / rowsum = ½Āₗ + ½I (``add_residual=False``: Āₗ alone); the layers compose as
-    R = Ã_L ··· Ã_1, so row i of R is how much output token i draws from each input token.
-    """
+    R = Ã_L ··· Ã_1 with Ãₗ = ½ meanₕ Aₗₕ + ½I (I: the residual connection): row i of R is how
+    much output token i draws from each input token."""
     rollout = None
     for attn in attentions:
         a = attn.detach().double().mean(dim=1)  # [B, T, T]
-        if add_residual:
-            a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
         a = a / a.sum(dim=-1, keepdim=True)
         rollout = a if rollout is None else a @ rollout  # later layers act on the left
     return rollout.float()
@@ -112,21 +97,15 @@ def cls_attention(attn: Tensor, grid_size: tuple[int, int], num_prefix_tokens: i
     return rearrange(attn[..., 0, num_prefix_tokens:].float(), "... (h w) -> ... h w", h=grid_size[0], w=grid_size[1])
 
 
-def rollout_map(
-    attentions: Sequence[Tensor], grid_size: tuple[int, int], out_size: tuple[int, int] | None = None, num_prefix_tokens: int = 1
-) -> Tensor:
-    """ViT paper Fig. 6: the rollout's [CLS] row ``[B, h, w]``, or ``[B, H, W]`` upsampled
-    bilinearly to ``out_size`` (half-pixel centres, as torchvision and PIL resize images)."""
+def rollout_map(attentions: Sequence[Tensor], grid_size: tuple[int, int], out_size: tuple[int, int] | None = None,
+                num_prefix_tokens: int = 1) -> Tensor:
+    """ViT paper Fig. 6: the rollout's [CLS] row ``[B, h, w]``, upsampled bilinearly (half-pixel centres) to ``out_size`` if given."""
     maps = cls_attention(attention_rollout(attentions), grid_size, num_prefix_tokens)  # [B, h, w]
-    if out_size is None:
-        return maps
-    return F.interpolate(maps[:, None], size=tuple(out_size), mode="bilinear", align_corners=False)[:, 0]
+    return maps if out_size is None else F.interpolate(maps[:, None], size=tuple(out_size), mode="bilinear", align_corners=False)[:, 0]
 
 
 def keep_top_mass(weights: Tensor, threshold: float = DINO_THRESHOLD) -> Tensor:
-    """Bool mask of the fewest entries along the last dimension holding ``threshold`` of its mass:
-    the largest first until their share reaches it. DINO's ``visualize_attention.py`` drops the
-    smallest entries whose running share stays at or below 1 − threshold: the same set."""
+    """Bool mask of the fewest entries along the last dimension holding ``threshold`` of its mass (DINO's masks)."""
     w = weights.detach().double()
     val, idx = torch.sort(w / w.sum(dim=-1, keepdim=True), dim=-1, descending=True)
     needed = val.cumsum(dim=-1) - val < threshold  # the larger entries fall short: this one is needed
@@ -142,7 +121,8 @@ class DinoAttention(NamedTuple):
     threshold: float = DINO_THRESHOLD
 
 
-def dino_attention(last_attn: Tensor, grid_size: tuple[int, int], threshold: float = DINO_THRESHOLD, num_prefix_tokens: int = 1) -> DinoAttention:
+def dino_attention(last_attn: Tensor, grid_size: tuple[int, int], threshold: float = DINO_THRESHOLD,
+                   num_prefix_tokens: int = 1) -> DinoAttention:
     """DINO's attention figure from the last layer's attention ``[B, heads, T, T]``."""
     maps = cls_attention(last_attn.detach(), grid_size, num_prefix_tokens)  # [B, heads, h, w]
     masks = keep_top_mass(maps.flatten(-2), threshold).reshape(maps.shape)

@@ -17,17 +17,13 @@ from ssl_vit.analysis import attention, draw, embedding, render
 
 
 class AnalysisCallback(pl.Callback):
-    """Every ``every_n_epochs`` epochs, draw the figures of ``pl_module.<backbone_attr>`` and log
-    them (tag ``analysis/<figure>``) to every logger whose ``experiment`` has ``add_image``.
-
-    The images are kept once, so that successive figures compare: ``images`` if given, else the
-    first ``num_images`` of the first validation batch, else of the first training batch (of a
-    list of views, the first); the mean attention distance is averaged over them too. ``figures``
-    that do not apply to the backbone are left out (a ResNet has the filters). ``mean``/``std``
-    (by default the datamodule's) undo the normalisation for display. ``save_dir`` also gets the
-    PNGs and the CSV in ``epoch_XXXX/``. Only the global-zero process draws; under a strategy that
-    shards the parameters (FSDP, DeepSpeed, model parallelism) none does, since the forward pass
-    would be a collective of every process.
+    """Every ``every_n_epochs`` epochs, draw the ``figures`` that apply to ``pl_module.<backbone_attr>``
+    and log them (tag ``analysis/<figure>``) to every logger whose ``experiment`` has ``add_image``,
+    and into ``save_dir/epoch_XXXX/`` if given. The images are kept once, so that figures compare:
+    ``images``, else the first ``num_images`` of the first validation batch, else of the first
+    training batch; ``mean``/``std`` (by default the datamodule's) undo their normalisation for
+    display. Only the global-zero process draws, and none under a strategy that shards the
+    parameters (FSDP, DeepSpeed, model parallelism), where the forward pass is a collective.
     """
 
     def __init__(
@@ -49,8 +45,8 @@ class AnalysisCallback(pl.Callback):
         self.mean, self.std, self.backbone_attr = mean, std, backbone_attr
         self.num_filters, self.threshold, self.dino_max_images = num_filters, threshold, dino_max_images
         self.save_dir = Path(save_dir) if save_dir is not None else None
-        self._fixed = self._keep(images) if images is not None else None
-        self._val_images: Tensor | None = None  # the first batch of each, kept
+        # the images drawn: given, else the first validation batch, else the first training batch
+        self._val_images = self._keep(images) if images is not None else None
         self._train_images: Tensor | None = None
         self._warned: set[str] = set()
 
@@ -71,19 +67,18 @@ class AnalysisCallback(pl.Callback):
             self._train_images = self._keep(attention.batch_images(batch))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning runs the epoch's validation before this hook: a validation batch is kept by now.
+        # (Lightning runs the epoch's validation before this hook: a validation batch is kept by now)
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         if isinstance(getattr(trainer, "strategy", None), FSDPStrategy | DeepSpeedStrategy | ModelParallelStrategy):
-            # One process drawing alone would read parameter shards and wait forever in the forward pass.
             self._warn_once(f"no figures under {type(trainer.strategy).__name__} (the backbone is sharded); "
                             "draw them from the checkpoint with `ssl-vit visualize`")
         elif trainer.is_global_zero:
             self.log_figures(trainer, pl_module)
 
     def kept_images(self) -> Tensor | None:
-        """The batch the figures are drawn from: fixed, else validation, else training."""
-        return next((x for x in (self._fixed, self._val_images, self._train_images) if x is not None), None)
+        """The batch the figures are drawn from."""
+        return self._val_images if self._val_images is not None else self._train_images
 
     def log_figures(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, np.ndarray]:
         """Compute, draw and log the figures now; returns them as ``[H, W, 3]`` uint8 arrays."""

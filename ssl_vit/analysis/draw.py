@@ -1,12 +1,7 @@
-"""The analysis figures, drawn with matplotlib from computed arrays.
-
-Figures are built without ``pyplot`` on an Agg canvas: nothing depends on the global backend or
-a screen, and no figure leaks in a long training run.
-"""
+"""The analysis figures, drawn with matplotlib from computed arrays on an Agg canvas without
+``pyplot``: nothing depends on the global backend or a screen, no figure leaks in a long run."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 from einops import rearrange
@@ -43,14 +38,6 @@ def _show_image(ax: Axes, img: np.ndarray) -> None:
     shown = np.clip(img.transpose(1, 2, 0), 0.0, 1.0) if img.shape[0] == 3 else img.mean(axis=0)
     ax.imshow(shown, cmap="gray" if shown.ndim == 2 else None, vmin=0.0, vmax=1.0)
     ax.set_axis_off()
-
-
-def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Write ``fig`` as a PNG (making its folder) and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", bbox_inches="tight")
-    return path
 
 
 def figure_to_array(fig: Figure) -> np.ndarray:
@@ -99,8 +86,7 @@ def plot_attention_distance(dist: Tensor | np.ndarray, title: str = "Mean attent
     depth, heads = d.shape
     fig = _new_figure(max(4.0, 0.25 * depth + 2.5), 3.5)
     ax = fig.add_subplot(1, 1, 1)
-    # tab20 pairs a dark and a light shade per hue: the first ten heads get the ten dark shades,
-    # the next ten the light ones, so neighbouring heads never get two shades of one hue.
+    # tab20's dark shades for heads 1-10, its light ones for 11-20: neighbouring heads never share a hue
     for h in range(heads):
         color = colormaps["tab20"]((2 * h + (h // 10) % 2) % 20)
         ax.scatter(np.arange(1, depth + 1), d[:, h], s=14, color=color, label=f"Head {h + 1}")

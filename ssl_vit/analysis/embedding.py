@@ -10,72 +10,52 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 PAPER_NUM_FILTERS = 28  # ViT paper Fig. 7 left shows the top 28 components
+# The first layer that sees pixels, in the order looked for: a hybrid's patch_embed.proj is a 1×1
+# convolution on a ResNet feature map, whose rows are no images: its stem plays E's role.
+FIRST_LAYERS = {
+    "patch_embed.backbone.conv1": "hybrid: first convolution of the ResNet stem (conv1)",
+    "patch_embed.proj": "patch embedding E (patch_embed.proj)",
+    "conv1": "ResNet first convolution (conv1)",
+}
 
 
 @dataclass(frozen=True)
 class FilterPCA:
     """Principal components of a set of filters, largest variance first."""
 
-    components: Tensor  # [k, C, P, P] unit norm, each signed so that its largest-magnitude entry is
-    # positive (an SVD's signs are arbitrary: this keeps figures stable across runs)
+    components: Tensor  # [k, C, P, P] unit norm, each signed so that its largest-magnitude entry is positive (stable figures)
     explained_variance: Tensor  # [k] the filters' variance along each direction (÷ (D − 1))
     explained_variance_ratio: Tensor  # [k] the same as a share of the total variance
     source: str  # which weight the filters came from (the figure's title says it)
 
 
 def filter_weight(backbone: nn.Module) -> tuple[Tensor, str] | None:
-    """The first layer that sees pixels, ``([D, C, kh, kw], description)``; None if there is none.
-
-    A ViT's is E itself (``patch_embed.proj``). A hybrid's ``patch_embed.proj`` is a 1×1
-    convolution on a ResNet feature map, whose rows are no images: its ResNet's ``conv1`` plays E's
-    role (the linear map from pixels to features), as it does for a ResNet backbone.
-    """
-    patch_embed = getattr(backbone, "patch_embed", None)
-    stem = getattr(getattr(patch_embed, "backbone", None), "conv1", None)
-    if isinstance(stem, nn.Conv2d):
-        return stem.weight, "hybrid: first convolution of the ResNet stem (conv1)"
-    proj = getattr(patch_embed, "proj", None)
-    if isinstance(proj, nn.Conv2d):
-        return proj.weight, "patch embedding E (patch_embed.proj)"
-    conv1 = getattr(backbone, "conv1", None)
-    if isinstance(conv1, nn.Conv2d):
-        return conv1.weight, "ResNet first convolution (conv1)"
-    return None
+    """The first layer that sees pixels (:data:`FIRST_LAYERS`), ``([D, C, kh, kw], description)``, or None."""
+    modules = dict(backbone.named_modules())
+    return next(((modules[name].weight, what) for name, what in FIRST_LAYERS.items() if isinstance(modules.get(name), nn.Conv2d)), None)
 
 
 @torch.no_grad()
 def embedding_filters(weight: Tensor, k: int = PAPER_NUM_FILTERS, source: str = "patch embedding E") -> FilterPCA:
-    """Top-``k`` principal components of the D filters of a convolution ``[D, C, P, P]``.
-
-    ``k`` is capped at the rank of the centred filters, min(D − 1, C·P·P): components past it
-    carry no variance.
-    """
+    """Top-``k`` principal components of the D filters of a convolution ``[D, C, P, P]``, at most
+    as many as the centred filters have dimensions, min(D − 1, C·P·P)."""
     d, c, ph, pw = weight.shape
     rows = weight.detach().reshape(d, -1).double()  # [D, C·P·P]
     rows = rows - rows.mean(dim=0, keepdim=True)  # PCA centres the rows first
     _, s, vh = torch.linalg.svd(rows, full_matrices=False)  # rows of vh: the directions, s descending
     k = min(k, s.numel(), d - 1)  # centring takes a dimension: D rows span D - 1 at most
     comps = vh[:k]  # [k, C·P·P]
-    pivot = comps.gather(1, comps.abs().argmax(dim=1, keepdim=True))  # [k, 1]
-    comps = comps * pivot.sign()
+    comps = comps * comps.gather(1, comps.abs().argmax(dim=1, keepdim=True)).sign()
     var = s.square() / (d - 1)  # [r]
     dtype = weight.dtype if weight.is_floating_point() else torch.float32
-    return FilterPCA(
-        components=comps.reshape(k, c, ph, pw).to(dtype).cpu(),
-        explained_variance=var[:k].to(dtype).cpu(),
-        explained_variance_ratio=(var[:k] / var.sum()).to(dtype).cpu(),
-        source=source,
-    )
+    return FilterPCA(comps.reshape(k, c, ph, pw).to(dtype).cpu(), var[:k].to(dtype).cpu(), (var[:k] / var.sum()).to(dtype).cpu(), source)
 
 
 @torch.no_grad()
 def position_similarity(pos_embed: Tensor, grid_size: tuple[int, int], num_prefix_tokens: int = 1) -> Tensor:
     """Cosine similarity ``[h, w, h, w]`` (float32, CPU) between the embeddings of every two patch
-    positions ``(r, c)`` and ``(r', c')``: a learned 1-D embedding shows 2-D structure (near
-    patches, and patches of one row or column, are alike). ``pos_embed`` is ``[1, prefix + h·w, D]``
-    or ``[prefix + h·w, D]``, patches row-major; the prefix rows ([CLS]) have no position.
-    """
-    pe = pos_embed.detach().float().reshape(-1, pos_embed.shape[-1])[num_prefix_tokens:]  # [N, D]
-    pe = F.normalize(pe, dim=-1)
+    positions: a learned 1-D embedding shows 2-D structure. ``pos_embed``: ``[1, prefix + h·w, D]``
+    or ``[prefix + h·w, D]``, patches row-major; the prefix rows ([CLS]) have no position."""
+    pe = F.normalize(pos_embed.detach().float().reshape(-1, pos_embed.shape[-1])[num_prefix_tokens:], dim=-1)  # [N, D]
     sim = (pe @ pe.T).clamp(-1.0, 1.0)  # [N, N]; rounding can put a self-similarity just above 1
     return sim.reshape(*grid_size, *grid_size).cpu()

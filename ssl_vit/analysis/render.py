@@ -74,13 +74,10 @@ def compute_all(
     num_distance_images: int = attention.PAPER_NUM_IMAGES,
     chunk_size: int = attention.CHUNK_SIZE,
 ) -> AnalysisArrays:
-    """The arrays behind ``figures`` of a ViT or hybrid (a ResNet has the filters only).
-
-    ``images`` are normalised ``[B, C, H, W]`` (``mean``, ``std`` undo it for display): the first
-    ``max_images`` are shown in the attention maps, and they feed the mean attention distance
-    unless ``distance_images`` (an image tensor or batches, a DataLoader) are given, of which the
-    first ``num_distance_images`` count, ``chunk_size`` per forward pass.
-    """
+    """The arrays behind ``figures`` of a ViT or hybrid (a ResNet has the filters only). ``images``:
+    normalised ``[B, C, H, W]`` (``mean``, ``std`` undo it for display), the first ``max_images``
+    shown in the attention maps; the mean attention distance reads the first ``num_distance_images``
+    of ``distance_images`` (an image tensor or batches), else of ``images``, ``chunk_size`` at a time."""
     for figure in figures:
         if missing := missing_for(backbone, figure):
             raise ValueError(f"{type(backbone).__name__} has {missing}, which the {figure} figure needs")
@@ -123,28 +120,24 @@ def plot_all(arrays: AnalysisArrays, max_images: int = draw.SHOWN_IMAGES, dino_m
     return figs
 
 
-def write_attention_distance_csv(dist: Tensor, path: str | Path) -> Path:
-    """Rows ``layer,head,mean_attention_distance_px``, layer and head 1-based as in the figure."""
-    with Path(path).open("w", newline="") as f:
-        csv.writer(f).writerows([("layer", "head", "mean_attention_distance_px")] + [
-            (layer + 1, head + 1, f"{d:.6g}") for layer, row in enumerate(dist.tolist()) for head, d in enumerate(row)])
-    return Path(path)
-
-
 def save_all(arrays: AnalysisArrays, figs: dict[str, Figure], out_dir: str | Path) -> dict[str, Path]:
-    """``out_dir/<name>.png`` per figure and ``attention_distance.csv`` when computed; returns
-    name -> path (the CSV's name: ``"attention_distance_csv"``)."""
+    """``out_dir/<name>.png`` per figure and, when computed, ``attention_distance.csv`` (key
+    ``attention_distance_csv``): rows ``layer,head,mean_attention_distance_px``, 1-based as in the figure."""
     out_dir = Path(out_dir)
-    paths = {name: draw.save_figure(fig, out_dir / f"{name}.png") for name, fig in figs.items()}
-    if arrays.attention_distance is not None:
-        paths["attention_distance_csv"] = write_attention_distance_csv(arrays.attention_distance, out_dir / "attention_distance.csv")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {name: out_dir / f"{name}.png" for name in figs}
+    for name, fig in figs.items():
+        fig.savefig(paths[name], format="png", bbox_inches="tight")
+    if (dist := arrays.attention_distance) is not None:
+        paths["attention_distance_csv"] = out_dir / "attention_distance.csv"
+        rows = [(layer + 1, head + 1, f"{d:.6g}") for layer, row in enumerate(dist.tolist()) for head, d in enumerate(row)]
+        with paths["attention_distance_csv"].open("w", newline="") as f:
+            csv.writer(f).writerows([("layer", "head", "mean_attention_distance_px"), *rows])
     return paths
 
 
-def render_all(
-    backbone: nn.Module, images: Tensor, out_dir: str | Path, dino_max_images: int = draw.SHOWN_DINO_IMAGES, **compute: Any
-) -> dict[str, Path]:
-    """:func:`compute_all` (``compute``: its arguments), :func:`plot_all` and :func:`save_all` into
-    ``out_dir``; ``dino_max_images`` bounds the rows of the DINO figure."""
+def render_all(backbone: nn.Module, images: Tensor, out_dir: str | Path, dino_max_images: int = draw.SHOWN_DINO_IMAGES,
+               **compute: Any) -> dict[str, Path]:
+    """:func:`compute_all` (``compute``: its arguments), :func:`plot_all` and :func:`save_all`."""
     arrays = compute_all(backbone, images, **compute)
     return save_all(arrays, plot_all(arrays, compute.get("max_images", draw.SHOWN_IMAGES), dino_max_images), out_dir)

@@ -1,15 +1,11 @@
 """Weights from elsewhere into our backbones: one filter, as timm's ``checkpoint_filter_fn``, and a
-strict loader whose errors fit on one line.
-
-:func:`filter_foreign_state_dict` reads timm's ViTs (our names are timm's; ``head.*`` and
-``fc_norm.*`` dropped; a table without the class token's position, timm's ``no_embed_class``, given
-a zero one: the same model), torchvision's ResNets (``fc.*`` dropped), the official DINO checkpoints
-(``{"teacher", "student"}`` with ``backbone.`` / ``module.backbone.`` prefixes; the teacher by
-default, as its ``--checkpoint_key``) and MoCo v3 ones (``module.base_encoder.`` /
-``module.momentum_encoder.``; the projector ``head.*`` dropped, as ``convert_to_deit.py`` does),
-``{"model": ...}`` wrappers (DeiT, MAE), ``module.`` (DDP) prefixes and our own checkpoints' state
-dicts. Whatever the source, the position table is resampled (bicubic, ViT paper §3.2) to the
-model's grid and the first convolution adapted to its channels (timm's ``adapt_input_conv``).
+strict loader whose errors fit on one line. :func:`filter_foreign_state_dict` reads timm's ViTs (our
+names are timm's; a table without the class token's position, ``no_embed_class``, gets a zero one),
+torchvision's ResNets, the official DINO checkpoints (``{"teacher", "student"}``; the teacher by
+default, as its ``--checkpoint_key``), MoCo v3 ones (``module.base_encoder.`` /
+``module.momentum_encoder.``; the projector dropped, as ``convert_to_deit.py`` does), ``{"model": ...}``
+wrappers (DeiT, MAE), ``module.`` (DDP) prefixes and our own state dicts. The position table is
+resampled (bicubic, ViT paper §3.2) to the model's grid, the first convolution adapted to its channels.
 """
 
 from __future__ import annotations
@@ -51,13 +47,12 @@ def default_encoder(obj: Mapping[str, Any]) -> str | None:
 def _unwrap(obj: Mapping[str, Any], which: str | None) -> dict[str, Any]:
     """Container and prefixes -> the keys of the encoder ``which`` (see the module docstring)."""
     which = which or default_encoder(obj)
-    if "teacher" in obj or "student" in obj:  # official DINO: its entry holds the encoder as backbone.*
-        key = "student" if which == "student" else "teacher"
-        if which not in (None, "student", "teacher"):
+    if "teacher" in obj or "student" in obj:  # official DINO (which: teacher by default): its entry holds the encoder as backbone.*
+        if which not in ("student", "teacher"):
             raise ValueError(f"which={which!r} but this DINO checkpoint holds a teacher and a student")
-        if key not in obj:
-            raise ValueError(f"DINO checkpoint has no {key!r} entry (it has {', '.join(map(str, obj))})")
-        obj, which = obj[key], None
+        if which not in obj:
+            raise ValueError(f"DINO checkpoint has no {which!r} entry (it has {', '.join(map(str, obj))})")
+        obj, which = obj[which], None
     sd = {k: v for k, v in _inner(obj).items() if isinstance(v, Tensor)}
     if which not in (None, "student"):  # teacher_backbone.*, momentum_backbone.* (official: momentum_encoder.*), NAME_backbone.*
         prefixes = (f"{which}_backbone.", f"module.{which}_backbone.") + (("momentum_encoder.", "module.momentum_encoder.") if which == "momentum" else ())
@@ -118,28 +113,19 @@ def fit_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module, source_gr
 
 
 def load_weights(model: nn.Module, state_dict: Mapping[str, Tensor], source: str, assign: bool = False) -> nn.Module:
-    """``load_state_dict(strict=True)`` with a one-line error naming the source and the mismatch.
-    ``assign=True`` makes the tensors the module's own (in its dtypes): how a model built on the
-    meta device gets its weights without a wasted random initialisation."""
+    """``load_state_dict(strict=True)`` with a one-line error naming the source and the mismatch;
+    ``assign=True`` makes the tensors the module's own (in its dtypes), for a model on the meta device."""
     own = model.state_dict()
     # (BatchNorm's counters are absent from older checkpoints and do not change the function)
     missing = [k for k in own if k not in state_dict and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state_dict if k not in own]
     shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state_dict and state_dict[k].shape != v.shape]
     if missing or unexpected or shapes:
-        def listed(keys: list[str], limit: int) -> str:
-            return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
-
-        parts = [f"{what} {listed(keys, limit)}" for what, keys, limit in (("missing", missing, 4), ("unexpected", unexpected, 4),
-                                                                            ("shape mismatch", shapes, 2)) if keys]
+        parts = [f"{what} {', '.join(keys[:n])}" + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+                 for what, keys, n in (("missing", missing, 4), ("unexpected", unexpected, 4), ("shape mismatch", shapes, 2)) if keys]
         name = getattr(model, "backbone_name", type(model).__name__)
         raise ValueError(f"{source}: weights do not fit backbone {name!r} {getattr(model, 'backbone_kwargs', {})}: {'; '.join(parts)}")
-    state = dict(state_dict)
     if assign:
-        for k, v in own.items():
-            if k not in state:  # a BatchNorm counter (see above)
-                state[k] = torch.zeros(v.shape, dtype=v.dtype)
-            elif state[k].is_floating_point() and v.is_floating_point():
-                state[k] = state[k].to(v.dtype)
-    model.load_state_dict(state, strict=False, assign=assign)
+        state_dict = {k: v.to(own[k].dtype) if v.is_floating_point() and own[k].is_floating_point() else v for k, v in state_dict.items()}
+    model.load_state_dict(state_dict, strict=False, assign=assign)
     return model

@@ -1,17 +1,15 @@
 """A backbone from anything that holds one. A pretraining checkpoint (``ssl-vit fit``'s ``.ckpt``)
-holds each module of its method under its attribute name, ``backbone.*`` (the online backbone:
-DINO's student, MoCo v3's base encoder, MPP's and the supervised one), ``teacher_backbone.*``
-(DINO), ``momentum_backbone.*`` (MoCo v3), heads, probe, and its run info (``ssl_vit``): method,
-backbone and kwargs, data, recipe. An export folder holds one backbone and ``config.json``.
-Anything else is a bare state dict whose architecture the caller names, or ``random:<name>``, the
-random initialisation every self-supervised result is compared with."""
+holds each module of its method under its attribute name: ``backbone.*`` (the online backbone),
+``teacher_backbone.*`` (DINO), ``momentum_backbone.*`` (MoCo v3), heads, probe, and its run info
+(``ssl_vit``). An export folder holds one backbone and ``config.json``. Anything else is a bare
+state dict whose architecture the caller names, or ``random:<name>``, the random initialisation."""
 
 from __future__ import annotations
 
 import pickle
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +22,7 @@ from torch import Tensor, nn
 
 from ssl_vit.backbones import create_backbone
 from ssl_vit.errors import one_line
-from ssl_vit.export.foreign import (
-    default_encoder,
-    filter_foreign_state_dict,
-    fit_state_dict,
-    load_weights,
-)
+from ssl_vit.export import foreign
 from ssl_vit.io import read_json
 
 EXPECTED = ("a pretraining checkpoint (.ckpt written by `ssl-vit fit`), an export directory "
@@ -68,8 +61,7 @@ def encoders_in(keys: list[str]) -> list[str]:
 def chosen_encoder(info: Mapping[str, Any]) -> str | None:
     """The encoder a source gave (``which``) when it is not the one its method is evaluated with
     by default (DINO's student, MoCo v3's momentum encoder), else None."""
-    which, method = info.get("which"), info.get("method")
-    default = info.get("default_which") or DEFAULT_WHICH.get(method or "", "student")
+    which, default = info.get("which"), info.get("default_which") or DEFAULT_WHICH.get(info.get("method") or "", "student")
     return which if which and which != default else None
 
 
@@ -85,9 +77,7 @@ class BackboneSource:
     method: str | None = None  # dino, mocov3, mpp, supervised, random
     which: str | None = None  # the encoder taken
     default_which: str | None = None  # the encoder the method is evaluated with
-    # the absolute path of the file the weights were first read from (an export keeps its
-    # checkpoint's): one pretraining, whichever copy is evaluated
-    origin: str | None = None
+    origin: str | None = None  # the file first read (an export keeps its checkpoint's): one pretraining, whichever copy
     normalization: dict[str, Any] | None = None  # {"mean", "std", "source"} when recorded
     training: dict[str, Any] = field(default_factory=dict)  # the run info's other fields (global_step, epochs, pretrain_flops ...)
     data: dict[str, Any] | None = None  # the data record
@@ -106,18 +96,15 @@ def _kind(path: Path) -> str:
         return "a safetensors file"
     if not head:
         return "an empty file"
-    try:
-        return "not a PyTorch file" if "\x00" in head.decode("utf-8") else "a text file"
-    except UnicodeDecodeError:
-        return "not a PyTorch file"
+    text = head.decode("utf-8", errors="replace")
+    return "a text file" if "\x00" not in text and "\ufffd" not in text else "not a PyTorch file"
 
 
 def read_torch_file(path: Path, weights_only: bool | None = None) -> Any:
     """``torch.load`` with one-line errors. ``weights_only=None`` tries the safe loader first and
     unpickles fully (warning) only a file holding Python objects besides tensors, as some official
     checkpoints do (argparse namespaces); ``True`` refuses such a file."""
-    kind = _kind(path)
-    if kind != "torch":
+    if (kind := _kind(path)) != "torch":
         raise ValueError(f"{path}: {kind}; expected {EXPECTED}")
     try:
         if weights_only is not False:
@@ -166,7 +153,7 @@ def read_source(path: str | Path, which: str | None = None, weights_only: bool |
             raise ValueError(f"{path}: holds a {type(obj).__name__}, not a checkpoint or state dict; expected {EXPECTED}")
         if not _has_tensors(obj):
             raise ValueError(f"{path}: a dict without any weights (keys {sorted(map(str, obj))[:8]}); expected {EXPECTED}")
-    return BackboneSource(obj, None, {}, str(path), "state_dict", which=which or default_encoder(obj), origin=str(path.resolve()))
+    return BackboneSource(obj, None, {}, str(path), "state_dict", which=which or foreign.default_encoder(obj), origin=str(path.resolve()))
 
 
 def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> BackboneSource:
@@ -190,10 +177,9 @@ def _from_lightning(ckpt: dict[str, Any], path: Path, which: str | None) -> Back
                          f"it holds: {', '.join(present) or 'none'} (choose with which= / --which)")
     data = record.get("data") if isinstance(record.get("data"), dict) else None
     training = {k: v for k, v in record.items() if k not in RECORD_FIELDS}
-    training.setdefault("global_step", ckpt.get("global_step"))
-    training.setdefault("epoch", ckpt.get("epoch"))
-    if training.get("pretrain_flops") is None:  # PretrainFlopsCounter writes it at the top level too
-        training["pretrain_flops"] = ckpt.get("pretrain_flops")
+    for key in ("global_step", "epoch", "pretrain_flops"):  # Lightning's, and PretrainFlopsCounter's at the top level too
+        if training.get(key) is None:
+            training[key] = ckpt.get(key)
     kwargs = record["backbone_kwargs"] if "backbone_kwargs" in record else hparams.get("backbone_kwargs")
     return BackboneSource(weights, record.get("backbone") or hparams.get("backbone"), dict(kwargs or {}), str(path), "lightning",
                           method=method, which=which, default_which=default, origin=str(path.resolve()), normalization=recorded_normalization(data, state),
@@ -235,24 +221,10 @@ def _from_export_dir(folder: Path) -> BackboneSource:
     if not isinstance(info, dict) or not isinstance(info.get("backbone"), str):
         raise ValueError(f"{folder / 'config.json'}: no 'ssl_vit' section naming the backbone; expected a config.json written by "
                          "`ssl-vit export` (to load other weights, pass the weights file and backbone=)")
+    recorded = {k: info.get(k) for k in ("method", "which", "default_which", "normalization", "data", "recipe")}
     return BackboneSource(read_safetensors(folder / "model.safetensors"), info["backbone"], dict(info.get("backbone_kwargs") or {}),
-                          str(folder), "export", method=info.get("method"), which=info.get("which"),
-                          default_which=info.get("default_which"), origin=info.get("origin") or str(folder.resolve()), normalization=info.get("normalization"),
-                          training=dict(info.get("training") or {}), data=info.get("data"), recipe=info.get("recipe"),
-                          results=list(info.get("results") or []))
-
-
-def instantiate(name: str, kwargs: dict[str, Any], where: str, state_for: Callable[[nn.Module], Mapping[str, Tensor]]) -> nn.Module:
-    """``create_backbone(name, **kwargs)`` holding the weights ``state_for(model)``, built on the
-    meta device (the random initialisation they replace costs seconds for a ViT-B on a CPU); a
-    backbone with state no state dict carries (a non-persistent buffer) is built normally."""
-    with torch.device("meta"):
-        model = create_backbone(name, **kwargs)
-    load_weights(model, state_for(model), where, assign=True)
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model = create_backbone(name, **kwargs)
-        load_weights(model, state_for(model), where)
-    return model
+                          str(folder), "export", origin=info.get("origin") or str(folder.resolve()),
+                          training=dict(info.get("training") or {}), results=list(info.get("results") or []), **recorded)
 
 
 def resolve(spec: str | Path, map_location: Any = "cpu", which: str | None = None, backbone: str | None = None,
@@ -277,38 +249,31 @@ def resolve(spec: str | Path, map_location: Any = "cpu", which: str | None = Non
                          "JSON on the command line, backbone= and backbone_kwargs= in Python (NAME: see `ssl-vit backbones`)")
     if None not in (source.backbone, backbone) and backbone != source.backbone:
         raise ValueError(f"{source.path}: holds a {source.backbone!r} backbone, not {backbone!r}")
-    try:  # the patch grid the weights were trained at (need not be square); a bad record is the load's to report
-        with torch.device("meta"):
-            grid = tuple(create_backbone(source.backbone, **source.backbone_kwargs).grid_size) if source.backbone else None
-    except (TypeError, ValueError, AttributeError):
-        grid = None
-
-    def state_for(model: nn.Module) -> dict[str, Tensor]:
-        try:
-            if source.kind == "state_dict":
-                return filter_foreign_state_dict(source.weights, model, which=source.which)
-            return fit_state_dict(source.weights, model, grid)
-        except ValueError as err:
-            raise ValueError(f"{source.path}: {err}") from None
-
-    # caller kwargs override recorded ones (another resolution: the position table is resampled)
-    source.backbone, source.backbone_kwargs = source.backbone or backbone, {**source.backbone_kwargs, **(backbone_kwargs or {})}
-    return instantiate(source.backbone, source.backbone_kwargs, source.path, state_for).to(map_location).eval(), source
+    # caller kwargs override recorded ones (another resolution: the position table is resampled from the recorded grid)
+    name, recorded = source.backbone, source.backbone_kwargs
+    source.backbone, source.backbone_kwargs = name or backbone, {**recorded, **(backbone_kwargs or {})}
+    with torch.device("meta"):  # no random initialisation to replace
+        model = create_backbone(source.backbone, **source.backbone_kwargs)
+        grid = getattr(create_backbone(name, **recorded), "grid_size", None) if name else None  # (need not be square)
+    try:
+        state = (foreign.filter_foreign_state_dict(source.weights, model, which=source.which) if source.kind == "state_dict"
+                 else foreign.fit_state_dict(source.weights, model, grid))
+    except ValueError as err:
+        raise ValueError(f"{source.path}: {err}") from None
+    foreign.load_weights(model, state, source.path, assign=True)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # (a non-persistent buffer, an old file's BatchNorm counters)
+        model = foreign.load_weights(create_backbone(source.backbone, **source.backbone_kwargs), state, source.path)
+    return model.to(map_location).eval(), source
 
 
 def source_info(source: BackboneSource, model: nn.Module) -> dict[str, Any]:
-    """What evaluations and figures need to know about a loaded backbone (:func:`load_any_backbone`)."""
+    """What evaluations and figures need to know about a loaded backbone; ``pretrain`` is what
+    ``EvalResult.pretrain`` records (``checkpoint``: one pretraining, whichever copy is evaluated)."""
     norm = resolve_normalization(source.normalization, int(model.in_chans))
-    training = source.training
-    pretrain = {
-        "steps": training.get("global_step"),
-        "epochs": training.get("epochs"),  # (older checkpoints recorded only the index of the epoch in progress)
-        "flops": training.get("pretrain_flops", training.get("flops")),
-        "wall_time_s": training.get("wall_time_s"),
-        "global_batch_size": training.get("global_batch_size"),
-        "data": source.data,  # the data record (evaluation names it as it names datasets)
-        "checkpoint": source.origin,  # one pretraining, whether its checkpoint or an export of it is evaluated
-    }
+    t = source.training
+    pretrain = {"steps": t.get("global_step"), "epochs": t.get("epochs"), "flops": t.get("pretrain_flops"),
+                "wall_time_s": t.get("wall_time_s"), "global_batch_size": t.get("global_batch_size"),
+                "data": source.data, "checkpoint": source.origin}
     return {"name": source.backbone, "kwargs": dict(source.backbone_kwargs), "mean": norm["mean"], "std": norm["std"],
             "normalization_source": norm["source"], "method": source.method, "which": source.which, "default_which": source.default_which,
             "source": source.path if source.kind == "random" else str(Path(source.path).resolve()),  # (one checkpoint however typed)
@@ -324,9 +289,7 @@ def load_any_backbone(spec: str | Path, map_location: Any = "cpu", *, which: str
     one) with ``backbone`` and ``backbone_kwargs`` naming the architecture, or ``random:<name>``
     (``seed``; None: the global generator). ``backbone_kwargs`` override recorded ones (another
     ``img_size``: the position table is resampled); ``weights_only``: :func:`read_torch_file`'s.
-    The info dict has ``name``, ``kwargs``, ``mean``, ``std``, ``normalization_source``, ``method``,
-    ``which``, ``source``, ``kind``, ``data`` (the data record), ``recipe`` and ``pretrain``
-    (``steps``, ``epochs``, ``flops``, ``data``, ``checkpoint`` ...: what ``EvalResult.pretrain`` records).
+    The info dict: :func:`source_info`.
 
     Example::
 

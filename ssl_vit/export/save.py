@@ -1,12 +1,9 @@
 """Write an export folder: ``model.safetensors``, the traced copies asked for and ``config.json``
 last (a folder with one is a complete export), each file written atomically and checked against the
-eager backbone before it appears; a refused export leaves no file, and no folder of its own.
-
-``config.json`` has timm's Hugging Face layout at the top (``architecture``, ``model_args``,
-``pretrained_cfg`` ...: ``timm.create_model("local-dir:DIR", pretrained=True)`` rebuilds plain ViTs
-and the standard ResNets) and under ``ssl_vit`` the registry name and kwargs (all
-``load_backbone(DIR)`` needs), weight layout, normalisation, method, encoder, recipe, run info and
-evaluation results."""
+eager backbone; a refused export leaves no file, and no folder of its own. ``config.json`` has timm's
+Hugging Face layout at the top (``timm.create_model("local-dir:DIR", pretrained=True)`` rebuilds
+plain ViTs and the standard ResNets) and under ``ssl_vit`` what ``load_backbone(DIR)`` needs, with
+the normalisation, method, encoder, recipe, run info and evaluation results."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from ssl_vit.backbones import ResNetBackbone, VisionTransformer
+from ssl_vit.backbones import ResNetBackbone, VisionTransformer, eval_mode
 from ssl_vit.backbones.compile import eager
 from ssl_vit.backbones.vit import PatchEmbed
 from ssl_vit.export.load import BackboneSource, chosen_encoder, resolve, resolve_normalization
@@ -38,56 +35,48 @@ WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 TIMM_VIT_SIZES = {(192, 12, 3): "tiny", (384, 12, 6): "small", (768, 12, 12): "base", (1024, 24, 16): "large", (1280, 32, 16): "huge"}
 
 
-def timm_vit_name(embed_dim: int, depth: int, num_heads: int, patch_size: int, img_size: tuple[int, int]) -> str:
-    """timm's entry point of a plain ViT of this shape, ``vit_<size>_patch<P>_<image size>`` when
-    timm registers it, else its size's first (``vit_huge_patch14_224`` for a ViT-H/16) or ViT-B/16's:
-    ``model_args`` carry the shape, timm builds any from there."""
-    size = TIMM_VIT_SIZES.get((embed_dim, depth, num_heads))
-    exact = f"vit_{size}_patch{patch_size}_{img_size[0]}"
-    if size is not None and img_size[0] == img_size[1] and timm.is_model(exact):
-        return exact
-    return "vit_huge_patch14_224" if size == "huge" else f"vit_{size or 'base'}_patch16_224"
-
-
 def is_plain_vit(model: nn.Module) -> bool:
     """Our ViT itself (a subclass may add layers) with a plain patch embedding: what timm builds."""
     return type(model) is VisionTransformer and isinstance(model.patch_embed, PatchEmbed)
 
 
 def timm_architecture(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
-    """``(timm model name, model_args)`` that build the same network in timm, or None."""
+    """``(timm model name, model_args)`` that build the same network in timm, or None. A plain ViT is
+    named after timm's entry point of its shape, ``vit_<size>_patch<P>_<image size>``, when timm
+    registers it, else its size's first (``vit_huge_patch14_224`` for a ViT-H/16) or ViT-B/16's:
+    ``model_args`` carry the shape, timm builds any from there."""
     if is_plain_vit(model):
-        hidden, dim = model.blocks[0].mlp.fc1.out_features, model.embed_dim
+        hidden, dim, (h, w) = model.blocks[0].mlp.fc1.out_features, model.embed_dim, model.img_size
         args: dict[str, Any] = {
             "img_size": list(model.img_size), "patch_size": model.patch_size, "in_chans": model.in_chans, "embed_dim": dim,
             "depth": model.depth, "num_heads": model.num_heads,
-            # timm builds int(dim * ratio) hidden units, which hidden / dim can miss by one in float
-            # rounding (176 x (469 / 176) = 468.99...); half a unit above cannot
+            # timm builds int(dim * ratio) hidden units, which hidden / dim can miss by one; half a unit above cannot
             "mlp_ratio": hidden / dim if int(dim * (hidden / dim)) == hidden else (hidden + 0.5) / dim,
             "qkv_bias": model.blocks[0].attn.qkv.bias is not None, "class_token": True, "global_pool": model.global_pool,
         }
         if model.global_pool == "avg":  # ours averages after the final norm; timm's fc_norm would normalise after pooling
             args["fc_norm"] = False
-        return timm_vit_name(dim, model.depth, model.num_heads, model.patch_size, tuple(model.img_size)), args
+        size = TIMM_VIT_SIZES.get((dim, model.depth, model.num_heads))
+        name = f"vit_{size}_patch{model.patch_size}_{h}"
+        if size is None or h != w or not timm.is_model(name):
+            name = "vit_huge_patch14_224" if size == "huge" else f"vit_{size or 'base'}_patch16_224"
+        return name, args
     if isinstance(model, ResNetBackbone) and not model.small_input and model.num_stages == 4 and not getattr(model, "backbone_kwargs", {}).get("layers"):
         return model.arch, {"in_chans": model.in_chans}  # timm's ResNets share torchvision's names
     return None
 
 
 def _results_in(folder: Path) -> list[Path]:
-    """The JSON files below ``folder``, less those hidden or in hidden folders below it (the
-    staging folder, ``.ipynb_checkpoints``); ``folder`` itself may be hidden."""
+    """The JSON files below ``folder``, less those hidden below it (``.ipynb_checkpoints``)."""
     return [p for p in sorted(folder.rglob("*.json")) if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
 
 
 def collect_results(source: BackboneSource, extra: list[str | Path] = ()) -> list[dict[str, Any]]:
     """Evaluation results (JSON objects with ``metrics``) of these weights: those the source carries
-    (an export), those in the run folder of a checkpoint at ``<run>/checkpoints/`` (not below
-    ``checkpoints/``; a checkpoint elsewhere lies among anything) and ``extra`` files or folders.
-    Left out: what is no result, results of the run's earlier checkpoints (a resumed run overwrites
-    ``last.ckpt``; their ``pretrain.steps`` differ) and of another encoder (``backbone.encoder``);
-    a file named in ``extra`` is refused instead."""
-    exported = chosen_encoder({"which": source.which, "method": source.method, "default_which": source.default_which})
+    (an export), those of the run folder of a checkpoint in ``<run>/checkpoints/`` and ``extra``
+    files or folders. Left out: what is no result, results of the run's earlier checkpoints (other
+    ``pretrain.steps``) and of another encoder; a file named in ``extra`` is refused instead."""
+    exported = chosen_encoder(vars(source))
     results, seen = list(source.results), {r.get("file") for r in source.results}
     found: list[tuple[Path, bool]] = []  # (file, named by the user)
     run = Path(source.path).resolve().parent
@@ -140,8 +129,7 @@ def build_config(model: nn.Module, source: BackboneSource, results: list[dict[st
     img_size = [int(s) for s in model.img_size]
     input_size = [int(model.in_chans), *img_size]
     first_conv = "patch_embed.proj" if is_plain_vit(model) else "conv1" if isinstance(model, ResNetBackbone) else None
-    # whose parameter names the weights use; hybrids' (a torchvision trunk under patch_embed.backbone.*
-    # and a 1x1 patch_embed.proj) and a ViT subclass's own layers are no library's
+    # whose parameter names the weights use (a hybrid's and a ViT subclass's are no library's)
     weights_format = "timm" if is_plain_vit(model) else "torchvision" if isinstance(model, ResNetBackbone) else "ssl_vit"
     arch = timm_architecture(model)
     return {
@@ -181,19 +169,15 @@ def save_backbone(model: nn.Module, out_dir: str | Path, source: BackboneSource 
                   results: Sequence[str | Path] = (), tolerance: float = 1e-4, opset: int | None = None, head: nn.Linear | None = None,
                   ) -> ExportResult:
     """Export a backbone made by ``create_backbone`` into ``out_dir`` (created; an earlier export
-    there is replaced). Its train/eval mode is kept; one on another device is exported as a CPU copy,
-    one compiled by ``compile_backbone`` traced through its eager modules (TorchScript and ONNX refuse
-    a dynamo-compiled function).
+    there is replaced), keeping its train/eval mode: one on another device is exported as a CPU copy,
+    one compiled by ``compile_backbone`` traced through its eager modules.
 
-    ``source``: where the weights came from (None: the architecture alone). ``formats``: besides
-    ``safetensors``, ``torchscript``, ``export`` (``torch.export``) and ``onnx``; ``results``: result
-    JSONs (files, folders) for ``config.json``; ``tolerance``: the max abs difference from the eager
-    outputs a file may show. ``head``: a (fine-tuned) classifier stored under timm's name for it
-    (``head.*``; ResNets ``fc.*``) with ``num_classes`` in ``config.json``, so that timm builds the
+    ``source``: where the weights came from (None: the architecture alone). ``formats``: of
+    :data:`FORMATS`; ``results``: result JSONs (files, folders) for ``config.json``; ``tolerance``:
+    the max abs difference from the eager outputs a file may show. ``head``: a (fine-tuned)
+    classifier stored under timm's name for it (``head.*``; ResNets ``fc.*``) so that timm builds the
     classifier whole; the backbone loaders leave it out, the traced copies are the backbone's.
     """
-    if unknown := sorted(set(formats) - set(FORMATS)):
-        raise ValueError(f"unknown export format(s) {unknown}; choose from {', '.join(FORMATS)}")
     if "onnx" in formats and (missing := [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]):
         raise ValueError(f"ONNX export needs {', '.join(missing)}: pip install 'ssl_vit[onnx]'")
     if head is not None and head.in_features != int(model.embed_dim):
@@ -203,11 +187,10 @@ def save_backbone(model: nn.Module, out_dir: str | Path, source: BackboneSource 
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir}: exists and is not a directory; --out must name a folder")
     created = [p for p in (out_dir, *out_dir.parents) if not p.exists()]  # innermost first
-    was_training = model.training
     try:
-        with eager(model):
-            on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())  # (onnxruntime checks on the CPU)
-            return _write((model if on_cpu else copy.deepcopy(model).cpu()).eval(), out_dir, source, formats, results, tolerance, opset, head)
+        with eager(model), eval_mode(model) as device:
+            cpu_model = model if device.type == "cpu" else copy.deepcopy(model).cpu()  # (onnxruntime checks on the CPU)
+            return _write(cpu_model, out_dir, source, formats, results, tolerance, opset, head)
     except BaseException:
         if created:  # the export's own folder, then each parent it made while empty (another process may write there)
             shutil.rmtree(created[0], ignore_errors=True)
@@ -215,14 +198,11 @@ def save_backbone(model: nn.Module, out_dir: str | Path, source: BackboneSource 
                 with contextlib.suppress(OSError):
                     folder.rmdir()
         raise
-    finally:
-        model.train(was_training)
 
 
 def _write(model: nn.Module, out_dir: Path, source: BackboneSource, formats: Sequence[str], results: Sequence[str | Path],
            tolerance: float, opset: int | None, head: nn.Linear | None) -> ExportResult:
-    # An earlier export's config.json goes first: until the new one is written, the folder is no
-    # complete export (load_backbone refuses it rather than mixing old and new files).
+    # An earlier export's config.json goes first: until the new one is written, load_backbone refuses the folder.
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_FILE).unlink(missing_ok=True)
 
@@ -242,8 +222,7 @@ def _write(model: nn.Module, out_dir: Path, source: BackboneSource, formats: Seq
         raise
     written = [weights]
 
-    # 2. traced copies, checked in a staging folder before they are moved in; an earlier export's
-    # would no longer match the weights
+    # 2. traced copies, checked in a staging folder before they are moved in (an earlier export's are stale)
     for name in (*FILES.values(), FILES["onnx"] + ".data"):
         (out_dir / name).unlink(missing_ok=True)
     if traced := [f for f in FILES if f in formats]:

@@ -49,21 +49,20 @@ class _SizeChecked(nn.Module):
     """A traced backbone behind a check of the input's size: tracing drops the model's own checks,
     and a traced ViT would silently crop an image larger than its trace's."""
 
-    def __init__(self, traced: nn.Module, channels: int, height: int, width: int) -> None:
+    def __init__(self, traced: nn.Module, size: list[int]) -> None:
         super().__init__()
-        self.traced, self.channels, self.height, self.width = traced, channels, height, width
+        self.traced, self.size = traced, size  # [C, H, W]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 4 or x.size(1) != self.channels or x.size(2) != self.height or x.size(3) != self.width:
-            raise RuntimeError("this TorchScript backbone takes images [batch, " + str(self.channels) + ", " + str(self.height) + ", "
-                               + str(self.width) + "] (traced at that size), got " + str(x.shape))
+        if x.shape[1:] != self.size:
+            raise RuntimeError(f"this TorchScript backbone takes images [batch, {self.size[0]}, {self.size[1]}, {self.size[2]}] "
+                               f"(traced at that size), got {x.shape}")
         return self.traced(x)
 
 
 def _torchscript(model: nn.Module, path: Path, opset: int | None) -> Callable[[Tensor], Tensor]:
     traced = torch.jit.trace(model, example_input(model, 2), check_trace=False)
-    h, w = model.img_size
-    scripted = torch.jit.script(_SizeChecked(traced, int(model.in_chans), int(h), int(w)))
+    scripted = torch.jit.script(_SizeChecked(traced, [int(model.in_chans), *map(int, model.img_size)]))
     with writing(path), open(path, "wb") as f:  # a Python file: a full disk is an OSError, not a C++ abort
         torch.jit.save(scripted, f)
     return torch.jit.load(str(path), map_location="cpu")
@@ -80,8 +79,7 @@ def _exported(model: nn.Module, path: Path, opset: int | None) -> Callable[[Tens
 
 
 def _onnx(model: nn.Module, path: Path, opset: int | None) -> Callable[[Tensor], Tensor]:
-    """The torch.export-based ONNX exporter: input ``images [batch, C, H, W]``, output ``features
-    [batch, D]``; run with onnxruntime."""
+    """ONNX through torch.export: ``images [batch, C, H, W]`` -> ``features [batch, D]``, run with onnxruntime."""
     import onnxruntime as ort
 
     big = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > _ONNX_INLINE_LIMIT
@@ -94,8 +92,7 @@ def _onnx(model: nn.Module, path: Path, opset: int | None) -> Callable[[Tensor],
 def write_traced(fmt: str, model: nn.Module, folder: Path, tolerance: float, opset: int | None = None) -> float:
     """Write ``folder/FILES[fmt]`` and return its max abs difference from the eager backbone."""
     path = folder / FILES[fmt]
-    # (tracing warns about every Python-level shape check, the exporters print their progress: the
-    # parity check is what tells whether a trace is right)
+    # (the parity check, not the tracers' warnings or the exporters' progress, tells whether a trace is right)
     with warnings.catch_warnings(action="ignore"), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
         run = {"torchscript": _torchscript, "export": _exported, "onnx": _onnx}[fmt](model, path, opset)
     return check_parity(run, model, f"{_LABELS[fmt]} {path.name}", tolerance)
