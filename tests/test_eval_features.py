@@ -91,16 +91,19 @@ def test_dataloader_input_and_gather_hook(vit, data):
     assert f16.dtype == torch.float32 and torch.allclose(f16, f[:11], atol=0.1)
 
 
-def test_resnet_only_has_pooled_features(data):
+def test_resnet_only_has_pooled_features(data, capsys):
+    from ssl_vit.cli import main as cli_main
+
     x, y = data
     net = create_backbone("resnet18", in_chans=1, small_input=True, img_size=16)
     f, _ = extract_features(net, TensorDataset(x[:4], y[:4]))
     assert f.shape == (4, 512)
     for mode in ("last4", "avg", "cls_avg"):
         with pytest.raises(ValueError, match="mode='cls'"):
-            extract_features(net, TensorDataset(x, y), mode=mode)
-    with pytest.raises(ValueError, match="unknown feature mode"):
-        extract_features(net, TensorDataset(x, y), mode="mean")
+            feature_dim(net, mode)
+    with pytest.raises(SystemExit):  # a read-out of no name: refused where the options are parsed
+        cli_main(["eval", "knn", "--backbone", "random:resnet18", "--features", "mean"])
+    assert "argument --features: invalid choice: 'mean'" in capsys.readouterr().err
 
 
 def test_a_backbone_with_broken_weights_is_an_error_not_a_score(data):

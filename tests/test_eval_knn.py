@@ -78,7 +78,7 @@ def test_separable_clusters_are_perfect():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="bank size"):
+    with pytest.raises(AssertionError, match="bank size"):
         KNNClassifier(k=20).scores(torch.randn(5, 3), torch.zeros(5, dtype=torch.long), torch.randn(2, 3))
     with pytest.raises(AssertionError):  # features of two widths
         KNNClassifier(k=2).scores(torch.randn(5, 3), torch.zeros(5, dtype=torch.long), torch.randn(2, 4))
@@ -156,7 +156,7 @@ def test_a_k_sweep_needs_a_bank_for_its_largest_k_after_the_held_out_part():
                                       "(select_fraction 0.1) and leaves 17 to vote")
     assert knn.bank_shortfall(17) == "k=18 neighbours, but the kNN bank holds 17 training examples"
     assert KNNClassifier(k=18).bank_shortfall(18) is None  # one k holds nothing out
-    with pytest.raises(ValueError, match="leaves 17 to vote"):
+    with pytest.raises(AssertionError, match=r"k=18 must be in 1..17 \(the bank size\)"):  # (17 left to vote)
         knn.evaluate(torch.randn(19, 4), torch.arange(19) % 2, torch.randn(3, 4), torch.tensor([0, 1, 0]))
 
 

@@ -1,14 +1,10 @@
 """One table of evaluation results, SSL methods against the supervised baseline and random
 initialisation (``ssl-vit compare``; its report: :mod:`ssl_vit.eval.report`). Rows are (method,
-backbone[, dataset]), the backbone with a representation other than [CLS] (``vit/16 [last4]``)
-and what tells one method's pretrainings apart (``vit/16 (100 ep)``); columns each protocol's
-metrics, what a sweep picked (``linear LR``, ``knn k``), and "Δ sup" / "Δ rand": the protocol's
-main metric minus that of the ``supervised`` / ``random`` row of the same backbone and dataset.
-
-The table compares at the full number of labels: results that trained on fewer labelled images of a
-dataset than the most any result of it used (a linear probe on 1 % of the labels; a supervised
-baseline trained on those alone) make the label-efficiency table instead (:func:`label_efficiency`),
-where self-supervision pays off.
+backbone[, dataset]), with a representation other than [CLS] (``vit/16 [last4]``) and what tells a
+method's pretrainings apart (``vit/16 (100 ep)``); columns each protocol's metrics, what a sweep
+picked (``linear LR``, ``knn k``), and "Δ sup" / "Δ rand": the protocol's main metric minus that
+of the ``supervised`` / ``random`` row of the same backbone and dataset. Results on fewer labelled
+images than their dataset's most make the label-efficiency table instead (:func:`label_efficiency`).
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from ssl_vit.eval.results import PROTOCOLS, EvalResult, method_order
 from ssl_vit.io import read_json
 
 BASELINES: dict[str, str] = {"supervised": "Δ sup", "random": "Δ rand"}
-# protocol -> (its results' protocol_args key of what a sweep picked, the column's name)
-PICKED: dict[str, tuple[str, str]] = {"linear": ("selected_base_lr", "LR"), "knn": ("selected_k", "k")}
+PICKED: dict[str, tuple[str, str]] = {"linear": ("selected_base_lr", "LR"), "knn": ("selected_k", "k")}  # (key of a sweep's pick, column)
 PICKED_COLUMNS = frozenset(name for _, name in PICKED.values())  # settings, not accuracies
 SKIPPED_SHOWN = 3  # how many skipped files the error for a folder without results names
 RowKey = tuple[str, str, str]  # (method, backbone label, dataset)
@@ -46,10 +41,9 @@ def _not_results(d: object) -> str | None:
 
 
 def load_results(paths: Sequence[str | Path]) -> list[EvalResult]:
-    """Results from files (one result, or a list of them as the demo's ``results.json``) and
-    folders (searched recursively). In folders, JSON files that hold no results (an export's
-    ``config.json``) are skipped; when no file holds one, the error says why each was skipped. A
-    malformed result is an error naming its file (and item)."""
+    """Results from files (one result, or a list of them as the demo's ``results.json``) and folders
+    (searched recursively, skipping JSON files that hold no results, an export's ``config.json``; if
+    no file holds one, the error says why). A malformed result is an error naming its file (and item)."""
     results: list[EvalResult] = []
     skipped: list[str] = []
     for p in map(Path, paths):
@@ -87,8 +81,7 @@ def _metric_order(name: str) -> tuple[int, float, str]:  # top1, top5, top10, th
 
 @dataclass
 class Comparison:
-    """The table: ``cells[(row, (protocol, column))]`` holds a fraction (metric columns), a
-    difference of fractions (Δ columns) or a picked setting; missing cells are absent."""
+    """The table: ``cells[(row, (protocol, column))]`` holds a fraction, a Δ of fractions or a picked setting."""
 
     rows: list[RowKey]
     columns: list[tuple[str, str]]
@@ -105,9 +98,8 @@ class Comparison:
 
 
 def pretraining_tags(results: Sequence[EvalResult]) -> list[str]:
-    """Short labels telling apart the pretrainings of ``results`` (one each, of one method,
-    backbone and dataset): what differs among the data, the epochs and the steps, as many as it
-    takes (``100 ep``, ``on imagefolder:a/train, 100 ep``), then the files' last differing parts."""
+    """Short labels telling apart the pretrainings of ``results`` (one each): what differs among the
+    data, epochs and steps (``on imagefolder:a/train, 100 ep``), else the files' last differing parts."""
     def distinct(tags: list[list[str]]) -> bool:
         return len({", ".join(t) for t in tags}) == len(tags)
 
@@ -144,9 +136,7 @@ def few_labels(results: Sequence[EvalResult]) -> list[EvalResult]:
 
 @dataclass
 class LabelEfficiency:
-    """Linear-probe top-1 against the number of labelled training images: ``cells[row][n]`` holds
-    the accuracies of every draw (seed) of ``n`` labelled images; a supervised row's are those of a
-    baseline trained on the ``n`` images alone."""
+    """Linear-probe top-1 against labelled training images: ``cells[row][n]``, the accuracies of every draw of ``n``."""
 
     sizes: list[int]
     cells: dict[RowKey, dict[int, list[float]]]
@@ -179,10 +169,8 @@ def format_label_efficiency(table: LabelEfficiency) -> list[list[str]]:
 
 
 def build_comparison(results: Sequence[EvalResult]) -> Comparison:
-    """Tabulate results (module docstring). A row is one pretraining (``EvalResult.pretraining``)
-    of a method and backbone on a dataset, tagged (:func:`pretraining_tags`) when its method and
-    backbone have several; of several results of one pretraining and protocol the newest
-    (``created``) wins, with a note on stderr."""
+    """Tabulate results (module docstring): a row per pretraining, tagged (:func:`pretraining_tags`)
+    where a method and backbone have several; of a pretraining's results of one protocol the newest wins."""
     latest: dict[tuple[RowKey, tuple, str], EvalResult] = {}
     for r in full_labels(results):
         key = ((r.method, r.label, r.data_label), r.pretraining, r.protocol)
@@ -211,8 +199,7 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
             cmp.columns.append((protocol, picked))
             cmp.cells.update({(row, (protocol, picked)): float(r.protocol_args[key]) for row, r in here.items() if key in r.protocol_args})
         for base, col in BASELINES.items():
-            # A row is compared with the baseline's row of its backbone and representation (whichever
-            # encoder); of several such baselines (pretrainings), the newest.
+            # Against the baseline's row of the same backbone and representation (any encoder; the newest).
             refs = {(r.comparable_label, row[2]): r for row, r in sorted(here.items(), key=lambda item: item[1].created) if row[0] == base}
             if not any(row[0] != base and (r.comparable_label, row[2]) in refs for row, r in here.items()):
                 continue  # (a baseline alone against itself: all zeros)
@@ -225,8 +212,7 @@ def build_comparison(results: Sequence[EvalResult]) -> Comparison:
 
 
 def grid(cmp: Comparison) -> tuple[list[str], list[list[str]], int]:
-    """The table as text cells (accuracies in %, Δ in points): header, rows, and how many columns
-    are names (left-aligned; the numbers right)."""
+    """The table as text cells (accuracies in %, Δ in points): header, rows, and how many columns are names."""
     def cell(value: float | None, column: str) -> str:
         if value is None:
             return "–"

@@ -10,9 +10,8 @@ of a recipe's ``evaluate`` section, which ``ssl-vit fit`` runs after the pretrai
         class_path: ImageFolderDataModule
         init_args: {train_dir: labelled/train, val_dir: labelled/val}
 
-Each protocol's settings are one typed class. The protocols that train on images run first, on
-every process of a run, checkpointed; then process 0 extracts the features of both splits once
-for the frozen-feature protocols. Each writes an ``EvalResult`` (``result_path``).
+The protocols that train on images run first, on every process of a run; then process 0 extracts
+the features once for the frozen-feature protocols. Each writes an ``EvalResult`` (``result_path``).
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ NOT_RECORDED = ("picked", "device", "chunk_size", "bank_chunk_size", "progress_e
 
 
 def draw(n: int, size: int | None, seed: int) -> Tensor | None:
-    """A fixed random draw of ``size`` of ``n`` indices, in order (None: all, when ``size`` is None or
-    not less): the draw of ``ImageDataModule``'s ``subset``."""
+    """A fixed random draw of ``size`` of ``n`` indices, in order (None: all), as ``ImageDataModule``'s ``subset``."""
     return None if size is None or size >= n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
 
 
@@ -72,8 +70,8 @@ def labelled_classes(dataset: Any) -> int | None:
 
 
 def labelled_features(features: Tensor, labels: Tensor, split: str) -> tuple[Tensor, Tensor]:
-    """The rows with a label (an unreadable file comes labelled -1, ``ImageFiles.for_evaluation``);
-    non-finite features (a diverged checkpoint) are an error rather than a meaningless score."""
+    """The rows with a label (an unreadable file comes labelled -1); non-finite features (a diverged
+    checkpoint) are an error rather than a meaningless score."""
     if bad := int((~torch.isfinite(features).all(dim=1)).sum()):
         raise ValueError(f"the backbone gives non-finite (NaN/Inf) features for {bad} of {len(features)} {split} images: "
                          "its weights are broken (a diverged run?); evaluate an earlier checkpoint")
@@ -85,9 +83,8 @@ def labelled_features(features: Tensor, labels: Tensor, split: str) -> tuple[Ten
 
 
 def backbone_data_args(backbone: nn.Module, info: Mapping[str, Any]) -> dict[str, Any]:
-    """The datamodule arguments that feed a backbone what it was trained on: its resolution and
-    channels, and the statistics it records; ImageNet's for foreign 3-channel weights that record
-    none (what timm's expect); none (the dataset's own) for a random initialisation."""
+    """The datamodule arguments that feed a backbone what it was trained on: its resolution, channels
+    and recorded statistics (ImageNet's for foreign weights, as timm's; the dataset's for a random init)."""
     args: dict[str, Any] = {"img_size": backbone.img_size[0], "in_chans": backbone.in_chans}
     source = str(info.get("normalization_source") or "")
     if info.get("mean") is not None and (not source.startswith("default") or (source.startswith("default (ImageNet") and info.get("kind") != "random")):
@@ -96,9 +93,7 @@ def backbone_data_args(backbone: nn.Module, info: Mapping[str, Any]) -> dict[str
 
 
 def missing_labels(datamodule: Any) -> str | None:
-    """What a datamodule lacks of the labelled training and test splits the evaluations read, said
-    after its name and known without reading an image (of an image folder: which folder lacks
-    what); None when nothing."""
+    """What a datamodule lacks of the labelled splits, known without reading an image; None when nothing."""
     if isinstance(datamodule, ImageFolderDataModule):
         unlabelled = "has no class folders (<class>/<image>): its images have no labels"
         if datamodule.val_dir is None:
@@ -117,17 +112,12 @@ def missing_labels(datamodule: Any) -> str | None:
 
 
 class Evaluation:
-    """Evaluations of one backbone (none by default): the ``protocols`` with their settings (None:
-    the defaults); ``data``: the labelled splits (None: the run's), whose ``img_size``,
-    ``in_chans``, ``mean`` and ``std`` follow the backbone unless the recipe sets them;
-    ``features``: the representation the linear probes and kNN read; ``which``: a checkpoint's
-    encoder (None: the method's default, DINO's teacher); ``out``: the results' folder (None after
-    a fit: ``<default_root_dir>/results``); ``batch_size``: of the feature extraction;
-    ``train_subset``, ``test_subset``: fixed random subsets; ``seed``: of those, of the runs on
-    images, and of the protocols whose own is None; ``few_labels``: the linear probe is also trained
-    on this many labelled training images (each a random draw of the whole training split, ``draws``
-    of them with the seeds ``seed``, ``seed + 1`` ...: the draws of a datamodule's ``subset`` with
-    those seeds), where self-supervision pays off against a supervised baseline trained on them."""
+    """Evaluations of one backbone (none by default): the ``protocols`` with their settings; ``data``:
+    labelled splits of its own (None: the run's), fed as the backbone was trained; ``which``: a
+    checkpoint's encoder; ``out``: the results' folder (after a fit: ``<default_root_dir>/results``);
+    ``seed``: of the subsets, the runs on images and the protocols whose own is None; ``few_labels``: the
+    linear probe also trained on this many labelled images, ``draws`` draws seeded ``seed``, ``seed + 1``
+    ... (as a datamodule's ``subset``), against a supervised baseline trained on them."""
 
     def __init__(self, protocols: list[Protocol] | None = None, data: ImageDataModule | None = None, features: FeatureMode = "cls",
                  which: str | None = None, linear: LinearProbe | None = None, knn: KNNClassifier | None = None,
@@ -135,6 +125,8 @@ class Evaluation:
                  out: str | None = None, batch_size: int = 256, train_subset: int | None = None, test_subset: int | None = None,
                  seed: int = 0, few_labels: list[int] | None = None, draws: int = 1) -> None:
         self.protocols, self.data, self.features, self.which, self.out = list(dict.fromkeys(protocols or [])), data, features, which, out
+        self.image_protocols = [p for p in self.protocols if p in ON_IMAGES]
+        self.frozen_protocols = [p for p in self.protocols if p not in ON_IMAGES]
         self.batch_size, self.train_subset, self.test_subset, self.seed = batch_size, train_subset, test_subset, seed
         self.few_labels, self.draws = sorted(few_labels or []), draws
         if self.few_labels and "linear" not in self.protocols:
@@ -148,17 +140,8 @@ class Evaluation:
         for p in ("linear", "knn", "fewshot"):  # the evaluation's seed, where the protocol names none
             self.settings[p] = replace(self.settings[p], seed=seed) if self.settings[p].seed is None else self.settings[p]
 
-    @property
-    def image_protocols(self) -> list[str]:
-        return [p for p in self.protocols if p in ON_IMAGES]
-
-    @property
-    def frozen_protocols(self) -> list[str]:
-        return [p for p in self.protocols if p not in ON_IMAGES]
-
     def check_model(self, model: Any) -> None:
-        """Before a pretraining: its checkpoints hold the encoder ``which`` names, and its backbone
-        the representations the protocols read."""
+        """Before a pretraining: the model has the encoder ``which`` names and the read-outs the protocols use."""
         from ssl_vit.export.load import encoder_prefix, encoders_in, normalize_which
 
         if (which := normalize_which(self.which)) is not None and self.protocols and not hasattr(model, encoder_prefix(which)[:-1]):
@@ -174,9 +157,8 @@ class Evaluation:
                 raise ValueError(f"{where}: {err}") from None
 
     def check_data(self, datamodule: Any) -> None:
-        """Before a pretraining: labelled training and test splits (``data``, else the run's) and,
-        where the recipe fixes the training split's size (``subset``, ``evaluate.train_subset``),
-        room in it for kNN's neighbours and few-shot's shots (else knowing means reading the data)."""
+        """Before a pretraining: labelled splits (``data``, else the run's) and, where the recipe fixes
+        the training split's size, room in it for kNN's neighbours and few-shot's shots."""
         if not self.protocols:
             return
         datamodule, where = (self.data, "evaluate.data") if self.data is not None else (datamodule, "data")
@@ -188,8 +170,7 @@ class Evaluation:
             self._check_sizes(*known[0], datamodule.num_classes)
 
     def _check_sizes(self, n: int, where: str | None, num_classes: int) -> None:
-        """kNN's largest k and few-shot's shots of every class fit in ``n`` training images (of the
-        recipe's ``where``; None: of the split read)."""
+        """kNN's largest k and few-shot's shots fit in ``n`` training images (of the recipe's ``where``)."""
         prefix, of, larger = ("evaluate.", f" (of {where})", f", or a larger {where}") if where else ("", "", "")
         knn, shots = self.settings["knn"], max(self.settings["fewshot"].shots)
         if "knn" in self.protocols and (short := knn.bank_shortfall(n)) is not None:
@@ -208,9 +189,7 @@ class Evaluation:
                                  "continue that run with --resume, or remove that folder first")
 
     def after_fit(self, checkpoint: str | Path, datamodule: Any, trainer: Any, resuming: bool) -> list[results.EvalResult]:
-        """The recipe's evaluation of the backbone a fit ended with, on the run's processes, devices
-        and precision; the runs on images checkpoint into ``<default_root_dir>/<protocol>`` (a
-        resumed fit continues them)."""
+        """The recipe's evaluation of a fit's backbone, on its processes; runs on images checkpoint into ``<root>/<protocol>``."""
         from ssl_vit.export import load_any_backbone
 
         backbone, info = load_any_backbone(checkpoint, which=self.which)
@@ -226,13 +205,9 @@ class Evaluation:
     def run(self, backbone: nn.Module, info: Mapping[str, Any], datamodule: Any, out: str | Path, *, device: str | None = None,
             image_run: ImageRun | None = None, run_dirs: Mapping[str, Any] | None = None, head: nn.Linear | None = None,
             ) -> list[tuple[results.EvalResult, Path]]:
-        """Run the protocols on ``backbone`` and ``datamodule.eval_datasets()`` and write their results
-        into ``out``; every process of a run calls this, process 0 returns the results and their
-        files. ``info``: what the results say of the backbone (``load_any_backbone``'s: ``method``,
-        ``source``, ``pretrain``, ``which``); ``device``: of the feature extraction; ``image_run``:
-        where and how the runs on images train (its precision is the extraction's too), into
-        ``run_dirs`` (by protocol; one holding a checkpoint continues with ``image_run.resume``);
-        ``head``: the classifier fine-tuning trains in place (None: a new one)."""
+        """Run the protocols and write their results into ``out``; every process of a run calls this,
+        process 0 returns the results and their files. ``image_run``: how the runs on images train
+        (its precision is the extraction's too), into ``run_dirs``; ``head``: fine-tuning's classifier."""
         image_run, done = image_run or ImageRun(seed=self.seed), []
         if len(self.protocols) > 1 and results.names_a_file(out):
             raise ValueError(f"{len(self.protocols)} protocols write {len(self.protocols)} results: the output (--out) must be a folder, not the file {out}")
@@ -262,37 +237,31 @@ class Evaluation:
             if (metrics := s.run(backbone, train_ds, test_ds, num_classes, place, **kwargs)) is None:
                 return []  # another process of a distributed run: process 0 tests and writes the result
             write(protocol, s, metrics, len(train_ds), len(test_ds), crop_scale=views and list(views.scale), **extra,
-                  max_steps=None if s.max_steps == -1 else s.max_steps, seed=place.seed, precision=place.precision, devices=place.device_count,
-                  num_nodes=place.num_nodes)
+                  max_steps=None if s.max_steps == -1 else s.max_steps, seed=place.seed, precision=place.precision,
+                  devices=place.devices if isinstance(place.devices, int) else len(place.devices), num_nodes=place.num_nodes)
         if not self.frozen_protocols or rank_zero_only.rank != 0:
             return done
         train_ds, test_ds, num_classes = self._splits(datamodule, whole_train=bool(self.few_labels))
         backbone = backbone.to(device) if device is not None else backbone
-        feats = {}
-        for split, dataset in (("train", train_ds), ("test", test_ds)):
-            progress = CountProgress(f"features ({split})", total=len(dataset))  # a line a minute while it runs
-            feats[split] = labelled_features(*extract_features(backbone, dataset, mode=self.features, batch_size=self.batch_size, device=device,
-                                                               num_workers=datamodule.num_workers, autocast_dtype=PRECISIONS[image_run.precision],
-                                                               progress=progress), split)
-        (all_f, all_l), (test_f, test_l) = feats["train"], feats["test"]  # [N, F], [N]; [M, F], [M]
-        train_f, train_l = (all_f[i], all_l[i]) if (i := draw(len(all_l), self.train_subset, self.seed)) is not None else (all_f, all_l)
-        for protocol in self.frozen_protocols:
-            s = self.settings[protocol]
-            metrics = s.evaluate(train_f, train_l, test_f, test_l, num_classes=num_classes)
-            write(protocol, s, metrics, len(train_l), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision)
-        for n in self.few_labels:
-            for seed in range(self.seed, self.seed + self.draws):
-                s, i = replace(self.settings["linear"], seed=seed), draw(len(all_l), n, seed)
-                f, y = (all_f, all_l) if i is None else (all_f[i], all_l[i])
-                metrics = s.evaluate(f, y, test_f, test_l, num_classes=num_classes)
-                write("linear", s, metrics, len(y), len(test_l), **getattr(s, "picked", {}), features=self.features, precision=image_run.precision,
-                      few_labels=True)
+        (all_f, all_l), (test_f, test_l) = (  # [N, F], [N]; [M, F], [M]; a line of progress a minute
+            labelled_features(*extract_features(backbone, dataset, mode=self.features, batch_size=self.batch_size, device=device,
+                                                num_workers=datamodule.num_workers, autocast_dtype=PRECISIONS[image_run.precision],
+                                                progress=CountProgress(f"features ({split})", total=len(dataset))), split)
+            for split, dataset in (("train", train_ds), ("test", test_ds)))
+        # (protocol, settings, training images drawn, the draw's seed, what the result adds)
+        runs = [(p, self.settings[p], self.train_subset, self.seed, {}) for p in self.frozen_protocols]
+        runs += [("linear", replace(self.settings["linear"], seed=seed), n, seed, {"few_labels": True})
+                 for n in self.few_labels for seed in range(self.seed, self.seed + self.draws)]
+        for protocol, s, size, seed, extra in runs:
+            f, y = (all_f, all_l) if (i := draw(len(all_l), size, seed)) is None else (all_f[i], all_l[i])
+            metrics = s.evaluate(f, y, test_f, test_l, num_classes=num_classes)
+            write(protocol, s, metrics, len(y), len(test_l), **getattr(s, "picked", {}), features=self.features,
+                  precision=image_run.precision, **extra)
         return done
 
     def _splits(self, datamodule: Any, train_views: Any = None, whole_train: bool = False) -> tuple[Dataset, Dataset, int]:
-        """The (train, test) evaluation splits, subsampled (the training split not, with
-        ``whole_train``: its features are drawn from), and the class count; splits without labels,
-        of one class, or too small for the protocols are refused here, before any feature or training."""
+        """The (train, test) splits, subsampled (not the training split ``whole_train``), and the class
+        count; splits without labels, of one class or too small are refused before any work."""
         train_ds, test_ds = datamodule.eval_datasets(train_views=train_views)
         name, num_classes = results.datamodule_name(datamodule), datamodule.num_classes
         if test_ds is None or not num_classes:

@@ -1,11 +1,9 @@
 """Frozen features of a backbone over a labelled dataset, the input of the kNN, few-shot and
 linear-probe protocols (DINO ``eval_linear.py`` / ``eval_knn.py``). A ViT's read-outs:
 
-    ``cls``      the [CLS] token after the final LayerNorm, ``backbone(x)`` (ViT paper §3.1; the patch
-                 mean for a ViT built with ``global_pool="avg"``, as timm);
-    ``last4``    the [CLS] of the last 4 blocks (each through the final norm), concatenated: DINO's
-                 linear protocol for ViT-S;
-    ``avg``      the mean of the patch tokens after the final LayerNorm (timm's ``global_pool="avg"``);
+    ``cls``      ``backbone(x)``: the normed [CLS] token (ViT paper §3.1; with ``global_pool="avg"`` the patch mean);
+    ``last4``    the normed [CLS] of the last 4 blocks, concatenated: DINO's linear protocol for ViT-S;
+    ``avg``      the mean of the normed patch tokens (timm's ``global_pool="avg"``);
     ``cls_avg``  [CLS] and the patch mean concatenated: DINO's for ViT-B (``--avgpool_patchtokens``).
 
 ResNets have one, the globally pooled feature map (``cls``).
@@ -14,7 +12,7 @@ ResNets have one, the globally pooled feature map (``cls``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,15 +23,13 @@ from ssl_vit.backbones import eval_mode, is_vit
 from ssl_vit.runtime import world_info
 from ssl_vit.training.progress import CountProgress
 
-FeatureMode = Literal["cls", "last4", "avg", "cls_avg"]
-FEATURE_MODES: tuple[str, ...] = get_args(FeatureMode)
+FeatureMode = Literal["cls", "last4", "avg", "cls_avg"]  # (the CLI's choices and the recipe's type check a name)
 
 
 def gather_in_sampler_order(num_samples: int) -> Callable[[Tensor], Tensor]:
-    """The ``gather`` of :func:`extract_features` when each process reads its share through
-    ``DistributedSampler(shuffle=False)``: every process gets ``[num_samples, ...]`` in dataset
-    order (DINO ``eval_knn.py`` gathers its bank so). That sampler gives process r the items r,
-    r + W, r + 2W ... padded with the first ones: the shares are interleaved, the padding cut."""
+    """The ``gather`` of :func:`extract_features` under ``DistributedSampler(shuffle=False)``, which
+    gives process r the items r, r + W, r + 2W ... padded with the first ones: every process gets all
+    ``[num_samples, ...]`` in dataset order (as DINO ``eval_knn.py`` gathers its bank)."""
 
     def gather(x: Tensor) -> Tensor:  # [n_local, ...] -> [num_samples, ...]
         if (world := world_info()[1]) == 1:
@@ -48,8 +44,6 @@ def gather_in_sampler_order(num_samples: int) -> Callable[[Tensor], Tensor]:
 
 def feature_dim(backbone: nn.Module, mode: FeatureMode = "cls", n_last_blocks: int = 4) -> int:
     """The width of ``mode``'s features; a read-out the backbone lacks is an error saying why."""
-    if mode not in FEATURE_MODES:
-        raise ValueError(f"unknown feature mode {mode!r}; choose one of {', '.join(FEATURE_MODES)}")
     if mode != "cls" and not is_vit(backbone):
         raise ValueError(f"feature mode {mode!r} needs a token sequence (ViT or hybrid); {getattr(backbone, 'backbone_name', type(backbone).__name__)} "
                          "has no tokens, use mode='cls' (--features cls: its globally pooled feature map)")
@@ -76,14 +70,10 @@ def embed(backbone: nn.Module, x: Tensor, mode: FeatureMode = "cls", n_last_bloc
 @torch.no_grad()
 def extract_features(backbone: nn.Module, data: Dataset | Iterable[tuple[Tensor, Tensor]], mode: FeatureMode = "cls", batch_size: int = 256,
                      num_workers: int = 0, n_last_blocks: int = 4, device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
-                     out_device: torch.device | str = "cpu", gather: Callable[[Tensor], Tensor] | None = None,
-                     progress: CountProgress | None = None) -> tuple[Tensor, Tensor]:
-    """Features ``[N, F]`` (float32, on ``out_device``) and labels ``[N]`` of a frozen backbone in
-    ``eval()`` mode (each submodule's own mode restored after), in the order of ``data``: a dataset
-    of ``(image [C, H, W], label)`` or ``(images, labels)`` batches. ``device``: where the backbone
-    runs (default: its parameters'); ``gather``: makes every process's share the whole set
-    (:func:`gather_in_sampler_order`); ``progress``: told of every batch."""
-    feature_dim(backbone, mode, n_last_blocks)
+                     gather: Callable[[Tensor], Tensor] | None = None, progress: CountProgress | None = None) -> tuple[Tensor, Tensor]:
+    """Features ``[N, F]`` (float32, on the CPU) and labels ``[N]`` of a backbone in ``eval()`` mode
+    (each submodule's own mode restored after), in the order of ``data``: a dataset or batches.
+    ``gather``: makes every process's share the whole set (:func:`gather_in_sampler_order`)."""
     device = torch.device(device) if device is not None else next(backbone.parameters()).device
     if isinstance(data, Dataset):
         data = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
@@ -92,8 +82,8 @@ def extract_features(backbone: nn.Module, data: Dataset | Iterable[tuple[Tensor,
     with eval_mode(backbone):
         for x, y, *_ in data:
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                feats.append(embed(backbone, x.to(device, non_blocking=True), mode, n_last_blocks).float().to(out_device))  # [B, F]
-            labels.append(torch.as_tensor(y).long().reshape(-1).to(out_device))
+                feats.append(embed(backbone, x.to(device, non_blocking=True), mode, n_last_blocks).float().cpu())  # [B, F]
+            labels.append(torch.as_tensor(y).long().reshape(-1).cpu())
             progress.update(len(labels[-1]))
     progress.finish()
     features, targets = torch.cat(feats), torch.cat(labels)  # [N, F], [N]

@@ -1,12 +1,10 @@
 """Few-shot linear evaluation of the ViT paper (§4.1): "a regularized least-squares regression
 problem that maps the (frozen) representation of a subset of training images to {−1, 1}^K target
-vectors", in closed form as the authors' evaluator (big_vision ``evaluators/fewshot_lsr.py``):
-support features standardised by their own mean and std, a bias column of 100 (which the penalty
-barely touches), W = argmin ‖XW − Y‖² + λ‖W‖² with Y = 2·onehot − 1 and λ = 2¹⁰ (with n ≈ d a
-near-interpolating solution sits on the double-descent peak); 1/5/10/25 shots per class, each
-seed one random order of every class whose first k are the k-shot support (nested), averaged
-over 5 seeds (big_vision: 3). Optional ``l2_grid``: for k ≥ 2 shots every λ is fitted on one half
-of each class's support and scored on the other, the best (the largest on ties) refitted on all.
+vectors", in closed form as big_vision's ``evaluators/fewshot_lsr.py``: support features
+standardised by their own mean and std, a bias column of 100 (which the penalty barely touches),
+W = argmin ‖XW − Y‖² + λ‖W‖² with Y = 2·onehot − 1 and λ = 2¹⁰ (keeps n ≈ d off the
+double-descent peak). Each seed orders every class at random; its first k are the k-shot support.
+Optional ``l2_grid``: λ picked on a half/half split of each class's support (k ≥ 2).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from torch import Tensor
 
 def ridge_solve(x: Tensor, y: Tensor, l2_reg: float) -> Tensor:
     """W ``[d, K]`` minimising ‖xW − y‖² + λ‖W‖² for x ``[n, d]``, y ``[n, K]`` (float64): the primal
-    (XᵀX + λI)⁻¹XᵀY when n ≥ d, else the dual Xᵀ(XXᵀ + λI)⁻¹Y (the same W, an n×n system)."""
+    (XᵀX + λI)⁻¹XᵀY when n ≥ d, else the dual Xᵀ(XXᵀ + λI)⁻¹Y (the same W, a smaller system)."""
     x, y = x.double(), y.double()
     n, d = x.shape
     if n >= d:
@@ -52,9 +50,8 @@ def _pick_l2(x: Tensor, y: Tensor, per_class: list[Tensor], num_classes: int, l2
 
 @dataclass
 class FewShotEvaluator:
-    """The few-shot protocol (module docstring): ``shots`` per class, ``num_seeds`` support draws
-    (seeded ``seed``, ``seed + 1`` ...; None: the evaluation's seed, 0 alone), the ridge ``l2_reg``
-    or the best of ``l2_grid``."""
+    """The few-shot protocol (module docstring): ``shots`` per class, averaged over ``num_seeds`` support
+    draws (big_vision: 3) seeded ``seed``, ``seed + 1`` ...; the ridge ``l2_reg`` or the best of ``l2_grid``."""
 
     shots: list[int] | tuple[int, ...] = (1, 5, 10, 25)
     num_seeds: int = 5
@@ -64,8 +61,7 @@ class FewShotEvaluator:
 
     def evaluate(self, train_features: Tensor, train_labels: Tensor, test_features: Tensor, test_labels: Tensor,
                  num_classes: int | None = None) -> dict[str, float]:
-        """Test accuracy of classifiers fitted to k-shot supports of the training features:
-        ``{"{k}shot": mean, "{k}shot_std": std over seeds}``."""
+        """Test accuracy of k-shot classifiers: ``{"{k}shot": mean, "{k}shot_std": std over seeds}``."""
         assert train_features.ndim == test_features.ndim == 2 and train_features.shape[1] == test_features.shape[1]
         train_features, train_labels = train_features.cpu(), train_labels.long().cpu()
         test_features, test_labels = test_features.cpu(), test_labels.long().cpu()

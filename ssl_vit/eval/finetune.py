@@ -1,13 +1,11 @@
 """End-to-end fine-tuning of a pretrained backbone with a linear head: the BEiT/MAE recipe (MAE
 Appendix A.1, ``main_finetune.py``; DeiT's regularisers). Layer-wise LR decay (BEiT §2.5, MAE
-``util/lr_decay.py``): layer id 0 for ``patch_embed``/``cls_token``/``pos_embed``, i + 1 for block
-i, depth + 1 for the final norm and the head, the LR scaled by ``layer_decay ** (depth + 1 - id)``
-so the most general layers move least (ResNets: one id per stage; a hybrid's trunk is in
-``patch_embed``). AdamW, warm-up then cosine decay per step, weight decay but for biases, norms
-and ``no_weight_decay()``; drop path rising with depth, label smoothing, optional RandAugment,
-random erasing and MixUp/CutMix; optionally another resolution (the position embedding
-interpolated, ViT paper §3.2). Every weight trains: a fixed sin-cos table (MoCo v3) becomes a
-learned position embedding starting from it, as timm's ViT loads it in MAE's and MoCo v3's code.
+``util/lr_decay.py``): the LR of layer id i (0: the embeddings, b + 1: block b, depth + 1: the
+final norm and head; ResNets: one id per stage) is scaled by ``layer_decay ** (depth + 1 - i)``,
+so the most general layers move least. AdamW, warm-up then cosine decay per step; drop path,
+label smoothing, optional RandAugment, random erasing and MixUp/CutMix; optionally another
+resolution (ViT paper §3.2). Every weight trains: a fixed sin-cos table (MoCo v3) becomes a
+learned position embedding, as timm's ViT loads it in MAE's and MoCo v3's code.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ def num_layer_ids(backbone: nn.Module) -> int:
 
 def layer_id(name: str, backbone: nn.Module) -> int:
     """The layer id of backbone parameter ``name`` (MAE ``get_layer_id_for_vit``; per stage for
-    ResNets); anything else (the final norm) is the last layer."""
+    ResNets, a hybrid's trunk in ``patch_embed``); anything else (the final norm) is the last."""
     if is_vit(backbone):
         if name in ("cls_token", "pos_embed") or name.startswith("patch_embed."):
             return 0
@@ -80,9 +78,7 @@ def set_drop_path(backbone: nn.Module, rate: float) -> None:
 
 
 def new_head(in_dim: int, num_classes: int, seed: int | None = None) -> nn.Linear:
-    """The classifier a fine-tuning starts with: weights trunc-normal(std 2e-5) (MAE
-    ``main_finetune.py``), so training starts from near-uniform predictions; ``seed``: from its
-    own generator (None: torch's global one)."""
+    """A classifier of near-uniform first predictions: weights trunc-normal(std 2e-5) (MAE ``main_finetune.py``)."""
     head = nn.Linear(in_dim, num_classes)
     nn.init.trunc_normal_(head.weight, std=2e-5, generator=torch.Generator().manual_seed(seed) if seed is not None else None)
     nn.init.zeros_(head.bias)
@@ -98,21 +94,17 @@ def finetuned_architecture(backbone: nn.Module) -> tuple[str | None, dict[str, A
 
 
 def default_crop_scale(img_size: int) -> tuple[float, float]:
-    """The training crop's area range when none is given: (0.08, 1) (DeiT/MAE/MoCo v3/DINO) for
-    images of 96 px or more, (0.5, 1) for smaller ones (the small-image recipes')."""
+    """The crop's area range: (0.08, 1) (DeiT/MAE/MoCo v3/DINO) from 96 px on, (0.5, 1) for small images."""
     return (0.08, 1.0) if img_size >= 96 else (0.5, 1.0)
 
 
 @dataclass
 class FineTuneSettings:
-    """The fine-tuning protocol (``ssl-vit eval finetune``, a recipe's ``evaluate.finetune``): MAE's
-    ViT-B recipe (``FINETUNE.md``; ViT-L: ``base_lr`` 1e-3, ``layer_decay`` 0.75, 1: off) but 10
-    epochs, a first look. ``batch_size`` is per process, the LR ``base_lr · global batch / 256``;
-    ``drop_path_rate`` at the last block (ViTs); MixUp / CutMix (MAE: 0.8 / 1.0; 0: off; both: one
-    per batch), RandAugment ``(ops, magnitude)`` (MAE: 2, 9) and ``random_erasing`` of a box of
-    noise before MixUp (Zhong et al. 2020; MAE: 0.25); ``augment``: a random resized crop (+ flip)
-    of ``crop_scale`` (None: :func:`default_crop_scale`), else the evaluation transform;
-    ``max_steps``: a cap (-1: none); ``compile_backbone``: ``torch.compile`` its blocks (GPUs)."""
+    """``ssl-vit eval finetune``, a recipe's ``evaluate.finetune``: MAE's ViT-B recipe (``FINETUNE.md``;
+    ViT-L: ``base_lr`` 1e-3, ``layer_decay`` 0.75) but 10 epochs; ``batch_size`` per process, the LR
+    ``base_lr · global batch / 256``; MixUp / CutMix (MAE: 0.8 / 1.0; both: one per batch),
+    RandAugment (MAE: 2, 9), ``random_erasing`` (Zhong et al. 2020; MAE: 0.25); ``augment``: a random
+    resized crop (+ flip) of ``crop_scale``, else the evaluation transform; ``max_steps``: -1: no cap."""
 
     epochs: int = 10
     batch_size: int = 256
@@ -141,8 +133,7 @@ class FineTuneSettings:
     def run(self, backbone: nn.Module, train_ds: Dataset, test_ds: Dataset, num_classes: int, run: ImageRun | None = None, *,
             head: nn.Linear | None = None, run_info: Mapping[str, Any] | None = None, origin: Mapping[str, Any] | None = None,
             img_size: int | None = None) -> dict[str, float] | None:
-        """Fine-tune ``backbone`` (in place, with ``head`` or a new one) and return its test
-        ``{"top1", "top5"}`` (None in processes other than 0); see :class:`FineTuneModule`."""
+        """Fine-tune ``backbone`` (in place) and return its test ``{"top1", "top5"}`` (None off process 0)."""
         run = run or ImageRun()
         return train_and_test(lambda total, per_epoch, world: FineTuneModule(
             backbone, num_classes, self, world_size=world, seed=run.seed, total_steps=total, steps_per_epoch=per_epoch, head=head,
@@ -150,11 +141,10 @@ class FineTuneSettings:
 
 
 class FineTuneModule(ImageClassifier):
-    """Backbone + linear head trained end to end (module docstring) on ``world_size`` processes.
-    Each batch's draws (drop path, MixUp, erasing) follow from ``seed`` and its position, so a
-    resumed run draws the same; ``head`` trains in place (None: :func:`new_head`); ``run_info``
-    (``method``, ``data`` with ``mean``/``std``) goes into its checkpoints as pretraining ones
-    have it, so that ``ssl-vit export`` and ``ssl-vit eval`` read the fine-tuned backbone."""
+    """Backbone + linear head trained end to end on ``world_size`` processes; each batch's draws
+    (drop path, MixUp, erasing) follow from ``seed`` and its position, so a resumed run draws the
+    same. ``run_info`` (``method``, ``data`` with ``mean``/``std``) goes into its checkpoints as
+    a pretraining's, so that ``ssl-vit export`` and ``ssl-vit eval`` read the fine-tuned backbone."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, settings: FineTuneSettings | None = None, *, world_size: int = 1, seed: int = 0,
                  total_steps: int | None = None, steps_per_epoch: int | None = None, head: nn.Linear | None = None,

@@ -4,11 +4,8 @@
 
     score(c) = Σ_{i in top-k(q)} exp(s_i / T) · [y_i = c],       prediction = argmax_c score(c).
 
-Several k sweep it (DINO reports k = 10, 20, 100, 200 from one search): k is picked on a held-out
-``select_fraction`` of the training features queried against the rest (never the test split),
-then the test split is classified with the whole bank at that k; every k's test top-1 is kept.
-Not lightly's ``knn_predict``: that compares a batch with the whole bank at once; here the bank
-may be chunked with a running top-k, in memory ``O(chunk_size · (bank_chunk_size + k))``.
+Several k sweep it (DINO reports k = 10, 20, 100, 200): k is picked on a held-out ``select_fraction``
+of the training features queried against the rest, never on the test split.
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from ssl_vit.eval.results import held_out, topk_accuracy
 
 
 def _topk_in_chunks(q: Tensor, bank: Tensor, k: int, bank_chunk_size: int | None) -> tuple[Tensor, Tensor]:
-    """Top-k cosine similarities (and bank indices) of normalised queries ``[Q, F]`` against the
-    bank ``[N, F]``, merging per-chunk top-k lists so no ``[Q, N]`` matrix is formed."""
+    """Top-k cosine similarities (and bank indices) of normalised queries ``[Q, F]`` against the bank
+    ``[N, F]``, merging per-chunk top-k lists so no ``[Q, N]`` matrix is formed (unlike lightly's ``knn_predict``)."""
     step = bank_chunk_size or bank.shape[0]
     best_sim, best_idx = q.new_empty(q.shape[0], 0), torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
     for start in range(0, bank.shape[0], step):
@@ -39,11 +36,8 @@ def _topk_in_chunks(q: Tensor, bank: Tensor, k: int, bank_chunk_size: int | None
 
 @dataclass
 class KNNClassifier:
-    """DINO's weighted kNN protocol (module docstring): ``k`` neighbours (DINO §4: 20; several: a
-    sweep) vote with weights exp(sim / ``temperature``) (0.07); ``chunk_size`` queries per block
-    against ``bank_chunk_size`` bank rows (None: all) on ``device`` (default: the bank's);
-    ``select_fraction`` of the training features held out to pick a sweep's k, drawn with ``seed``
-    (None: the evaluation's seed, 0 alone)."""
+    """DINO's weighted kNN (module docstring): ``k`` neighbours (DINO §4: 20; several: a sweep) vote with
+    weights exp(sim / ``temperature``) (0.07); ``chunk_size`` queries against ``bank_chunk_size`` bank rows at a time."""
 
     k: int | list[int] = 20
     temperature: float = 0.07
@@ -59,8 +53,7 @@ class KNNClassifier:
         return (self.k,) if isinstance(self.k, int) else tuple(self.k)
 
     def bank_shortfall(self, n: int) -> str | None:
-        """Why a bank of ``n`` training examples is too small (None: it is not): the largest k must fit,
-        in a sweep in what the held-out part leaves."""
+        """Why ``n`` training examples (less a sweep's held-out part) are too few for the largest k; None if not."""
         most, held = max(self.ks), max(1, round(self.select_fraction * n)) if len(self.ks) > 1 else 0  # (as held_out)
         if most > n:
             return f"k={most} neighbours, but the kNN bank holds {n} training examples"
@@ -75,8 +68,7 @@ class KNNClassifier:
         every k from one top-max(k) search (it begins with every smaller top-k)."""
         ks = ks or self.ks
         assert bank.ndim == queries.ndim == 2 and bank.shape[1] == queries.shape[1] and bank_labels.shape == bank.shape[:1]
-        if max(ks) > bank.shape[0]:
-            raise ValueError(f"k={max(ks)} must be in 1..{bank.shape[0]} (the bank size)")
+        assert max(ks) <= bank.shape[0], f"k={max(ks)} must be in 1..{bank.shape[0]} (the bank size)"
         device = torch.device(self.device) if self.device is not None else bank.device
         bank_n, bank_labels = F.normalize(bank.to(device).float(), dim=1), bank_labels.to(device).long()  # [N, F], [N]
         out: dict[int, list[Tensor]] = {k: [] for k in ks}
@@ -95,13 +87,10 @@ class KNNClassifier:
 
     def evaluate(self, train_features: Tensor, train_labels: Tensor, test_features: Tensor, test_labels: Tensor,
                  num_classes: int | None = None) -> dict[str, float]:
-        """The training features are the bank, the test features the queries: ``{"top1", "top5"}``
-        (top-5 with >= 5 classes); of a sweep, at the k picked (recorded in :attr:`picked`)."""
+        """``{"top1", "top5"}`` of the test features against the training features (a sweep: at the k picked)."""
         num_classes = num_classes or int(max(train_labels.max(), test_labels.max())) + 1
         if len(self.ks) == 1:
             return topk_accuracy(self.scores(train_features, train_labels, test_features, num_classes), test_labels)
-        if (short := self.bank_shortfall(len(train_features))) is not None:
-            raise ValueError(short)
         labels = train_labels.to(train_features.device)
         val, fit = held_out(len(train_features), self.select_fraction, self.seed)
         held = self.votes(train_features[fit], labels[fit], train_features[val], num_classes)

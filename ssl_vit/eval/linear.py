@@ -1,12 +1,10 @@
 """Linear probe on features extracted once (MAE §4 / Appendix A.3, ``main_linprobe.py``): a
 BatchNorm without affine parameters and one Linear layer (:class:`~ssl_vit.heads.LinearProbeHead`:
 the BN re-normalises features whose scale differs wildly between methods, the pair stays linear).
-SGD, momentum 0.9, weight decay 0, linear warm-up then cosine decay to 0 per step (MAE
-``util/lr_sched.py``), ``lr = base_lr · batch_size / 256``; base LR 0.01 (our choice for SGD on
-standardised features) or MAE's LARS at 0.1. Several base LRs sweep it as the papers tune their
-probes (MoCo v3 §4, DINO; DINOv2 trains one classifier per setting on the same batches): one head
-per LR on the training features less a held-out ``select_fraction``, the best there (ties: the
-first listed) trained again on all of them. The test split chooses nothing.
+SGD (momentum 0.9, base LR 0.01) or MAE's LARS (0.1), weight decay 0, ``lr = base_lr · batch /
+256``, warm-up then cosine decay to 0 per step (MAE ``util/lr_sched.py``). Several base LRs sweep
+it as the papers tune their probes (MoCo v3 §4, DINO; DINOv2 trains one head per setting on the
+same batches): picked on a held-out ``select_fraction`` of the training features, never the test split.
 """
 
 from __future__ import annotations
@@ -24,16 +22,15 @@ from ssl_vit.eval.results import held_out, topk_accuracy
 from ssl_vit.heads import LinearProbeHead
 from ssl_vit.training.progress import CountProgress
 
-# A probe's base LR per optimiser when none is given. LARS scales each step by its trust ratio
-# (about 0.001 x |w| / |g|), so SGD's LR barely moves it: MAE's linear probe runs LARS at 0.1.
+# A probe's base LR per optimiser when none is given: LARS's trust ratio (about 0.001 x |w| / |g|)
+# makes SGD's LR barely move it, so MAE's linear probe runs LARS at 0.1.
 PROBE_BASE_LR: dict[str, float] = {"sgd": 0.01, "lars": 0.1}
 
 
 class LARS(torch.optim.Optimizer):
     """SGD with layer-wise adaptive rate scaling (You et al. 2017) as MAE's ``util/lars.py``:
-    matrices get weight decay and the trust ratio η·‖w‖/‖update‖, vectors plain SGD. Not
-    ``lightly.utils.lars.LARS``: it skips the trust ratio whenever weight decay is 0, which is
-    MAE's linear-probe setting, and would silently run plain SGD."""
+    matrices get weight decay and the trust ratio η·‖w‖/‖update‖, vectors plain SGD. Not lightly's
+    LARS, which skips the trust ratio at weight decay 0 (MAE's probe setting)."""
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0, trust_coefficient: float = 0.001) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient))
@@ -62,9 +59,8 @@ def probe_optimizer(params: Iterable[nn.Parameter], optimizer: str, lr: float, m
 
 
 def warmup_cosine(opt: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int, total_steps: int) -> CosineWarmupScheduler:
-    """Per step, each parameter group at its own LR: a linear warm-up over ``warmup_epochs`` (at most
-    the whole run), then cosine decay to 0 (MAE ``util/lr_sched.py``; lightly's scheduler ends at
-    ``max_epochs - 1``, hence ``total_steps + 1``: the last step still trains)."""
+    """Per step, each group at its own LR: a linear warm-up, then cosine decay to 0 (MAE ``util/lr_sched.py``);
+    lightly's scheduler reaches 0 at ``max_epochs - 1``, hence ``total_steps + 1``: the last step still trains."""
     warmup = min(int(warmup_epochs * steps_per_epoch), total_steps)
     return CosineWarmupScheduler(opt, warmup_epochs=warmup, max_epochs=total_steps + 1, end_value=0.0)
 
@@ -79,12 +75,8 @@ def predict_logits(head: nn.Module, features: Tensor, chunk_size: int = 4096) ->
 
 @dataclass
 class LinearProbe:
-    """The linear-probe protocol (module docstring): ``epochs`` over the features in batches of
-    ``batch_size``; ``base_lr`` per 256 examples (None: :data:`PROBE_BASE_LR`; several: a sweep,
-    ``select_fraction`` held out to pick one); ``optimizer`` with ``momentum`` and ``weight_decay``;
-    ``warmup_epochs`` before the cosine decay; ``seed`` of the head, the batch order and the
-    held-out draw (None: the evaluation's, 0 alone); on ``device`` (default: the features'); a
-    line of progress every ``progress_every_n_seconds``."""
+    """The linear-probe protocol (module docstring): ``base_lr`` per 256 examples (several: a sweep);
+    ``seed`` of the head, the batch order and the held-out draw; on ``device`` (default: the features')."""
 
     epochs: int = 100
     batch_size: int = 256
@@ -108,13 +100,11 @@ class LinearProbe:
         return list(self.base_lr) if isinstance(self.base_lr, list | tuple) else [self.base_lr]
 
     def fit(self, features: Tensor, labels: Tensor, num_classes: int, base_lr: float | None = None) -> LinearProbeHead:
-        """A head trained on features ``[N, F]`` at ``base_lr`` (default: our first): each epoch a
-        seeded permutation in ``N // batch_size`` full batches (MAE's ``drop_last``; at least one)."""
+        """A head trained at ``base_lr`` (default: the first), each epoch in full batches of a seeded permutation (MAE's ``drop_last``)."""
         return self.fit_heads(features, labels, num_classes, [base_lr or self.base_lrs[0]])[0]
 
     def fit_heads(self, features: Tensor, labels: Tensor, num_classes: int, base_lrs: Sequence[float]) -> list[LinearProbeHead]:
-        """One head per base LR on the same batches: head i is the one ``fit`` trains at ``base_lrs[i]``
-        (the summed loss gives each head its own gradient, each its own parameter group)."""
+        """One head per base LR on the same batches, each the one ``fit`` trains (own gradient, own parameter group)."""
         assert features.ndim == 2 and labels.shape == features.shape[:1]
         device = torch.device(self.device) if self.device is not None else features.device
         x, y = features.to(device).float(), labels.to(device).long()  # [N, F], [N]
@@ -147,8 +137,7 @@ class LinearProbe:
 
     def evaluate(self, train_features: Tensor, train_labels: Tensor, test_features: Tensor, test_labels: Tensor,
                  num_classes: int | None = None) -> dict[str, float]:
-        """Train on the training features, score ``{"top1", "top5"}`` on the test features (top-5
-        with >= 5 classes); a sweep's pick is recorded in :attr:`picked`."""
+        """``{"top1", "top5"}`` on the test features of a head trained on the training features."""
         num_classes = num_classes or int(max(train_labels.max(), test_labels.max())) + 1
         best = self.base_lrs[0]
         if len(self.base_lrs) > 1:

@@ -1,10 +1,6 @@
-"""The papers' linear evaluation: a linear classifier trained on augmented images through the
-frozen backbone (MoCo v3 ``main_lincls.py``, DINO ``eval_linear.py``, MAE ``main_linprobe.py``).
-Unlike :class:`~ssl_vit.eval.linear.LinearProbe` on features extracted once, each step runs a
-random resized crop and flip of every image through the backbone, as the papers' ImageNet numbers
-are measured. The backbone stays in eval mode (a ResNet's BatchNorm on its running statistics, no
-dropout or drop path: "model.eval()"); the head is MAE's BN + linear on the chosen representation;
-SGD with momentum 0.9 or LARS, weight decay 0, ``lr = base_lr · batch / 256``, warm-up then cosine.
+"""The papers' linear evaluation (MoCo v3 ``main_lincls.py``, DINO ``eval_linear.py``, MAE
+``main_linprobe.py``): :mod:`~ssl_vit.eval.linear`'s probe trained on a random resized crop and flip
+of every image through the frozen backbone in eval mode, as the papers' ImageNet numbers are measured.
 """
 
 from __future__ import annotations
@@ -29,11 +25,8 @@ from ssl_vit.heads import LinearProbeHead
 
 @dataclass
 class LinearAugSettings:
-    """The papers' linear evaluation (``ssl-vit eval linear --augment``, a recipe's
-    ``evaluate.linear_aug``): ``epochs`` (MAE: 90, DINO: 100) of ``batch_size`` images per process;
-    ``base_lr`` per 256 images (None: :data:`PROBE_BASE_LR`); ``warmup_epochs`` (MAE: 10);
-    ``crop_scale`` (None: ``default_crop_scale``); ``features`` (None: the evaluation's);
-    ``max_steps`` (-1: no cap); ``checkpoint_every`` step of the run."""
+    """``ssl-vit eval linear --augment``, a recipe's ``evaluate.linear_aug``: ``epochs`` (MAE: 90, DINO:
+    100) of ``batch_size`` images per process; ``features`` (None: the evaluation's); ``max_steps``: -1: no cap."""
 
     epochs: int = 100
     batch_size: int = 256
@@ -54,9 +47,8 @@ class LinearAugSettings:
 
     def run(self, backbone: nn.Module, train_ds: Dataset, test_ds: Dataset, num_classes: int, run: ImageRun | None = None,
             features: FeatureMode = "cls", origin: Mapping[str, Any] | None = None) -> dict[str, float] | None:
-        """Train the probe through the frozen ``backbone`` on ``train_ds`` (augmenting) and return
-        its test ``{"top1", "top5"}`` (None in processes other than 0); ``features``: where the
-        settings name none. The backbone's parameters are given back trainable as they were."""
+        """Train the probe and return its test ``{"top1", "top5"}`` (None off process 0); the backbone's
+        parameters are given back trainable as they were."""
         run = run or ImageRun()
 
         def make_module(total: int, per_epoch: int, world: int) -> AugmentedLinearProbe:
@@ -76,8 +68,7 @@ class LinearAugSettings:
 
 
 class AugmentedLinearProbe(ImageClassifier):
-    """A linear head on a frozen backbone, trained on images (module docstring); its checkpoints
-    hold the head alone (the backbone is rebuilt from its source on resume)."""
+    """A linear head on a frozen backbone, trained on images; its checkpoints hold the head alone."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, settings: LinearAugSettings | None = None, *, features: FeatureMode = "cls",
                  world_size: int = 1, total_steps: int = 1, steps_per_epoch: int = 1) -> None:
@@ -117,7 +108,3 @@ class AugmentedLinearProbe(ImageClassifier):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if missing := sorted(k for k in self.state_dict() if not k.startswith("backbone.") and k not in checkpoint["state_dict"]):
-            raise ValueError(f"not a checkpoint of this linear probe: it lacks {', '.join(missing)}")

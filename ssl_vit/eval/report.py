@@ -42,8 +42,7 @@ def format_markdown(cmp: Comparison, figures: Sequence[Path] = (), note: str | N
 
 
 def write_report(cmp: Comparison, out: str | Path, plots: bool = True, note: str | None = None) -> list[Path]:
-    """``out`` (Markdown, ``note`` above its table) and, with ``plots``, ``<stem>_bars.png`` and
-    (when FLOPs are known) ``<stem>_compute.png`` beside it; returns the paths written."""
+    """``out`` (Markdown) and, with ``plots``, its figures beside it; returns the paths written."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     labels = label_efficiency(cmp.all_results)
@@ -90,9 +89,8 @@ def backbone_family(name: str) -> str:
 
 
 def compute_ticks(lo: float, hi: float) -> list[float]:
-    """Ticks of a log axis over ``[lo, hi]``: the finest of m x 10^k, m on steps of 0.1, 0.2, 0.5,
-    1, then m in (1, 2, 5), then powers of ten, that puts two to six ticks in view (every n-th
-    power of ten over many decades; the ends when no round step fits twice)."""
+    """Ticks of a log axis over ``[lo, hi]``: the finest round steps (m x 10^k, m on steps of 0.1 ...
+    1, then 1 2 5, then powers of ten) that put two to six ticks in view (else every n-th, or the ends)."""
     k0, k1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     levels = [[round(1 + step * i, 1) for i in range(round(9 / step))] for step in (0.1, 0.2, 0.5, 1.0)] + [[1, 2, 5], [1]]
     for mantissas in levels:
@@ -103,11 +101,10 @@ def compute_ticks(lo: float, hi: float) -> list[float]:
 
 
 def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None:
-    """Main metric against pre-training FLOPs (log x), one panel per protocol (ViT paper Fig. 5):
-    a colour per method, a marker per backbone family, a line through the results of one method,
-    family, dataset, representation and encoder (a family's sizes, or one model's training
-    lengths). None (and no file) when no result has ``pretrain.flops``."""
-    from matplotlib.ticker import EngFormatter, FixedLocator, NullFormatter, NullLocator
+    """Main metric against pre-training FLOPs (log x), one panel per protocol (ViT paper Fig. 5): a
+    colour per method, a marker per backbone family, a line through one method's results of a
+    family, dataset and representation. None (and no file) when no result has ``pretrain.flops``."""
+    from matplotlib.ticker import EngFormatter, FixedLocator, NullLocator
 
     with_flops = [r for r in results if r.pretrain.get("flops") and r.main_metric is not None]
     if not with_flops:
@@ -136,13 +133,11 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
                     ax.annotate(name, (x, y), fontsize="x-small", textcoords="offset points", xytext=(3, 3))
         ax.set_xscale("log")
         ax.margins(0.15)
-        # Our own ticks: matplotlib labels the minor ticks of a log axis spanning under about two
-        # decades, and those labels run into each other.
+        # Our own ticks: matplotlib's minor tick labels of a short log axis run into each other.
         lo, hi = ax.get_xlim()
         ax.xaxis.set_major_locator(FixedLocator(compute_ticks(lo, hi)))
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # "20G"
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlim(lo, hi)
         ax.set(xlabel="pre-training compute (FLOPs)", ylabel=f"{protocol} {MAIN_METRIC[protocol]} (%)", title=protocol)
     # One legend below the panels, where it hides no point.
@@ -152,8 +147,7 @@ def plot_compute(results: Sequence[EvalResult], path: str | Path) -> Path | None
 
 
 def plot_labels(table: LabelEfficiency, path: str | Path) -> Path:
-    """Linear-probe top-1 against the labelled training images (log x), a line per row, the spread
-    over draws as error bars."""
+    """Linear-probe top-1 against the labelled training images (log x), the spread over draws as error bars."""
     fig, (ax,) = _figure(5.5, 3.8)
     for i, (row, sizes) in enumerate(table.cells.items()):
         pts = sorted((n, [100 * v for v in values]) for n, values in sizes.items())

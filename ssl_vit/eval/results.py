@@ -23,29 +23,26 @@ from ssl_vit.io import atomic_write_text, read_json
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-# The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6);
-# linear_aug: the linear probe trained on augmented images (the papers' protocol).
+# The number each protocol is compared by: top-1, and 5-shot for few-shot (ViT paper Fig. 5/6).
 MAIN_METRIC: dict[str, str] = {"linear": "top1", "linear_aug": "top1", "knn": "top1", "fewshot": "5shot", "finetune": "top1"}
 PROTOCOLS: tuple[str, ...] = tuple(MAIN_METRIC)
 # A datamodule as ``--data`` and results name it.
 DATASETS: dict[str, str] = {"fashion_mnist": "FashionMNISTDataModule", "cifar10": "CIFAR10DataModule", "cifar100": "CIFAR100DataModule",
                             "stl10": "STL10DataModule", "imagefolder": "ImageFolderDataModule", "synthetic": "SyntheticDataModule"}
-# The arguments that size a backbone of free shape, and their tags in its label: two ``vit`` of
-# other sizes are rows of their own, each compared with a baseline of its size.
+# The arguments that size a backbone of free shape, and their tags in its label (``vit-D128-L4``).
 SHAPE_TAGS = {"resnet": "r{}", "num_stages": "S{}", "layers": "B{}", "embed_dim": "D{}", "depth": "L{}", "num_heads": "H{}", "mlp_ratio": "M{}"}
 
 
 def topk_accuracy(scores: Tensor, labels: Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
     """``{"top{k}": the share of rows of scores [Q, C] whose label is among their k highest}``, for
-    the k below the class count (top-5 of 3 classes means nothing)."""
+    the k up to the class count (top-5 of 3 classes means nothing)."""
     ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices  # [Q, k], best first
     hits = ranked == labels.to(scores.device).long()[:, None]  # [Q, k]
     return {f"top{k}": hits[:, :k].any(dim=1).float().mean().item() for k in ks if k <= scores.shape[1]}
 
 
 def held_out(n: int, fraction: float, seed: int | None) -> tuple[Tensor, Tensor]:
-    """A sweep's seeded random split of ``range(n)``: the ``fraction`` (at least one) held out to
-    pick its setting on, and the rest."""
+    """A sweep's seeded split of ``range(n)``: the ``fraction`` (at least one) held out, and the rest."""
     import torch
 
     perm, held = torch.randperm(n, generator=torch.Generator().manual_seed(seed or 0)), max(1, round(fraction * n))
@@ -58,15 +55,13 @@ def method_order(method: str) -> tuple[int, str]:
 
 
 def backbone_info(model: nn.Module, encoder: str | None = None) -> dict[str, Any]:
-    """``{"name", "kwargs"}`` of a backbone made by ``create_backbone`` (else its class name), with
-    ``"encoder"``: a checkpoint's encoder other than the method's default (DINO's student)."""
+    """``{"name", "kwargs"[, "encoder": one other than the method's default]}`` of a backbone."""
     info = {"name": getattr(model, "backbone_name", type(model).__name__), "kwargs": dict(getattr(model, "backbone_kwargs", {}))}
     return info if encoder is None else {**info, "encoder": encoder}
 
 
 def dataset_name(class_name: str, path: str | None = None) -> str:
-    """``FashionMNISTDataModule`` -> ``fashion_mnist``; a datamodule of one's own by its import path
-    (``mypkg.data.Flowers``, as ``--data`` takes it), also one named like a built-in one."""
+    """``FashionMNISTDataModule`` -> ``fashion_mnist``; one's own (even named like a built-in) by its import path."""
     builtin = path is None or path.startswith("ssl_vit.data.")
     return next((name for name, cls in DATASETS.items() if cls == class_name and builtin), path or class_name)
 
@@ -88,12 +83,10 @@ def pretraining_data(data: Mapping[str, Any] | None) -> str | None:
 
 @dataclasses.dataclass
 class EvalResult:
-    """One evaluation of one backbone by one protocol: the ``method`` (``mpp``, ``dino`` ...,
-    ``supervised`` or ``random``), the ``backbone`` (``{"name", "kwargs"[, "encoder"]}``), the
-    ``data`` (``{"name", "train_dir", "train_size" ...}``), the ``protocol``'s ``metrics`` and
-    settings (``protocol_args``, with what a sweep picked), what the backbone cost and was
-    pretrained on (``pretrain``: ``steps``, ``epochs``, ``flops``, ``data``, ``checkpoint``), its
-    ``source`` (a checkpoint, an export or ``"random"``), the time it was ``created``."""
+    """One evaluation of one backbone by one protocol: the ``method`` (``dino`` ..., ``supervised`` or
+    ``random``), ``backbone`` (``{"name", "kwargs"[, "encoder"]}``), ``data``, the ``protocol``'s
+    ``metrics`` and settings (with what a sweep picked), what the backbone cost and was pretrained
+    on (``pretrain``), its ``source`` (a checkpoint, an export or ``"random"``)."""
 
     method: str
     backbone: dict[str, Any]
@@ -156,8 +149,7 @@ class EvalResult:
 
     @property
     def pretraining(self) -> tuple[str, Any]:
-        """Which pretraining the backbone came from: its checkpoint (also for an export of it) and
-        the step it was saved at; results of other pretrainings are rows and files of their own."""
+        """The backbone's pretraining (checkpoint, step): results of others are rows and files of their own."""
         return (os.path.normpath(self.pretrain.get("checkpoint") or self.source), self.pretrain.get("steps"))
 
     @property
@@ -207,11 +199,8 @@ def names_a_file(out: str | Path) -> bool:
 
 
 def result_path(out: str | Path, result: EvalResult) -> Path:
-    """``out`` itself when it names a ``.json`` file, else a file in the folder ``out`` named after
-    method, backbone (and encoder), data and protocol (and a representation other than [CLS]:
-    ``..._linear-last4.json``). A file of that name holding another pretraining's result is kept:
-    the first of ``..._2.json``, ``..._3.json`` ... that is free or holds this pretraining's is
-    taken, so evaluating a run again replaces its result and evaluating another adds one."""
+    """``out`` itself when it names a ``.json`` file, else the first free ``out/<method>_<backbone>_<data>_<protocol>.json``,
+    ``..._2.json`` ... or the one of this pretraining (evaluating a run again replaces its result)."""
     if names_a_file(out):
         return Path(out)
     label = result.backbone_label.replace("/", "-") + (f"-{result.encoder}" if result.encoder else "")

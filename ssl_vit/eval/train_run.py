@@ -1,8 +1,7 @@
 """The run of the evaluations that train on images: a Lightning Trainer over a resumable, seeded
 training order, then the test; checkpointed atomically into ``<run_dir>/checkpoints``, stopped
 after a step by SIGTERM / SIGUSR1 (:class:`EvalRunInterrupted`), and resumed to the weights the
-uninterrupted run reaches (order, augmentations and draws depend on the position in training).
-A resume from a checkpoint of another kind of run, backbone or settings is refused in one line.
+uninterrupted run reaches; a checkpoint of another run, backbone or settings is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ from ssl_vit.training.progress import ProgressLog
 
 @dataclass
 class ImageRun:
-    """Where and how a run on images trains: Lightning's ``accelerator``, ``devices`` (processes
-    on this machine, DDP; ``batch_size`` is per process), ``num_nodes`` and ``precision``; data
-    workers; the seed of its order and draws; its checkpoints' ``run_dir`` and ``resume``."""
+    """Where and how a run on images trains: Lightning's ``accelerator``, ``devices`` (processes on this
+    machine, DDP), ``num_nodes`` and ``precision``; the seed of its order and draws; its ``run_dir``."""
 
     accelerator: str = "auto"
     devices: int | list[int] = 1
@@ -49,14 +47,9 @@ class ImageRun:
     run_dir: str | Path | None = None
     resume: bool = False
 
-    @property
-    def device_count(self) -> int:
-        return self.devices if isinstance(self.devices, int) else len(self.devices)
-
 
 class EvalRunInterrupted(RuntimeError):
-    """A signal stopped a run on images after a step; its state is in ``checkpoint`` and the same
-    call with ``resume`` continues it."""
+    """A signal stopped a run on images after a step; the same call with ``resume`` continues it."""
 
     def __init__(self, what: str, signal_name: str, step: int, checkpoint: Path, rank: int = 0) -> None:
         super().__init__(f"{what} stopped by {signal_name} at step {step}; its checkpoint: {checkpoint}")
@@ -64,9 +57,8 @@ class EvalRunInterrupted(RuntimeError):
 
 
 class ImageClassifier(L.LightningModule):
-    """What the two classifiers trained on images share: batches without their items labelled -1
-    (an evaluation split's unreadable files, ``ImageFiles.for_evaluation``), which neither train
-    nor count, and top-1 (top-5 with >= 5 classes) over a test pass, logged as ``test_top1`` ..."""
+    """The classifiers trained on images: items labelled -1 (unreadable files) neither train nor count;
+    a test pass logs ``test_top1`` (and ``test_top5`` with >= 5 classes)."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
@@ -78,8 +70,7 @@ class ImageClassifier(L.LightningModule):
 
     def nothing_to_learn(self) -> Tensor | None:
         """``training_step``'s return for a batch with nothing to learn from: None (Lightning skips
-        the step) on one process; under DDP, where every process joins the gradient reduction, a
-        zero reaching every trainable parameter (a zero gradient to the average)."""
+        the step), or under DDP, where every process joins the gradient reduction, a zero loss of every parameter."""
         if self._trainer is None or self._trainer.world_size <= 1:
             return None
         return torch.stack([p.sum() for p in self.parameters() if p.requires_grad]).sum() * 0.0
@@ -97,8 +88,7 @@ class ImageClassifier(L.LightningModule):
 
 
 class _PlainIndex(Dataset):
-    """A dataset indexed by int under a sampler of ``SeededIndex`` items (only a
-    ``TransformedDataset`` seeds its augmentations from them)."""
+    """A dataset indexed by int under a sampler of ``SeededIndex`` items (only ``TransformedDataset`` reads them)."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -111,20 +101,16 @@ class _PlainIndex(Dataset):
 
 
 def training_loader(train_ds: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int) -> ResumableLoader:
-    """One process's resumable loader: full batches only where its share of an epoch holds more
-    than one (else the one short batch there is, not none)."""
+    """One process's resumable loader: full batches, or the one short batch of a share smaller than one."""
     return ResumableLoader(train_ds if isinstance(train_ds, TransformedDataset) else _PlainIndex(train_ds), sampler=sampler,
                            batch_size=batch_size, drop_last=sampler.num_samples > batch_size, num_workers=num_workers)
 
 
 def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], train_ds: Dataset, test_ds: Dataset, settings: Any,
                    run: ImageRun, what: str, origin: Mapping[str, Any] | None = None) -> dict[str, float] | None:
-    """Train ``make_module(total_steps, steps_per_epoch, world_size)`` for ``settings.epochs``
-    (``batch_size`` per process, at most ``max_steps``; ``checkpoint_every``), then return its test
-    ``{"top1", "top5"}``. With several processes (DDP, started by Lightning as in ``ssl-vit fit``)
-    each trains on its share of every epoch; process 0 alone tests on the whole split and returns
-    the metrics, the others None (a distributed test would count padded images twice). ``what``
-    names the run; ``origin`` (the backbone's pretraining step) is kept with its settings."""
+    """Train ``make_module(total_steps, steps_per_epoch, world_size)`` for ``settings.epochs``, then
+    return its test ``{"top1", "top5"}``. Under DDP process 0 alone tests, on the whole split (a
+    distributed test would count padded images twice); the others return None."""
     L.seed_everything(run.seed, workers=True, verbose=False)
     callbacks: list[L.Callback] = [ProgressLog(name=what)]
     newest = held = None
@@ -133,8 +119,6 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
         if (newest := newest_checkpoint(checkpoints)) is not None and (held := read_checkpoint(newest)) is not None:
             if (kind := run_kind(held)) not in (None, f"{what} run"):
                 raise ValueError(f"--run-dir {checkpoints.parent} holds a {kind}, not a {what} run: choose another --run-dir")
-        if run.resume and newest is None:
-            raise FileNotFoundError(f"resume: no {what} checkpoint in {checkpoints}")
         if not run.resume and newest is not None:
             raise ValueError(f"{checkpoints} already holds a {what} run's checkpoints (newest: {newest.name}): continue it with --resume, "
                              "or choose another --run-dir")
@@ -149,8 +133,7 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
     per_epoch = max(1, len(train_loader))
     total = settings.epochs * per_epoch if settings.max_steps < 0 else min(settings.max_steps, settings.epochs * per_epoch)
     module = make_module(total, per_epoch, trainer.world_size)
-    # What the run is started with, kept in its checkpoints' hyperparameters: a resume restores its
-    # optimiser and LR schedule, so other settings would not run while the result claimed them.
+    # The run's settings, kept in its checkpoints: a resume restores optimiser and schedule, so others are refused.
     module.hparams.update(epochs=settings.epochs, max_steps=settings.max_steps, seed=run.seed, **({"origin": dict(origin)} if origin else {}))
     if held is not None and run.resume:  # said before Lightning loads it
         other = "was fine-tuned from another backbone" if what == "fine-tuning" else f"is a {what} run of another backbone or setting"
@@ -169,9 +152,7 @@ def train_and_test(make_module: Callable[[int, int, int], L.LightningModule], tr
         release_process_group()  # every process stopped at the same step
         raise EvalRunInterrupted(what, stopped, trainer.global_step, PreemptionCheckpoint.last_path(trainer), trainer.global_rank)
     if trainer.world_size > 1:
-        # Every process ended at the same step: the group goes (the test is process 0's alone,
-        # and torchmetrics would try to synchronise it with the others).
-        release_process_group()
+        release_process_group()  # (every process ended at the same step; the test is process 0's alone)
         if trainer.global_rank != 0:
             return None
         root = trainer.strategy.root_device
@@ -191,9 +172,8 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def run_kind(checkpoint: Mapping[str, Any]) -> str | None:
-    """``"pretraining run of <method>"`` (``ssl-vit fit``), ``"fine-tuning run"`` (its run info's
-    method ends in ``finetune``), ``"linear probe run"`` (a head without its frozen backbone); None
-    when the checkpoint does not say."""
+    """``"pretraining run of <method>"`` (``ssl-vit fit``), ``"fine-tuning run"`` (a method ending in
+    ``finetune``), ``"linear probe run"`` (a head alone); None when the checkpoint does not say."""
     info = checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
     if (method := str(info.get("method") or "")).endswith("finetune"):
         return "fine-tuning run"
@@ -204,8 +184,7 @@ def run_kind(checkpoint: Mapping[str, Any]) -> str | None:
 
 
 def resume_difference(module: L.LightningModule, checkpoint: Mapping[str, Any]) -> str | None:
-    """How ``checkpoint`` differs from what ``module`` saves (its recorded architecture and method,
-    else its weights' names and shapes); None when it can resume from it."""
+    """How ``checkpoint`` differs from what ``module`` saves (architecture and method, else weights); None if not."""
     ours: dict[str, Any] = {"state_dict": module.state_dict()}
     module.on_save_checkpoint(ours)
     mine, theirs = ours.get("ssl_vit") or {}, checkpoint.get("ssl_vit") if isinstance(checkpoint.get("ssl_vit"), Mapping) else {}
