@@ -388,8 +388,7 @@ def test_sigterm_to_a_two_process_run_stops_both_after_one_step_and_checkpoints(
 
 def test_a_crash_in_one_process_ends_the_whole_run(tmp_path):
     """Process 1 of a 2-process CPU run raises mid-run while process 0 waits in the step's
-    collectives: the command fails (no hang, no process left behind) and process 0's line says the
-    peer is gone."""
+    collectives: the command fails (no hang, no process left behind) and says why."""
     import signal
 
     from test_training_cli import tiny_config
@@ -416,9 +415,15 @@ def test_a_crash_in_one_process_ends_the_whole_run(tmp_path):
         time.sleep(0.5)
     else:
         os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1 and not left_behind, output[-3000:]
+    assert proc.returncode != 0 and not left_behind, output[-3000:]
     assert "Crash: rank 1 crashed at step 2" in output
-    assert "ssl-vit fit: error (process 0 of 2): " in output and "Connection closed by peer" in output, output[-3000:]
+    # Whichever sees it first ends the run: process 0's collective (its error line), or Lightning's
+    # watcher of the child processes, which kills the whole run (status -9).
+    if proc.returncode == -signal.SIGKILL:
+        assert "Forcefully terminating all other processes" in output, output[-3000:]
+    else:
+        assert proc.returncode == 1, output[-3000:]
+        assert "ssl-vit fit: error (process 0 of 2): " in output and "Connection closed by peer" in output, output[-3000:]
 
 
 def test_finetuning_on_two_processes_takes_the_steps_of_one_process_at_twice_the_batch(tmp_path):
