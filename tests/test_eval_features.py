@@ -76,19 +76,14 @@ def test_modes_reading_cls_are_refused_for_a_backbone_without_it(data):
             feature_dim(vit, mode, n_last_blocks=2)
 
 
-def test_dataloader_input_and_gather_hook(vit, data):
+def test_dataloader_input_and_autocast(vit, data):
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=5)
-    calls = []
-
-    def gather(t):  # pretend two processes returned the same shard
-        calls.append(t.shape[0])
-        return torch.cat([t, t])
-
-    f, labels = extract_features(vit, loader, gather=gather)
-    assert calls == [11, 11] and f.shape == (22, 32) and torch.equal(labels, torch.cat([y, y]))
+    f, labels = extract_features(vit, loader)
+    assert f.shape == (11, 32) and torch.equal(labels, y)
+    torch.testing.assert_close(f, extract_features(vit, TensorDataset(x, y), batch_size=4)[0])  # batches or a dataset alike
     f16, _ = extract_features(vit, loader, autocast_dtype=torch.bfloat16)
-    assert f16.dtype == torch.float32 and torch.allclose(f16, f[:11], atol=0.1)
+    assert f16.dtype == torch.float32 and torch.allclose(f16, f, atol=0.1)
 
 
 def test_resnet_only_has_pooled_features(data, capsys):
@@ -115,24 +110,6 @@ def test_a_backbone_with_broken_weights_is_an_error_not_a_score(data):
     features, labels = extract_features(broken, TensorDataset(*data), batch_size=8)
     with pytest.raises(ValueError, match=r"non-finite \(NaN/Inf\) features for 11 of 11 train images"):
         labelled_features(features, labels, "train")
-
-
-def test_gathered_shares_come_back_in_dataset_order_without_the_padding(monkeypatch):
-    # DistributedSampler(shuffle=False) on 5 items over 2 processes: process 0 reads 0, 2, 4 and
-    # process 1 reads 1, 3 and item 0 again as padding; the gather interleaves and cuts it off
-    import ssl_vit.eval.features as features
-
-    monkeypatch.setattr(features, "world_info", lambda: (0, 2))
-    monkeypatch.setattr(features.dist, "get_backend", lambda: "gloo")
-
-    def all_gather(shares, local):
-        shares[0].copy_(torch.tensor([0, 2, 4]))
-        shares[1].copy_(torch.tensor([1, 3, 0]))
-
-    monkeypatch.setattr(features.dist, "all_gather", all_gather)
-    assert features.gather_in_sampler_order(5)(torch.tensor([0, 2, 4])).tolist() == [0, 1, 2, 3, 4]
-    monkeypatch.setattr(features, "world_info", lambda: (0, 1))
-    assert features.gather_in_sampler_order(3)(torch.arange(5)).tolist() == [0, 1, 2]  # one process: the first num_samples
 
 
 def test_feature_protocols_record_the_encoder_and_refuse_two_results_in_one_file(tmp_path):

@@ -11,35 +11,17 @@ ResNets have one, the globally pooled feature map (``cls``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_vit.backbones import eval_mode, is_vit
-from ssl_vit.runtime import world_info
 from ssl_vit.training.progress import CountProgress
 
 FeatureMode = Literal["cls", "last4", "avg", "cls_avg"]  # (the CLI's choices and the recipe's type check a name)
-
-
-def gather_in_sampler_order(num_samples: int) -> Callable[[Tensor], Tensor]:
-    """The ``gather`` of :func:`extract_features` under ``DistributedSampler(shuffle=False)``, which
-    gives process r the items r, r + W, r + 2W ... padded with the first ones: every process gets all
-    ``[num_samples, ...]`` in dataset order (as DINO ``eval_knn.py`` gathers its bank)."""
-
-    def gather(x: Tensor) -> Tensor:  # [n_local, ...] -> [num_samples, ...]
-        if (world := world_info()[1]) == 1:
-            return x[:num_samples]
-        local = x.to(torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device).contiguous()  # (NCCL: CUDA only)
-        shares = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(shares, local)
-        return torch.stack(shares, dim=1).flatten(0, 1)[:num_samples].to(x.device)  # item i at row i
-
-    return gather
 
 
 def feature_dim(backbone: nn.Module, mode: FeatureMode = "cls", n_last_blocks: int = 4) -> int:
@@ -70,10 +52,9 @@ def embed(backbone: nn.Module, x: Tensor, mode: FeatureMode = "cls", n_last_bloc
 @torch.no_grad()
 def extract_features(backbone: nn.Module, data: Dataset | Iterable[tuple[Tensor, Tensor]], mode: FeatureMode = "cls", batch_size: int = 256,
                      num_workers: int = 0, n_last_blocks: int = 4, device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
-                     gather: Callable[[Tensor], Tensor] | None = None, progress: CountProgress | None = None) -> tuple[Tensor, Tensor]:
+                     progress: CountProgress | None = None) -> tuple[Tensor, Tensor]:
     """Features ``[N, F]`` (float32, on the CPU) and labels ``[N]`` of a backbone in ``eval()`` mode
-    (each submodule's own mode restored after), in the order of ``data``: a dataset or batches.
-    ``gather``: makes every process's share the whole set (:func:`gather_in_sampler_order`)."""
+    (each submodule's own mode restored after), in the order of ``data``: a dataset or batches."""
     device = torch.device(device) if device is not None else next(backbone.parameters()).device
     if isinstance(data, Dataset):
         data = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
@@ -86,5 +67,4 @@ def extract_features(backbone: nn.Module, data: Dataset | Iterable[tuple[Tensor,
             labels.append(torch.as_tensor(y).long().reshape(-1).cpu())
             progress.update(len(labels[-1]))
     progress.finish()
-    features, targets = torch.cat(feats), torch.cat(labels)  # [N, F], [N]
-    return (gather(features), gather(targets)) if gather is not None else (features, targets)
+    return torch.cat(feats), torch.cat(labels)  # [N, F], [N]
