@@ -163,3 +163,21 @@ def test_a_sweep_needs_examples_left_to_train_on():
     x, y = _classes(3, 0)
     with pytest.raises(ValueError, match="holds out 2 of 3 training examples"):
         LinearProbe(epochs=1, base_lr=[0.1, 1.0], select_fraction=0.5).evaluate(x, y, x, y, num_classes=4)
+
+
+@pytest.mark.parametrize("small, want", [(True, 1), (False, 2)])
+def test_a_small_probe_trains_on_one_cpu_thread_and_gives_the_pool_back(monkeypatch, small, want):
+    import ssl_vit.eval.linear as linear
+
+    monkeypatch.setattr(linear, "SMALL_PROBE", 2**23 if small else 0)
+    seen, threads = set(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+        head = LinearProbe(epochs=1, batch_size=16, progress_every_n_seconds=1e9)
+        loss = linear.F.cross_entropy
+        monkeypatch.setattr(linear.F, "cross_entropy", lambda *a, **k: (seen.add(torch.get_num_threads()), loss(*a, **k))[1])
+        head.fit(x, y, 3)
+        assert seen == {want} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ from ssl_vit.training.progress import CountProgress
 # A probe's base LR per optimiser when none is given: LARS's trust ratio (about 0.001 x |w| / |g|)
 # makes SGD's LR barely move it, so MAE's linear probe runs LARS at 0.1.
 PROBE_BASE_LR: dict[str, float] = {"sgd": 0.01, "lars": 0.1}
+SMALL_PROBE = 2**23  # batch x features x classes of a probe step that trains on one CPU thread
 
 
 class LARS(torch.optim.Optimizer):
@@ -121,17 +122,25 @@ class LinearProbe:
         gen = torch.Generator().manual_seed(self.seed or 0)
         progress = CountProgress(f"linear probe, {len(heads)} LRs" if len(heads) > 1 else "linear probe", total=self.epochs, unit="epochs",
                                  every_n_seconds=self.progress_every_n_seconds)
+        # A small probe's step is a few tiny ops: on a CPU one thread runs it several times faster than
+        # a pool whose threads sleep between ops (the CLI's passive OpenMP waits) and wake for each.
+        threads = torch.get_num_threads()
+        if device.type == "cpu" and bs * x.shape[1] * num_classes <= SMALL_PROBE:
+            torch.set_num_threads(1)
         progress.start()
-        for _ in range(self.epochs):
-            perm = torch.randperm(x.shape[0], generator=gen).to(device)
-            for i in range(steps_per_epoch):
-                idx = perm[i * bs : (i + 1) * bs]  # [bs]
-                loss = sum(F.cross_entropy(head(x[idx]), y[idx]) for head in heads)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-            progress.update(1)
+        try:
+            for _ in range(self.epochs):
+                perm = torch.randperm(x.shape[0], generator=gen).to(device)
+                for i in range(steps_per_epoch):
+                    idx = perm[i * bs : (i + 1) * bs]  # [bs]
+                    loss = sum(F.cross_entropy(head(x[idx]), y[idx]) for head in heads)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+                progress.update(1)
+        finally:
+            torch.set_num_threads(threads)
         progress.finish()
         return [head.eval() for head in heads]
 
