@@ -688,16 +688,21 @@ def test_a_ctrl_c_lightning_ends_with_exit_1_is_still_an_interruption(monkeypatc
 
 
 def test_openmp_threads_wait_passively_unless_the_user_chose(monkeypatch):
-    # Set before any command runs (spinning OpenMP threads slow a shared CPU several times over).
+    # Set before any command runs (spinning OpenMP threads slow a shared CPU several times over); the
+    # demo without loader workers is one process alone on its cores, where spinning threads are faster.
     import os
 
+    import ssl_vit.cli.demo as demo_cli
     import ssl_vit.cli.fit as training_cli
 
     seen = []
-    monkeypatch.setattr(training_cli, "main", lambda argv: seen.append(os.environ.get("OMP_WAIT_POLICY")))
-    monkeypatch.setenv("OMP_WAIT_POLICY", "unset")
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    assert cli_main(["fit"]) == 0
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert cli_main(["fit"]) == 0
-    assert seen == ["PASSIVE", "ACTIVE"]
+    for module in (training_cli, demo_cli):
+        monkeypatch.setattr(module, "main", lambda argv: seen.append(os.environ.get("OMP_WAIT_POLICY")) or 0)
+    runs = [(["fit"], None), (["demo"], None), (["demo", "--num-workers", "4"], None), (["demo", "--num-workers=2"], None), (["fit"], "ACTIVE"),
+            (["demo"], "PASSIVE")]
+    for argv, chosen in runs:
+        monkeypatch.setenv("OMP_WAIT_POLICY", chosen or "unset")
+        if chosen is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY")
+        assert cli_main(argv) == 0
+    assert seen == ["PASSIVE", "ACTIVE", "PASSIVE", "PASSIVE", "ACTIVE", "PASSIVE"]

@@ -38,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssl-vit: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     # OpenMP threads that sleep while they wait: with data-loading workers or another process on the
-    # same cores, spinning threads slow a CPU run down several times over. (Before torch is imported.)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # same cores, spinning threads slow a CPU run down several times over. The demo, one process that
+    # loads its data itself unless given workers, runs faster with threads that spin. (Before torch is imported.)
+    alone = command == "demo" and not any(a.startswith("--num-workers") for a in rest)
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if alone else "PASSIVE")
     from ssl_vit.runtime import keep_freed_memory, world_info
 
     # Lightning 2.6 with this torch warns at every fit of its own use of a deprecated pytree API.
