@@ -576,6 +576,8 @@ def test_save_backbone_keeps_the_callers_mode_and_refuses_what_it_cannot_write_b
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
         save_backbone(vit, tmp_path / "file")
+    with pytest.raises(ValueError, match="formats: no format 'onxx'; the formats: safetensors, torchscript, export, onnx"):
+        save_backbone(vit, tmp_path / "new", formats=["onxx"])
     import importlib.util
 
     real_find_spec = importlib.util.find_spec

@@ -178,6 +178,8 @@ def save_backbone(model: nn.Module, out_dir: str | Path, source: BackboneSource 
     classifier stored under timm's name for it (``head.*``; ResNets ``fc.*``) so that timm builds the
     classifier whole; the backbone loaders leave it out, the traced copies are the backbone's.
     """
+    if unknown := sorted(set(formats) - set(FORMATS)):
+        raise ValueError(f"formats: no format {', '.join(map(repr, unknown))}; the formats: {', '.join(FORMATS)}")
     if "onnx" in formats and (missing := [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]):
         raise ValueError(f"ONNX export needs {', '.join(missing)}: pip install 'ssl_vit[onnx]'")
     if head is not None and head.in_features != int(model.embed_dim):
