@@ -957,7 +957,9 @@ def test_lightnings_advertisement_is_dropped_and_its_start_up_lines_stay():
         def emit(self, record):
             seen.append(record.getMessage())
 
-    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    from lightning_utilities.core import rank_zero
+
+    log = rank_zero.log  # lightning.pytorch's, or pytorch_lightning's once lightly imported that package
     log.removeFilter(_drop_tip)  # as before any ssl-vit command ran in this process
     handler, level = Keep(), log.level
     log.addHandler(handler)

@@ -94,6 +94,8 @@ def _drop_tip(record: logging.LogRecord) -> bool:
 
 def quiet_lightning_tips() -> None:
     """Drop the advertisement Lightning logs at every Trainer's start ("💡 Tip: ... try installing
-    litlogger"): a hosted service's, not a fact about the run. Its other start-up lines stay."""
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    litlogger"): a hosted service's, not a fact about the run. Its other start-up lines stay. (It
+    goes to the rank_zero logger of whichever Lightning package was imported last: lightly imports
+    ``pytorch_lightning``.)"""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_drop_tip)  # (once, however often this runs)
