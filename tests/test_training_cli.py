@@ -826,3 +826,17 @@ def test_the_evaluate_sections_checks_read_the_smaller_subset_and_its_own_settin
     Evaluation(protocols=["finetune"], features="last4").check_model(model)
     with pytest.raises(ValueError, match="evaluate.features: feature mode 'last4'"):
         Evaluation(protocols=["knn"], features="last4").check_model(model)
+
+
+@pytest.mark.parametrize("recipe", [p for p in METHOD_RECIPES if "From litdata shards" in p.read_text()], ids=lambda p: p.stem)
+def test_an_imagenet_recipe_reads_shards_with_the_data_class_swapped(recipe, capsys):
+    # The swap each ImageNet recipe's header shows keeps the recipe's data settings and views.
+    with pytest.raises(SystemExit) as done:
+        cli_main(["fit", "--config", str(recipe), "--data.class_path", "ImageShardsDataModule",
+                  "--data.init_args.train_dir", "s3://bucket/train", "--print_config"])
+    assert done.value.code in (0, None)
+    data = yaml.safe_load(capsys.readouterr().out)["data"]
+    folder = yaml.safe_load(recipe.read_text())["data"]["init_args"]
+    assert data["class_path"] == "ssl_vit.data.ImageShardsDataModule" and data["init_args"]["train_dir"] == "s3://bucket/train"
+    assert data["init_args"]["views"]["class_path"] == folder["views"]["class_path"]
+    assert {k: data["init_args"][k] for k in ("img_size", "num_workers")} == {k: folder[k] for k in ("img_size", "num_workers")}
