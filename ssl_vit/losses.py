@@ -2,7 +2,7 @@
 
 - :class:`MoCoV3Loss`: MoCo v3's symmetric contrastive loss, keys gathered across processes.
 - :class:`DINOLoss`: lightly's DINO loss, the teacher temperature given per call
-  (:func:`teacher_temperature`: DINO's warm-up of it).
+  (:func:`teacher_temperature`: DINO's warm-up of it), or DINOv2's Sinkhorn-Knopp targets.
 - :func:`mpp_loss`: masked patch prediction.
 - :func:`embedding_std`, :func:`teacher_entropy`, :func:`teacher_student_kl`: collapse monitors.
 """
@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightly.loss import DINOLoss as _LightlyDINOLoss
+from lightly.loss.swav_loss import sinkhorn
 from lightly.models.modules.center import center_mean
 from torch import Tensor, nn
 
@@ -66,6 +68,9 @@ class MoCoV3Loss(nn.Module):
         return contrastive_loss(q1, k2_all, self.temperature, rank) + contrastive_loss(q2, k1_all, self.temperature, rank)
 
 
+Centering = Literal["center", "sinkhorn_knopp"]
+
+
 class DINOLoss(_LightlyDINOLoss):
     """DINO's loss (Caron et al. 2021, §3.1, Alg. 1), lightly's implementation::
 
@@ -80,10 +85,17 @@ class DINOLoss(_LightlyDINOLoss):
     fragile in half precision), and with ``defer_center`` (gradient accumulation) the micro-batches
     only collect their means and :meth:`step_center` moves the centre once per optimiser step by
     the whole batch's mean, as the reference's undivided batch does. The collected means are
-    buffers, so a skipped step's are put back with the other buffers (``BaseMethod``)."""
+    buffers, so a skipped step's are put back with the other buffers (``BaseMethod``).
 
-    def __init__(self, output_dim: int = 65536, student_temp: float = 0.1, center_momentum: float = 0.9) -> None:
+    ``centering="sinkhorn_knopp"``: the teacher's targets are DINOv2's instead (Oquab et al. 2023,
+    §4; reference ``dinov2/loss/dino_clstoken_loss.py``, ``sinkhorn_knopp_teacher``): three
+    Sinkhorn-Knopp iterations on ``exp(g_t / τ_t)`` over the global batch of global views (lightly's
+    ``sinkhorn``), which give every prototype the same mass, so that the teacher can neither settle
+    on a few prototypes nor spread uniformly. The centre still moves (the collapse monitors use it)."""
+
+    def __init__(self, output_dim: int = 65536, student_temp: float = 0.1, center_momentum: float = 0.9, centering: Centering = "center") -> None:
         super().__init__(output_dim=output_dim, student_temp=student_temp, center_momentum=center_momentum)
+        self.centering = centering
         self.defer_center = False
         self.register_buffer("pending", torch.zeros(1, 1, output_dim), persistent=False)  # sum of the micro-batches' means
         self.register_buffer("pending_count", torch.zeros(()), persistent=False)
@@ -104,8 +116,17 @@ class DINOLoss(_LightlyDINOLoss):
         self.pending_count.zero_()
 
     def forward(self, teacher_out: Sequence[Tensor], student_out: Sequence[Tensor], teacher_temp: float) -> Tensor:  # type: ignore[override]
-        teacher = [t.detach().float() for t in teacher_out]
-        return super().forward(teacher, [s.float() for s in student_out], teacher_temp=teacher_temp)
+        teacher, student = [t.detach().float() for t in teacher_out], [s.float() for s in student_out]
+        if self.centering == "center":
+            return super().forward(teacher, student, teacher_temp=teacher_temp)
+        t = torch.stack(teacher)  # [G, B, K]
+        g, b, k = t.shape
+        targets = sinkhorn(t.reshape(g * b, k), iterations=3, epsilon=teacher_temp, gather_distributed=True).reshape(g, b, k)
+        log_p = torch.stack(student).div(self.student_temp).log_softmax(dim=-1)  # [V, B, K]
+        loss = -torch.einsum("tbk,sbk->ts", targets, log_p)  # [G, V]: summed over the batch
+        loss.fill_diagonal_(0)  # a view is not its own target
+        self.update_center(t)
+        return loss.sum() / ((loss.numel() - g) * b)
 
 
 def teacher_temperature(epoch: float, warmup_temp: float = 0.04, final_temp: float = 0.07, warmup_epochs: int = 30) -> float:

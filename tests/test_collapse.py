@@ -111,14 +111,15 @@ def _shapes_folder(root, per_class: int, seed: int = 0):
 
 
 def test_the_dino_recipe_trains_on_a_small_folder_of_its_own(tmp_path, capsys):
-    # A folder of one's own (2k images), 150 steps: the shipped DINO recipe's loss leaves
-    # ln K by a clear margin, nothing is said about collapse, and its teacher's kNN beats the
-    # random-init backbone's. (Without BatchNorm in the head and the sharper teacher, this run sits
-    # at ln K and its kNN is the random backbone's.)
+    # A folder of one's own (2k images), 150 steps: the shipped DINO recipe's loss leaves ln K,
+    # nothing is said about collapse, and its teacher's kNN beats the random-init backbone's by 10
+    # points. (Without BatchNorm in the head and the sharper teacher, the centred run sits at ln K
+    # and its kNN is the random backbone's.)
     train, val = _shapes_folder(tmp_path / "train", 250), _shapes_folder(tmp_path / "val", 50, seed=1)
     recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist" / "dino.yaml").read_text())
     small = {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 64, "depth": 2, "num_heads": 2}
-    recipe["model"]["init_args"]["backbone_kwargs"] = small
+    # as the README's own-data section and the start line say for 150 steps: a 20-step warm-up, a faster teacher
+    recipe["model"]["init_args"] |= {"backbone_kwargs": small, "warmup_steps": 20, "momentum": 0.93}
     recipe["trainer"] |= {"max_steps": 150, "default_root_dir": str(tmp_path / "run"), "enable_progress_bar": False, "accelerator": "cpu",
                           "logger": {"class_path": "CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "log"}}}
     recipe["data"] = {"class_path": "ImageFolderDataModule", "init_args": {
@@ -129,9 +130,11 @@ def test_the_dino_recipe_trains_on_a_small_folder_of_its_own(tmp_path, capsys):
     assert cli_main(["fit", "--config", str(tmp_path / "dino.yaml")]) == 0
     assert "collapsed" not in capsys.readouterr().err
     rows = [r for r in csv.DictReader((tmp_path / "log" / "version_0" / "metrics.csv").open()) if r.get("train/loss")]
-    assert sum(float(r["train/loss"]) for r in rows[-3:]) / 3 < math.log(recipe["model"]["init_args"]["out_dim"]) - 0.5
+    # (Sinkhorn-Knopp spreads each target over at least K / N prototypes, N the teacher's outputs per
+    # step, so the loss stays well above 0: a uniform student's is ln K.)
+    assert sum(float(r["train/loss"]) for r in rows[-3:]) / 3 < math.log(recipe["model"]["init_args"]["out_dim"]) - 0.25
     assert cli_main(["eval", "knn", "--backbone", "random:vit", "--backbone-kwargs", json.dumps(small), "--k", "20", "--data", "imagefolder",
                      "--data-arg", f"train_dir={train}", "--data-arg", f"val_dir={val}", "--data-arg", "in_chans=1", "--data-arg", "img_size=28",
                      "--out", str(tmp_path / "random.json")]) == 0
     (dino,) = [json.loads(p.read_text())["metrics"]["top1"] for p in (tmp_path / "run" / "results").glob("*knn*.json")]
-    assert dino > json.loads((tmp_path / "random.json").read_text())["metrics"]["top1"] + 0.05
+    assert dino > json.loads((tmp_path / "random.json").read_text())["metrics"]["top1"] + 0.1

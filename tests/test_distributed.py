@@ -58,9 +58,12 @@ METHODS: dict[str, tuple[type[BaseMethod], dict[str, Any]]] = {
     "dino": (DINO, {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9,
                     "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0, "grad_clip": 3.0, "grad_clip_mode": "per_param"}),
     "mpp": (MPP, {"mean": [0.5], "std": [0.25]}),
+    # DINOv2's targets: Sinkhorn-Knopp over the global batch, all-reduced
+    "dino_sk": (DINO, {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9, "centering": "sinkhorn_knopp",
+                       "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0}),
     "supervised": (Supervised, {}),
 }
-EQUIVALENT = ("mocov3", "dino")  # MPP draws its masks per process: only a smoke run
+EQUIVALENT = ("mocov3", "dino", "dino_sk")  # MPP draws its masks per process: only a smoke run
 
 
 def build(name: str) -> BaseMethod:
@@ -69,7 +72,7 @@ def build(name: str) -> BaseMethod:
 
 
 def datamodule(name: str, batch_size: int) -> SyntheticDataModule:
-    views = {"mocov3": TwoViews(), "dino": MultiCrop(n_local_crops=2, local_size=8)}.get(name)
+    views = {"mocov3": TwoViews(), "dino": MultiCrop(n_local_crops=2, local_size=8), "dino_sk": MultiCrop(n_local_crops=2, local_size=8)}.get(name)
     return SyntheticDataModule(num_samples=STEPS * WORLD * PER_DEVICE, num_test_samples=TEST_IMAGES, num_classes=4,
                                img_size=16, in_chans=1, batch_size=batch_size, num_workers=0, views=views)
 
@@ -122,7 +125,7 @@ def _worker(out: Path) -> None:
         losses = fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy="ddp")
         result[name] = {"state": model.state_dict(), "losses": losses,
                         "sync_bn": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})}
-    for name in EQUIVALENT:  # FSDP with recipes/trainer/fsdp.yaml's wrapping: the full state dict, on rank 0
+    for name in ("mocov3", "dino"):  # FSDP with recipes/trainer/fsdp.yaml's wrapping: the full state dict, on rank 0
         model = build(name)
         model.load_state_dict(init[name])
         fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy=cpu_fsdp_strategy())
@@ -231,7 +234,7 @@ def test_two_processes_end_with_the_one_process_weights(runs, name):
     assert_same_update(rank1, rank0, runs["init"][name])  # the replicas agree
 
 
-@pytest.mark.parametrize("name", EQUIVALENT)
+@pytest.mark.parametrize("name", ["mocov3", "dino"])
 def test_fsdp_over_two_processes_ends_with_the_one_process_weights(runs, name):
     # Parameters, gradients and optimiser state sharded over the processes: the same update,
     # the EMA target averaged shard by shard, DINO's per-parameter clipping on whole gradients.

@@ -197,6 +197,39 @@ def test_dino_loss_matches_formula(n_global: int, n_local: int) -> None:
     assert got.item() == pytest.approx(want, rel=1e-5)
 
 
+def _ref_sinkhorn_knopp_targets(teacher, t_temp: float, iterations: int = 3) -> list[np.ndarray]:  # noqa: ANN001
+    """DINOv2 §4 (Oquab et al. 2023): Q = exp(g / τ_t) over the N samples of every global view and
+    the K prototypes, scaled to sum 1, then alternately each prototype's mass set to 1/K and each
+    sample's to 1/N; times N, each sample's target is a distribution."""
+    q = np.exp(np.concatenate([t.double().numpy() for t in teacher]) / t_temp)  # [N, K]
+    q /= q.sum()
+    n, k = q.shape
+    for _ in range(iterations):
+        q /= q.sum(axis=0, keepdims=True) * k
+        q /= q.sum(axis=1, keepdims=True) * n
+    return np.split(q * n, len(teacher))
+
+
+@pytest.mark.parametrize("n_global,n_local", [(2, 0), (2, 4)])
+def test_dino_loss_with_sinkhorn_knopp_targets_matches_dinov2s_formula(n_global: int, n_local: int) -> None:
+    b, k, t_temp, s_temp = 6, 13, 0.05, 0.1
+    teacher, student = _views(n_global, n_local, b, k, seed=3)
+    teacher[0][:, 0] += 2.0  # one prototype favoured: the centre would need steps to undo it, the targets do not
+    loss_fn = DINOLoss(output_dim=k, centering="sinkhorn_knopp")
+    targets = _ref_sinkhorn_knopp_targets(teacher, t_temp)
+    pairs = [(it, js) for it in range(n_global) for js in range(len(student)) if it != js]
+    log_ps = [F.log_softmax(s.double() / s_temp, dim=1).numpy() for s in student]
+    want = sum(float(-(targets[it] * log_ps[js]).sum(axis=1).mean()) for it, js in pairs) / len(pairs)
+    assert loss_fn(teacher, student, teacher_temp=t_temp).item() == pytest.approx(want, rel=1e-5)
+    mass = np.concatenate(targets).sum(axis=0)  # per prototype: near N / K, where the softmax gives prototype 0 most
+    softmax_mass = F.softmax(torch.cat(teacher) / t_temp, dim=1).sum(dim=0).numpy()
+    even = n_global * b / k
+    assert mass[0] < 1.5 * even < softmax_mass[0] and np.abs(mass - even).max() < 0.5 * np.abs(softmax_mass - even).max()
+    student = [s.requires_grad_() for s in student]
+    DINOLoss(output_dim=k, centering="sinkhorn_knopp")(teacher, student, teacher_temp=t_temp).backward()
+    assert all(s.grad is not None for s in student)
+
+
 def test_dino_center_update() -> None:
     b, k, m = 4, 7, 0.9
     teacher, student = _views(2, 2, b, k, seed=1)

@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import SMALL_HEADS, TINY_BACKBONE, VIEW_SIZES, fit_steps, fixed_views
+from lightly.utils.scheduler import cosine_schedule
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -610,7 +611,7 @@ def test_the_skip_policy_raises_once_its_budget_is_spent():
      "and the cosine never starts (set a shorter warm-up)"),
 ])
 def test_the_start_line_says_the_warmup_and_notes_one_too_short_or_as_long_as_the_run(warmup, line, note):
-    model = make("dino", **warmup)
+    model = make("dino", momentum=0.9, **warmup)  # (a teacher that keeps nothing of its initialisation: no note of its own)
     model.total_steps, model.steps_per_epoch, model.global_batch_size, model.peak_lr = 100, 10, 16, 0.1
     model._trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1, global_step=0)
     lines = model._start_notes(per_device=8)
@@ -620,6 +621,24 @@ def test_the_start_line_says_the_warmup_and_notes_one_too_short_or_as_long_as_th
     assert model.schedule_values(0)["lr"] == pytest.approx(0.1 / min(model.warmup_steps(), 100) if model.warmup_steps() else 0.1)
     model._resumed = {"total_steps": 80, "global_batch_size": 32}  # a resume with another length and batch: both said
     assert ["resumed a run planned for 80" in ln or "effective batch size of 32" in ln for ln in model._start_notes(8)].count(True) == 2
+
+
+@pytest.mark.parametrize("momentum, total, kept", [(0.99, 150, "47%"), (0.99, 702, None), (0.996, 125_000, None), (0.9, 10, "56%")])
+def test_a_dino_teacher_still_mostly_its_initialisation_at_the_end_is_named_with_a_momentum_that_is_not(momentum, total, kept):
+    # Its initialisation's weight in the teacher: the product over the steps of lightly's cosine momentum schedule.
+    model = make("dino", momentum=momentum)
+    model.total_steps, model.steps_per_epoch, model.global_batch_size, model.peak_lr = total, 10, 16, 0.1
+    model._trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=1, global_step=0)
+    exact = math.prod(cosine_schedule(t, total + 1, momentum, 1.0) for t in range(total))
+    notes = [ln for ln in model._start_notes(8) if "DINO's teacher" in ln]
+    if kept is None:
+        assert notes == [] and exact < 0.05
+        return
+    assert exact == pytest.approx(float(kept[:-1]) / 100, abs=0.01)
+    (note,) = notes
+    assert f"keeps about {kept} of its random initialisation after {total} steps of momentum {momentum:g} -> 1" in note
+    suggested = float(note.split("set momentum to ")[1].split()[0])
+    assert math.prod(cosine_schedule(t, total + 1, suggested, 1.0) for t in range(total)) <= 0.011
 
 
 def test_a_checkpoint_carries_the_step_seed_and_the_spent_skip_budget_to_the_resumed_run():

@@ -12,10 +12,12 @@ batch mean. The paper's drop path 0.1 is the backbone's ``drop_path_rate``.
 from __future__ import annotations
 
 import copy
+import math
 from itertools import groupby
 from typing import Any
 
 import torch
+from lightly.utils.scheduler import cosine_schedule
 from torch import Tensor
 
 from ssl_vit import losses
@@ -37,6 +39,9 @@ class DINO(BaseMethod):
         teacher_temp, warmup_teacher_temp, warmup_teacher_temp_epochs: τ_t rises linearly from
             ``warmup_teacher_temp`` to ``teacher_temp`` over that many epochs.
         center_momentum: the centre's EMA momentum (0.9).
+        centering: the teacher's targets: ``center``, DINO's centred softmax, or ``sinkhorn_knopp``,
+            DINOv2's (§4), which uses every prototype: on small data the centred teacher can settle
+            on a few prototypes that tell images apart by their colour alone.
         momentum, momentum_end: the teacher's cosine schedule (0.996 -> 1).
         freeze_last_layer_epochs: the head's last layer gets no update in these first epochs.
         base_lr ... grad_clip_mode: ``main_dino.py``'s (LR 5e-4 per 256 to 1e-6, weight decay 0.04
@@ -60,6 +65,7 @@ class DINO(BaseMethod):
         warmup_teacher_temp: float = 0.04,
         warmup_teacher_temp_epochs: int = 30,
         center_momentum: float = 0.9,
+        centering: losses.Centering = "center",
         momentum: float = 0.996,
         momentum_end: float = 1.0,
         freeze_last_layer_epochs: int = 1,
@@ -77,7 +83,7 @@ class DINO(BaseMethod):
         self.head = DINOHead(self.backbone.embed_dim, out_dim, use_bn_in_head, norm_last_layer, head_layers, hidden_dim, bottleneck_dim)
         self.teacher_backbone = self.target_backbone()
         self.teacher_head = copy.deepcopy(self.head).requires_grad_(False)
-        self.criterion = losses.DINOLoss(out_dim, student_temp, center_momentum)
+        self.criterion = losses.DINOLoss(out_dim, student_temp, center_momentum, centering)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -106,6 +112,19 @@ class DINO(BaseMethod):
                 "teacher_entropy": losses.teacher_entropy(t_out[0], teacher_temp, center),
                 "teacher_student_kl": losses.teacher_student_kl(t_out[0], s_out[0], teacher_temp, hp.student_temp, center),
                 "teacher_temp": torch.tensor(teacher_temp)}
+
+    def _start_notes(self, per_device: int) -> list[str]:
+        # The teacher is the network evaluated. After T steps its initial weights still weigh prod(m_t)
+        # in it: on a run short for its momentum, what is evaluated is largely the random initialisation.
+        hp, total = self.hparams, self.total_steps
+        kept = math.prod(cosine_schedule(t, total + 1, hp.momentum, hp.momentum_end) for t in range(total))
+        lines = super()._start_notes(per_device)
+        if kept > 0.05:
+            # prod(m_t) <= exp(-T (1 - mean m)), the cosine's mean its midpoint: 1 % at most
+            enough = max(0.0, math.floor(100 * (1 - 2 * math.log(100) / total)) / 100)
+            lines.append(f"[ssl_vit] note: DINO's teacher, the network evaluated, keeps about {kept:.0%} of its random initialisation after "
+                         f"{total} steps of momentum {hp.momentum:g} -> {hp.momentum_end:g}: set momentum to {enough:g} or less, or train longer")
+        return lines
 
     def before_optimizer_step(self) -> None:
         # main_dino.py: utils.cancel_gradients_last_layer(epoch, student, freeze_last_layer)
