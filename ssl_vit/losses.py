@@ -91,7 +91,8 @@ class DINOLoss(_LightlyDINOLoss):
     §4; reference ``dinov2/loss/dino_clstoken_loss.py``, ``sinkhorn_knopp_teacher``): three
     Sinkhorn-Knopp iterations on ``exp(g_t / τ_t)`` over the global batch of global views (lightly's
     ``sinkhorn``), which give every prototype the same mass, so that the teacher can neither settle
-    on a few prototypes nor spread uniformly. The centre still moves (the collapse monitors use it)."""
+    on a few prototypes nor spread uniformly (per micro-batch under gradient accumulation). The centre
+    still moves (the collapse monitors use it)."""
 
     def __init__(self, output_dim: int = 65536, student_temp: float = 0.1, center_momentum: float = 0.9, centering: Centering = "center") -> None:
         super().__init__(output_dim=output_dim, student_temp=student_temp, center_momentum=center_momentum)
