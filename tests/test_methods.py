@@ -623,7 +623,8 @@ def test_the_start_line_says_the_warmup_and_notes_one_too_short_or_as_long_as_th
     assert ["resumed a run planned for 80" in ln or "effective batch size of 32" in ln for ln in model._start_notes(8)].count(True) == 2
 
 
-@pytest.mark.parametrize("momentum, total, kept", [(0.99, 150, "47%"), (0.99, 702, None), (0.996, 125_000, None), (0.9, 10, "56%")])
+@pytest.mark.parametrize("momentum, total, kept", [(0.99, 150, "47 %"), (0.99, 702, None), (0.996, 125_000, None), (0.9, 10, "56 %"),
+                                                    (0.99, 3, None)])  # (a smoke run: no note)
 def test_a_dino_teacher_still_mostly_its_initialisation_at_the_end_is_named_with_a_momentum_that_is_not(momentum, total, kept):
     # Its initialisation's weight in the teacher: the product over the steps of lightly's cosine momentum schedule.
     model = make("dino", momentum=momentum)
@@ -632,9 +633,9 @@ def test_a_dino_teacher_still_mostly_its_initialisation_at_the_end_is_named_with
     exact = math.prod(cosine_schedule(t, total + 1, momentum, 1.0) for t in range(total))
     notes = [ln for ln in model._start_notes(8) if "DINO's teacher" in ln]
     if kept is None:
-        assert notes == [] and exact < 0.05
+        assert notes == [] and (exact < 0.05 or total < 10)
         return
-    assert exact == pytest.approx(float(kept[:-1]) / 100, abs=0.01)
+    assert exact == pytest.approx(float(kept[:-2]) / 100, abs=0.01)
     (note,) = notes
     assert f"keeps about {kept} of its random initialisation after {total} steps of momentum {momentum:g} -> 1" in note
     suggested = float(note.split("set momentum to ")[1].split()[0])

@@ -119,10 +119,10 @@ class DINO(BaseMethod):
         hp, total = self.hparams, self.total_steps
         kept = math.prod(cosine_schedule(t, total + 1, hp.momentum, hp.momentum_end) for t in range(total))
         lines = super()._start_notes(per_device)
-        if kept > 0.05:
-            # prod(m_t) <= exp(-T (1 - mean m)), the cosine's mean its midpoint: 1 % at most
-            enough = max(0.0, math.floor(100 * (1 - 2 * math.log(100) / total)) / 100)
-            lines.append(f"[ssl_vit] note: DINO's teacher, the network evaluated, keeps about {kept:.0%} of its random initialisation after "
+        # prod(m_t) <= exp(-T (1 - mean m)), the cosine's mean its midpoint: 1 % at most (none for a smoke run of a few steps)
+        enough = math.floor(100 * (1 - 2 * math.log(100) / total)) / 100
+        if kept > 0.05 and enough > 0:
+            lines.append(f"[ssl_vit] note: DINO's teacher, the network evaluated, keeps about {100 * kept:.0f} % of its random initialisation after "
                          f"{total} steps of momentum {hp.momentum:g} -> {hp.momentum_end:g}: set momentum to {enough:g} or less, or train longer")
         return lines
 
