@@ -53,17 +53,17 @@ COMMON: dict[str, Any] = {
     "weight_decay": 1e-4,
     "probe_lr": 0.1,
 }
+DINO_KWARGS = {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9,
+               "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0, "grad_clip": 3.0, "grad_clip_mode": "per_param"}
 METHODS: dict[str, tuple[type[BaseMethod], dict[str, Any]]] = {
     "mocov3": (MoCoV3, {"proj_hidden_dim": 32, "pred_hidden_dim": 32, "proj_output_dim": 16, "momentum": 0.9, "momentum_end": 0.9}),
-    "dino": (DINO, {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9,
-                    "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0, "grad_clip": 3.0, "grad_clip_mode": "per_param"}),
+    "dino": (DINO, DINO_KWARGS),
     "mpp": (MPP, {"mean": [0.5], "std": [0.25]}),
-    # DINOv2's targets: Sinkhorn-Knopp over the global batch, all-reduced
-    "dino_sk": (DINO, {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16, "momentum": 0.9, "momentum_end": 0.9, "centering": "sinkhorn_knopp",
-                       "freeze_last_layer_epochs": 0, "warmup_teacher_temp_epochs": 0}),
+    "dino_sk": (DINO, {**DINO_KWARGS, "centering": "sinkhorn_knopp"}),  # DINOv2's targets: Sinkhorn-Knopp over the global batch
     "supervised": (Supervised, {}),
 }
 EQUIVALENT = ("mocov3", "dino", "dino_sk")  # MPP draws its masks per process: only a smoke run
+FSDP_EQUIVALENT = ("mocov3", "dino")
 
 
 def build(name: str) -> BaseMethod:
@@ -72,7 +72,7 @@ def build(name: str) -> BaseMethod:
 
 
 def datamodule(name: str, batch_size: int) -> SyntheticDataModule:
-    views = {"mocov3": TwoViews(), "dino": MultiCrop(n_local_crops=2, local_size=8), "dino_sk": MultiCrop(n_local_crops=2, local_size=8)}.get(name)
+    views = TwoViews() if name == "mocov3" else MultiCrop(n_local_crops=2, local_size=8) if METHODS[name][0] is DINO else None
     return SyntheticDataModule(num_samples=STEPS * WORLD * PER_DEVICE, num_test_samples=TEST_IMAGES, num_classes=4,
                                img_size=16, in_chans=1, batch_size=batch_size, num_workers=0, views=views)
 
@@ -125,7 +125,7 @@ def _worker(out: Path) -> None:
         losses = fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy="ddp")
         result[name] = {"state": model.state_dict(), "losses": losses,
                         "sync_bn": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})}
-    for name in ("mocov3", "dino"):  # FSDP with recipes/trainer/fsdp.yaml's wrapping: the full state dict, on rank 0
+    for name in FSDP_EQUIVALENT:  # FSDP with recipes/trainer/fsdp.yaml's wrapping: the full state dict, on rank 0
         model = build(name)
         model.load_state_dict(init[name])
         fit(model, datamodule(name, PER_DEVICE), devices=WORLD, strategy=cpu_fsdp_strategy())
@@ -234,7 +234,7 @@ def test_two_processes_end_with_the_one_process_weights(runs, name):
     assert_same_update(rank1, rank0, runs["init"][name])  # the replicas agree
 
 
-@pytest.mark.parametrize("name", ["mocov3", "dino"])
+@pytest.mark.parametrize("name", FSDP_EQUIVALENT)
 def test_fsdp_over_two_processes_ends_with_the_one_process_weights(runs, name):
     # Parameters, gradients and optimiser state sharded over the processes: the same update,
     # the EMA target averaged shard by shard, DINO's per-parameter clipping on whole gradients.
